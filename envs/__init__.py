@@ -1,0 +1,2 @@
+"""Interaction environments (``--rollout-interaction-env-path``): the ``BaseInteractionEnv`` API and
+ready environments."""

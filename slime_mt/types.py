@@ -1,0 +1,205 @@
+"""Core data types: Sample (one trajectory, slime's field names), Turn (one LLM call), Status.
+
+Invariants of a Sample (``Sample.validate`` asserts them):
+  tokens = prompt tokens + response tokens, ``response_length = len(tokens) - prompt_length``;
+  ``len(loss_mask) == len(rollout_log_probs) == response_length``;
+  loss_mask is 1 exactly on model-generated tokens, 0 on observation tokens (whose log-prob is 0.0);
+  turns are in order, each turn's output lies inside the response and is all loss_mask 1.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class SampleError(ValueError):
+    """A Sample whose fields break an invariant; the message names the field and the lengths."""
+
+
+@dataclass
+class Turn:
+    """One LLM call of a trajectory.
+
+    The model saw ``tokens[:output_start]`` (``context_end``), unless the rollout rewrote history,
+    in which case ``context_ids`` holds the exact context sent (image pads expanded). The turn's
+    output is ``tokens[output_start:output_end]``; the observation that followed is
+    ``tokens[output_end:observation_end]``.
+    """
+
+    output_start: int
+    output_end: int
+    observation_end: int
+    finish_reason: str | None = None
+    weight_version: str | None = None
+    engine_seconds: float = 0.0
+    env_seconds: float = 0.0
+    env_retries: int = 0
+    env_info: dict = field(default_factory=dict)
+    num_images: int = 0
+    context_ids: list[int] | None = None
+
+    @property
+    def context_end(self) -> int:
+        return self.output_start
+
+    @property
+    def output_tokens(self) -> int:
+        return self.output_end - self.output_start
+
+    @property
+    def observation_tokens(self) -> int:
+        return self.observation_end - self.output_end
+
+
+@dataclass
+class Sample:
+    """One trajectory: prompt, every turn's output and observation, and what training needs."""
+
+    index: int | None = None
+    group_index: int | None = None
+    prompt: str | list[dict] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict | None = None
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    multimodal_inputs: dict | None = None
+    multimodal_train_inputs: dict | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    def set_prompt_tokens(self, ids: list[int]) -> None:
+        """Start the trajectory from its encoded prompt; only allowed before any response token."""
+        if self.response_length:
+            raise SampleError(f"sample {self.index}: prompt set after {self.response_length} response tokens")
+        self.tokens = list(ids)
+
+    def append_model_tokens(self, ids: list[int], log_probs: list[float], text: str = "") -> None:
+        """Append tokens the model generated: trainable (mask 1) with their rollout log-probs."""
+        if len(ids) != len(log_probs):
+            raise SampleError(
+                f"sample {self.index}: {len(ids)} generated tokens but {len(log_probs)} log-probs"
+            )
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.rollout_log_probs.extend(float(x) for x in log_probs)
+        self.response_length += len(ids)
+        self.response += text
+
+    def append_observation_tokens(self, ids: list[int], text: str = "") -> None:
+        """Append tokens the framework encoded (env observation, template glue): mask 0, log-prob 0.0."""
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.rollout_log_probs.extend([0.0] * len(ids))
+        self.response_length += len(ids)
+        self.response += text
+
+    def validate(self) -> None:
+        """Raise SampleError on the first broken invariant (see module docstring)."""
+        n = self.response_length
+        if n < 0 or n > len(self.tokens):
+            raise SampleError(f"sample {self.index}: response_length {n} outside 0..{len(self.tokens)}")
+        if len(self.loss_mask) != n:
+            raise SampleError(f"sample {self.index}: len(loss_mask)={len(self.loss_mask)} != response_length={n}")
+        if len(self.rollout_log_probs) != n:
+            raise SampleError(
+                f"sample {self.index}: len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}"
+            )
+        bad = [m for m in self.loss_mask if m not in (0, 1)]
+        if bad:
+            raise SampleError(f"sample {self.index}: loss_mask holds {bad[0]!r}; only 0 and 1 are allowed")
+        start = self.prompt_length
+        previous_end = start
+        for k, turn in enumerate(self.turns):
+            where = f"sample {self.index} turn {k}"
+            if not (previous_end <= turn.output_start <= turn.output_end <= turn.observation_end <= len(self.tokens)):
+                raise SampleError(
+                    f"{where}: spans output=[{turn.output_start},{turn.output_end}) "
+                    f"observation_end={turn.observation_end} out of order (previous end {previous_end}, "
+                    f"{len(self.tokens)} tokens)"
+                )
+            mask = self.loss_mask[turn.output_start - start: turn.output_end - start]
+            if any(m != 1 for m in mask):
+                raise SampleError(f"{where}: generated tokens with loss_mask 0")
+            obs = self.loss_mask[turn.output_end - start: turn.observation_end - start]
+            if any(m != 0 for m in obs):
+                raise SampleError(f"{where}: observation tokens with loss_mask 1")
+            previous_end = turn.observation_end
+        if self.turns and sum(self.loss_mask) != sum(t.output_tokens for t in self.turns):
+            raise SampleError(
+                f"sample {self.index}: {sum(self.loss_mask)} trainable tokens but turns generated "
+                f"{sum(t.output_tokens for t in self.turns)}"
+            )
+
+    def to_dict(self) -> dict:
+        """JSON-safe dict; tensors become {'__tensor__': dtype, 'shape', 'data': base64}."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["status"] = self.status.value
+        out["turns"] = [dataclasses.asdict(t) for t in self.turns]
+        out["multimodal_inputs"] = _encode(self.multimodal_inputs)
+        out["multimodal_train_inputs"] = _encode(self.multimodal_train_inputs)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sample:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise SampleError(f"Sample.from_dict: unknown keys {sorted(unknown)}")
+        kw = dict(data)
+        kw["status"] = Status(kw.get("status", Status.PENDING))
+        kw["turns"] = [Turn(**t) for t in kw.get("turns", [])]
+        kw["multimodal_inputs"] = _decode(kw.get("multimodal_inputs"))
+        kw["multimodal_train_inputs"] = _decode(kw.get("multimodal_train_inputs"))
+        return cls(**kw)
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().contiguous()
+        dtype = str(array.dtype).removeprefix("torch.")
+        raw = array.view(torch.int16).numpy().tobytes() if array.dtype == torch.bfloat16 else array.numpy().tobytes()
+        return {"__tensor__": dtype, "shape": list(array.shape), "data": base64.b64encode(raw).decode()}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        dtype = getattr(torch, value["__tensor__"])
+        raw = base64.b64decode(value["data"])
+        if dtype == torch.bfloat16:
+            return torch.from_numpy(np.frombuffer(raw, dtype=np.int16).copy()).view(torch.bfloat16).reshape(value["shape"])
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.from_numpy(np.frombuffer(raw, dtype=np_dtype).copy()).reshape(value["shape"])
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value

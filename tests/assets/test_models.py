@@ -1,0 +1,80 @@
+"""Offline model assets: SmolLM2 answers sensibly, tiny models load and run, VL pads expand right."""
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slime_mt.processing import QwenVLProcessor, ProcessorError, load_tokenizer_or_processor
+
+
+def test_smollm2_answers_a_fixed_question_greedily(smollm2_path):
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_tiny_text_models_run_with_the_qwen_tokenizer(tiny_paths, kind):
+    tokenizer = load_tokenizer_or_processor(tiny_paths[kind])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths[kind]))
+    ids = tokenizer("Hello world", return_tensors="pt")["input_ids"]
+    assert ids.tolist() == [[9707, 1879]]
+    logits = model(ids).logits
+    assert logits.shape == (1, 2, 151936)
+    assert torch.isfinite(logits).all()
+
+
+def images():
+    return [Image.new("RGB", (64, 48), (200, 10, 10)), Image.new("RGB", (120, 100), (10, 200, 10)),
+            Image.new("RGB", (224, 224), (10, 10, 200))]
+
+
+@pytest.mark.parametrize("kind,patch", [("qwen2.5-vl", 14), ("qwen3-vl", 16)])
+def test_vl_processor_expands_pads_per_image(tiny_paths, kind, patch):
+    processor = load_tokenizer_or_processor(tiny_paths[kind])
+    assert isinstance(processor, QwenVLProcessor)
+    assert processor.image_processor.patch_size == patch
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                      {"type": "image"}]}], add_generation_prompt=True)
+    out = processor(text=text, images=images())
+    grid = out["image_grid_thw"]
+    assert grid.shape == (3, 3)
+    ids = out["input_ids"][0].tolist()
+    # pads per image = prod(t, h, w) / 4, contiguous runs between vision_start/vision_end
+    runs, current = [], 0
+    for token in ids:
+        if token == processor.image_token_id:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    assert runs == [math.prod(row) // 4 for row in grid.tolist()]
+    assert out["pixel_values"].shape[0] == int(grid.prod(dim=-1).sum())
+
+
+def test_vl_processor_rejects_mismatched_images(tiny_paths):
+    processor = load_tokenizer_or_processor(tiny_paths["qwen2.5-vl"])
+    with pytest.raises(ProcessorError, match="1 <|image_pad|> placeholders but 2 images"):
+        processor(text="<|image_pad|>", images=images()[:2])
+
+
+@pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
+def test_tiny_vlms_forward_on_images(tiny_paths, kind):
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_tokenizer_or_processor(tiny_paths[kind])
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_paths[kind]))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}],
+                                         add_generation_prompt=True)
+    inputs = processor(text=text, images=images()[:1])
+    logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape
+    assert torch.isfinite(logits).all()

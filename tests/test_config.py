@@ -1,0 +1,194 @@
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from slime_mt.cli import main as cli_main
+from slime_mt.config import ConfigError, Config, build_parser, parse_config
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+SLIME_FLAGS = [
+    "--prompt-data", "--input-key", "--label-key", "--metadata-key", "--multimodal-keys",
+    "--apply-chat-template", "--rollout-function-path", "--custom-generate-function-path",
+    "--custom-rm-path", "--rollout-interaction-env-path", "--custom-config-path", "--max-turns",
+    "--rollout-max-response-len", "--rollout-max-context-len", "--rollout-temperature", "--rollout-top-p",
+    "--rollout-top-k", "--rollout-stop", "--rollout-stop-token-ids", "--n-samples-per-prompt",
+    "--rollout-batch-size", "--global-batch-size", "--num-rollout", "--rollout-shuffle", "--rollout-seed",
+    "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--advantage-estimator", "--eps-clip",
+    "--eps-clip-high", "--eps-clip-c", "--kl-loss-coef", "--kl-loss-type", "--use-kl-loss", "--entropy-coef",
+    "--use-tis", "--tis-clip", "--tis-clip-low", "--tensor-model-parallel-size", "--micro-batch-size", "--lr",
+    "--seed", "--hf-checkpoint", "--load", "--save", "--save-interval",
+    "--sample-format", "--merge-step-wise", "--loss-reduction", "--max-env-retries-per-turn",
+    "--env-step-timeout", "--engine", "--engine-url", "--mask-truncated",
+]
+
+
+def test_every_slime_flag_exists():
+    parser = build_parser()
+    known = set(parser._option_string_actions)
+    missing = [f for f in SLIME_FLAGS if f not in known]
+    assert missing == []
+
+
+def test_defaults_and_typed_groups():
+    cfg = parse_config([])
+    assert isinstance(cfg, Config)
+    assert cfg.algo.eps_clip == 0.2 and cfg.algo.eps_clip_high is None
+    assert cfg.rollout.sample_format == "concat"
+    assert cfg.engine.engine == "local"
+
+
+def test_cli_values_are_typed():
+    cfg = parse_config([
+        "--max-turns", "3", "--rollout-stop", "</answer>", "\n\n", "--rollout-stop-token-ids", "1", "2",
+        "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--eps-clip-high", "0.28",
+        "--engine-url", "http://127.0.0.1:3000",
+    ])
+    assert cfg.rollout.max_turns == 3
+    assert cfg.rollout.rollout_stop == ["</answer>", "\n\n"]
+    assert cfg.rollout.rollout_stop_token_ids == [1, 2]
+    assert cfg.data.multimodal_keys == {"image": "images"}
+    assert cfg.data.apply_chat_template is True
+    assert cfg.algo.eps_clip_high == 0.28
+    assert cfg.engine.engine_url == ["http://127.0.0.1:3000"]
+
+
+def test_cli_beats_yaml_and_custom_config_path_beats_config(tmp_path):
+    base = write(tmp_path, "x.yaml", "lr: 1e-5\nmax-turns: 4\nrollout_top_p: 0.9\n")
+    custom = write(tmp_path, "c.yaml", "max_turns: 6\n")
+    cfg = parse_config(["--config", base, "--custom-config-path", custom, "--lr", "2e-6"])
+    assert cfg.train.lr == 2e-6  # CLI over YAML
+    assert cfg.rollout.max_turns == 6  # --custom-config-path over --config
+    assert cfg.rollout.rollout_top_p == 0.9  # YAML over default
+
+
+def test_train_parse_only_shows_cli_precedence(tmp_path, capsys):
+    path = write(tmp_path, "x.yaml", "lr: 1.0e-5\nn_samples_per_prompt: 4\nglobal_batch_size: 128\n")
+    assert cli_main(["train", "--config", path, "--lr", "2e-6", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 2.0e-06" in out
+    assert "n_samples_per_prompt: 4" in out
+
+
+def test_unknown_cli_flag_is_an_error():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --max-turnz"):
+        parse_config(["--max-turnz", "3"])
+
+
+def test_unknown_cli_flag_exits_nonzero_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "slime_mt.cli", "train", "--no-such-flag"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "--no-such-flag" in proc.stderr
+
+
+def test_unknown_yaml_key_is_kept_as_custom_and_logged(tmp_path, caplog):
+    path = write(tmp_path, "x.yaml", "calculator_precision: 3\nreward_scale: 0.5\n")
+    with caplog.at_level(logging.INFO, logger="slime_mt.config"):
+        cfg = parse_config(["--config", path])
+    assert cfg.custom == {"calculator_precision": 3, "reward_scale": 0.5}
+    args = cfg.to_args()
+    assert args.calculator_precision == 3 and args.lr == cfg.train.lr
+    assert "calculator_precision" in caplog.text
+    assert "did you mean" not in caplog.text
+
+
+@pytest.mark.parametrize("key,suggestion", [
+    ("eps_clip_hihg", "--eps-clip-high"),
+    ("max-turn", "--max-turns"),
+    ("rollout_temprature", "--rollout-temperature"),
+])
+def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
+    path = write(tmp_path, "x.yaml", f"{key}: 3\n")
+    with caplog.at_level(logging.WARNING, logger="slime_mt.config"):
+        cfg = parse_config(["--config", path])
+    assert key.replace("-", "_") in cfg.custom
+    assert f"did you mean {suggestion}?" in caplog.text
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--rollout-batch-size", "-1"], r"--rollout-batch-size=-1: must be a positive integer"),
+    (["--n-samples-per-prompt", "0"], r"--n-samples-per-prompt=0: must be a positive integer"),
+    (["--micro-batch-size", "0"], r"--micro-batch-size=0"),
+    (["--max-turns", "0"], r"--max-turns=0"),
+    (["--eps-clip", "0.2", "--eps-clip-high", "0.1"], r"--eps-clip-high=0.1: must be >= --eps-clip=0.2"),
+    (["--eps-clip-c", "0.5"], r"--eps-clip-c=0.5: dual-clip constant must be > 1"),
+    (["--rollout-temperature", "0"], r"--rollout-temperature=0.0: must be > 0"),
+    (["--rollout-temperature", "-1"], r"--rollout-temperature=-1.0"),
+    (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
+    (["--global-batch-size", "100"], r"--global-batch-size=100: must divide --rollout-batch-size x "
+                                     r"--n-samples-per-prompt = 256"),
+    (["--global-batch-size", "4", "--n-samples-per-prompt", "8"], r"multiple of --n-samples-per-prompt=8"),
+    (["--global-batch-size", "64", "--micro-batch-size", "3"], r"multiple of --micro-batch-size=3"),
+    (["--rollout-max-response-len", "9000"], r"exceeds --rollout-max-context-len=4096"),
+    (["--lr", "0"], r"--lr=0.0"),
+    (["--env-step-timeout", "-2"], r"--env-step-timeout=-2.0"),
+    (["--max-env-retries-per-turn", "-1"], r"--max-env-retries-per-turn=-1"),
+    (["--tis-clip-low", "1.5"], r"--tis-clip-low=1.5"),
+    (["--engine", "sglang"], r"--hf-checkpoint=None: is required to launch SGLang"),
+    (["--over-sampling-batch-size", "8"], r"--over-sampling-batch-size=8: must be >= --rollout-batch-size=32"),
+])
+def test_invalid_values_name_flag_and_value(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_config(argv)
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--max-turns", "three"], r"--max-turns: invalid int value: 'three'"),
+    (["--sample-format", "stepwise"], r"--sample-format: invalid choice: 'stepwise'"),
+    (["--multimodal-keys", "{image: x}"], r"--multimodal-keys: not valid JSON"),
+    (["--multimodal-keys", "[1]"], r"--multimodal-keys: expected a JSON object"),
+])
+def test_malformed_cli_values(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_config(argv)
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("lr: fast\n", r"key 'lr' expects float, got 'fast'"),
+    ("max_turns: 2.5\n", r"key 'max_turns' expects int, got 2.5"),
+    ("use_tis: maybe\n", r"key 'use_tis' expects bool"),
+    ("multimodal_keys: [1, 2]\n", r"key 'multimodal_keys' must be a mapping"),
+    ("- a\n- b\n", r"top level must be a mapping"),
+    ("lr: [\n", r"not valid YAML"),
+    ("eps_clip_high: 0.1\n", r"--eps-clip-high=0.1"),
+])
+def test_bad_yaml_names_file_and_key(tmp_path, text, pattern):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        parse_config(["--config", path])
+    if "key" in pattern or "mapping" in pattern or "YAML" in pattern:
+        assert "bad.yaml" in str(info.value)
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        parse_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_yaml_lists_and_bools(tmp_path):
+    path = write(tmp_path, "x.yaml", "rollout_stop: '</s>'\nrollout_stop_token_ids: [3, 4]\nuse_tis: true\n"
+                                     "multimodal_keys: {image: images}\n")
+    cfg = parse_config(["--config", path, "--no-use-tis"])
+    assert cfg.rollout.rollout_stop == ["</s>"]
+    assert cfg.rollout.rollout_stop_token_ids == [3, 4]
+    assert cfg.algo.use_tis is False
+    assert cfg.data.multimodal_keys == {"image": "images"}
+
+
+def test_help_lists_flags_grouped_by_concern():
+    proc = subprocess.run([sys.executable, "-m", "slime_mt.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    text = proc.stdout
+    positions = [text.index(f"\n  {group}:") for group in ("data", "rollout", "engine", "algo", "train", "checkpoint")]
+    assert positions == sorted(positions)
+    assert text.index("--rollout-function-path") > positions[1]
+    assert text.index("--eps-clip-high") > positions[3]
+    assert text.index("--tensor-model-parallel-size") > positions[4]
