@@ -13,6 +13,7 @@ from slime_mt.config import GROUPS, ConfigError, add_config_arguments, config_fr
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
+    "serve": "Serve a HF model folder with the embedded engine (SGLang's HTTP API) on 127.0.0.1.",
 }
 
 
@@ -27,6 +28,12 @@ def build_cli() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,
                        help="Print the resolved configuration as YAML and exit.")
     add_config_arguments(train)
+    serve = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"])
+    serve.add_argument("--model-path", required=True, help="Hugging Face model folder.")
+    serve.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    serve.add_argument("--port", type=int, default=30000, help="Port (0: any free port).")
+    serve.add_argument("--max-batch-size", type=int, default=32, help="Requests decoded together.")
+    serve.add_argument("--seed", type=int, default=0, help="Sampling seed for requests without sampling_seed.")
     parser.epilog = "Commands:\n" + "\n".join(f"  {k:<8} {v}" for k, v in COMMANDS.items()) + \
         "\n\nFlags of 'train', grouped by concern:\n" + _indent(_flag_sections(train.format_help()))
     return parser
@@ -54,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
+        return 0
+    if ns.command == "serve":
+        from slime_mt.engine.server import serve
+
+        serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed)
         return 0
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}

@@ -102,7 +102,8 @@ class EngineConfig:
     """Inference engines: the embedded engine, SGLang servers, the router."""
 
     engine: str = _opt("local", "Inference engine.", choices=["local", "sglang"])
-    engine_url: list[str] | None = _opt(None, "URLs of running engines (or a router); none: launch.", nargs="+")
+    engine_url: list[str] | None = _opt(
+        None, "Running engines: one URL, or a router URL followed by its worker URLs; none: launch.", nargs="+")
     num_engines: int = _opt(1, "Engines to launch when no --engine-url is given.")
     engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
     engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")

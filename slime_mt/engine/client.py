@@ -1,0 +1,187 @@
+"""One async client for every engine that speaks SGLang's native HTTP API (embedded, SGLang, router).
+
+``generate`` posts to ``url`` (an engine or a router) with a per-request timeout and bounded
+retries with exponential backoff on connection errors and HTTP 5xx; a 4xx is never retried and
+raises ``EngineRequestError`` with the server's message. Each request carries an ``rid`` so it can
+be aborted. Control calls (abort, pause, continue, weight updates, flush) go to every worker URL,
+because a router does not forward them (sglang-router answers 404 on ``/abort_request``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+                    httpx.RemoteProtocolError, httpx.PoolTimeout)
+
+
+class EngineError(RuntimeError):
+    """An engine that could not answer within the retry budget; names the URL and the last failure."""
+
+
+class EngineRequestError(EngineError):
+    """The engine rejected the request (HTTP 4xx): the request is wrong, retrying cannot help."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class EngineTimeoutError(EngineError):
+    """A request that took longer than the per-request timeout (it was aborted on the engine)."""
+
+
+class EngineClient:
+    """Async client; share one per run (pooled connections). Use as ``async with`` or call close()."""
+
+    def __init__(self, url: str, worker_urls: list[str] | None = None, timeout: float = 600.0,
+                 max_retries: int = 3, backoff: float = 0.5, max_connections: int = 256):
+        self.url = url.rstrip("/")
+        self.worker_urls = [u.rstrip("/") for u in (worker_urls or [self.url])]
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Created lazily so the client binds to the event loop that first uses it.
+        if self._client is None:
+            self._client = httpx.AsyncClient(limits=self._limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: list[int] | None = None, sampling_params: dict | None = None,
+                       image_data: list[str] | None = None, text: str | None = None, return_logprob: bool = True,
+                       rid: str | None = None, timeout: float | None = None, **extra: Any) -> dict:
+        """POST /generate for one prompt -> SGLang's response dict (``text``, ``output_ids``, ``meta_info``)."""
+        rid = rid or uuid.uuid4().hex
+        body: dict[str, Any] = {"rid": rid, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        if image_data:
+            body["image_data"] = image_data
+        body.update(extra)
+        try:
+            return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), timeout or self.timeout)
+        except asyncio.TimeoutError:
+            await self.abort(rid)
+            raise EngineTimeoutError(f"{self.url}/generate: request {rid} exceeded {timeout or self.timeout:.1f}s; "
+                                     "aborted on the engine") from None
+
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | None = None,
+                             return_logprob: bool = True, **extra: Any) -> list[dict]:
+        """POST /generate with a batch of prompts -> a list of responses (SGLang's batch form)."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                **extra}
+        return await self._post_with_retries(self.url, "/generate", body)
+
+    async def _post_with_retries(self, base: str, path: str, body: dict) -> Any:
+        last = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = await self.http.post(base + path, json=body)
+            except RETRYABLE_ERRORS as e:
+                last = f"{type(e).__name__}: {e}"
+                logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
+                continue
+            if response.status_code >= 500:
+                last = f"HTTP {response.status_code}: {_message(response)}"
+                logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
+                continue
+            if response.status_code >= 400:
+                raise EngineRequestError(base + path, response.status_code, _message(response))
+            return response.json() if response.content else {}
+        raise EngineError(f"engine {base}{path} failed after {self.max_retries + 1} attempts; last failure: {last}")
+
+    # ------------------------------------------------------------------ control endpoints
+
+    async def _broadcast(self, path: str, body: dict | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._post_with_retries(u, path, body or {}) for u in self.worker_urls)))
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (``rid``) or everything on every worker; errors are logged, not raised."""
+        body = {"rid": rid or "", "abort_all": abort_all}
+        for url in self.worker_urls:
+            try:
+                await self.http.post(url + "/abort_request", json=body, timeout=10.0)
+            except httpx.HTTPError as e:
+                logger.warning("abort on %s failed: %s", url, e)
+
+    async def pause(self, mode: str = "in_place") -> None:
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._broadcast("/continue_generation")
+
+    async def flush_cache(self) -> None:
+        await self._broadcast("/flush_cache")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> list[dict]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._broadcast("/update_weights_from_disk", body)
+
+    async def _get(self, url: str, path: str) -> httpx.Response:
+        try:
+            return await self.http.get(url + path, timeout=30.0)
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {url}{path} did not answer: {type(e).__name__}: {e}") from None
+
+    async def health(self) -> bool:
+        try:
+            return all([(await self.http.get(u + "/health", timeout=5.0)).status_code == 200 for u in self.worker_urls])
+        except httpx.HTTPError:
+            return False
+
+    async def health_generate(self) -> bool:
+        try:
+            return all([(await self.http.get(u + "/health_generate", timeout=60.0)).status_code == 200
+                        for u in self.worker_urls])
+        except httpx.HTTPError:
+            return False
+
+    async def model_info(self) -> dict:
+        return (await self._get(self.worker_urls[0], "/model_info")).json()
+
+    async def server_info(self) -> list[dict]:
+        return [(await self._get(u, "/server_info")).json() for u in self.worker_urls]
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(error or data.get("message") or data)
+    return str(data)[:500]

@@ -1,0 +1,202 @@
+"""Start engines from config: embedded engines, SGLang servers, and the sglang-router in front.
+
+``start_engines(cfg, model_path)`` -> ``EngineGroup`` with ``url`` (the router when there are several
+engines, else the one engine), ``worker_urls`` (for control calls) and ``stop()``. Given
+``--engine-url``, nothing is launched: the URLs are used as they are (first = router or engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from slime_mt.config import EngineConfig
+from slime_mt.engine.server import LocalEngine, wait_healthy
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """An engine or router that could not be started; names the command and its log file."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def require_sglang() -> None:
+    """SGLang is imported lazily and only for ``engine=sglang``."""
+    if importlib.util.find_spec("sglang") is None:
+        raise LaunchError("engine=sglang needs SGLang, which is not installed: pip install -e '.[gpu]' "
+                          "(on a GPU machine), or use --engine local")
+
+
+class _Process:
+    """A child process with its log file, stopped by process group."""
+
+    def __init__(self, cmd: list[str], log_path: Path, name: str):
+        self.cmd, self.log_path, self.name = cmd, log_path, name
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text()[-2000:]
+            raise LaunchError(f"{self.name} exited with code {self.proc.returncode}: {' '.join(self.cmd)}\n"
+                              f"log {self.log_path}:\n{tail}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=grace)
+        self._log.close()
+
+
+class Router:
+    """The real ``sglang-router`` (Rust binary from PyPI) with workers added through ``/workers``."""
+
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1", port: int | None = None, policy: str = "round_robin"):
+        if importlib.util.find_spec("sglang_router") is None:
+            raise LaunchError("several engines need sglang-router: pip install sglang-router")
+        self.host, self.port = host, port or free_port(host)
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+               "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--log-level", "warn", "--disable-retries"]
+        self._process = _Process(cmd, Path(log_dir) / "router.log", "sglang-router")
+        self._wait(lambda: httpx.get(self.url + "/health", timeout=2.0).status_code == 200, "health")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _wait(self, ready, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._process.check_alive()
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise LaunchError(f"sglang-router at {self.url}: {what} not ready after {timeout:.0f}s "
+                          f"(log {self._process.log_path})")
+
+    def workers(self) -> list[dict]:
+        return httpx.get(self.url + "/workers", timeout=10.0).json().get("workers", [])
+
+    def add_worker(self, url: str) -> None:
+        response = httpx.post(self.url + "/workers", json={"url": url}, timeout=30.0)
+        if response.status_code >= 400:
+            raise LaunchError(f"sglang-router refused worker {url}: HTTP {response.status_code} {response.text}")
+        self._wait(lambda: any(w["url"] == url and w.get("is_healthy", True) for w in self.workers()),
+                   f"worker {url}")
+
+    def stop(self) -> None:
+        self._process.stop()
+
+
+class SGLangServer:
+    """``python -m sglang.launch_server`` on 127.0.0.1, waited for through ``/health_generate``."""
+
+    def __init__(self, model_path: str, log_dir: Path, port: int | None = None, tp_size: int = 1,
+                 mem_fraction_static: float = 0.7, extra_args: str | None = None, base_gpu_id: int = 0):
+        require_sglang()
+        self.port = port or free_port()
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+               "--port", str(self.port), "--tp-size", str(tp_size), "--mem-fraction-static",
+               str(mem_fraction_static), "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup"]
+        cmd += extra_args.split() if extra_args else []
+        self._process = _Process(cmd, Path(log_dir) / f"sglang-{self.port}.log", "sglang server")
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            self._process.check_alive()
+            try:
+                wait_healthy(self.url, timeout=5.0, path="/health_generate")
+                return
+            except TimeoutError:
+                continue
+        raise LaunchError(f"SGLang at {self.url} not healthy after 20 minutes (log {self._process.log_path})")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._process.stop(grace=30.0)
+
+
+@dataclass
+class EngineGroup:
+    """The engines of a run: ``url`` for /generate, ``worker_urls`` for control calls."""
+
+    url: str
+    worker_urls: list[str]
+    local_engines: list[LocalEngine] = field(default_factory=list)
+    _stoppers: list = field(default_factory=list)
+
+    def stop(self) -> None:
+        for stop in reversed(self._stoppers):
+            try:
+                stop()
+            except Exception:  # stop everything even if one part fails
+                logger.exception("stopping an engine failed")
+        self._stoppers.clear()
+
+
+def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed: int = 0,
+                  tp_size: int = 1) -> EngineGroup:
+    """Connect to ``cfg.engine_url`` or launch ``cfg.num_engines`` engines (+ a router when > 1)."""
+    if cfg.engine_url:
+        group = EngineGroup(cfg.engine_url[0], list(cfg.engine_url[1:] or cfg.engine_url))
+        for url in group.worker_urls:
+            try:
+                wait_healthy(url, timeout=30.0)
+            except TimeoutError as e:
+                raise LaunchError(f"--engine-url {url} does not answer /health: {e}") from None
+        return group
+    group = EngineGroup("", [])
+    try:
+        for i in range(cfg.num_engines):
+            port = cfg.engine_port + i if cfg.engine_port else 0
+            if cfg.engine == "local":
+                engine = LocalEngine(model_path, port=port, max_batch_size=cfg.engine_max_batch_size,
+                                     seed=seed + i).start()
+                group.local_engines.append(engine)
+            else:
+                engine = SGLangServer(model_path, Path(log_dir), port or None, tp_size,
+                                      cfg.sglang_mem_fraction_static, cfg.sglang_extra_args, base_gpu_id=i * tp_size)
+            group._stoppers.append(engine.stop)
+            group.worker_urls.append(engine.url)
+        if cfg.num_engines > 1:
+            router = Router(Path(log_dir))
+            group._stoppers.append(router.stop)
+            for url in group.worker_urls:
+                router.add_worker(url)
+            group.url = router.url
+        else:
+            group.url = group.worker_urls[0]
+    except BaseException:
+        group.stop()
+        raise
+    return group

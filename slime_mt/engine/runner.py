@@ -1,0 +1,271 @@
+"""The embedded engine's model side: prefill one request, decode a batch, sample, update weights.
+
+A running batch keeps one KV cache, left-padded to a common length: ``keys/values [B, H, L, D]``
+per layer, ``attention_mask [B, L]`` (1 = real token), ``positions [B]`` (next rotary position;
+for M-RoPE models the text position shared by the 3 axes, ``prompt_len + rope_delta``).
+Log-probs are ``log_softmax(logits / T)`` of the sampled token, as SGLang reports them
+(temperature applied, top-p/top-k/min-p not renormalised).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from slime_mt.engine.protocol import SamplingParams
+from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
+
+
+class WeightUpdateError(ValueError):
+    """Weights that do not fit the served model; the message names the tensor."""
+
+
+@dataclass
+class Sequence:
+    """A request being decoded: its prompt, outputs so far and sampling state."""
+
+    rid: str
+    prompt_ids: list[int]  # expanded (image pads per image)
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    position: int = 0  # next rotary position
+
+
+class ModelRunner:
+    """Owns the HF model and its tokenizer/processor; all methods run on the scheduler thread."""
+
+    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.processor = load_tokenizer_or_processor(model_path)
+        self.tokenizer = tokenizer_of(self.processor)
+        self.is_vlm = isinstance(self.processor, QwenVLProcessor)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.model = self._load_model().eval()
+        text_config = getattr(self.config, "text_config", self.config)
+        self.vocab_size = int(text_config.vocab_size)
+        self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
+        self.eos_ids = self._eos_ids()
+        self.image_token_id = self.processor.image_token_id if self.is_vlm else None
+
+    def _load_model(self) -> torch.nn.Module:
+        if self.is_vlm:
+            from transformers import AutoModelForImageTextToText
+
+            cls = AutoModelForImageTextToText
+        else:
+            cls = AutoModelForCausalLM
+        return cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                ids.update(value if isinstance(value, list) else [value])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode_prompt(self, input_ids: list[int] | None, text: str | None, images: list) -> tuple[list[int], dict]:
+        """-> (expanded prompt ids, vision inputs) for one request; one pad per image expected."""
+        if input_ids is None:
+            input_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not self.is_vlm:
+            if images:
+                from slime_mt.engine.protocol import ProtocolError
+
+                raise ProtocolError(f"image_data given but the served model {self.model_path} is text-only")
+            return list(input_ids), {}
+        from slime_mt.engine.protocol import ProtocolError, expand_image_pads
+
+        pads = sum(1 for t in input_ids if t == self.image_token_id)
+        if pads != len(images):
+            raise ProtocolError(
+                f"input_ids hold {pads} <|image_pad|> tokens but {len(images)} images were given "
+                "(send ONE pad per image; the engine expands it)"
+            )
+        if not images:
+            return list(input_ids), {}
+        vision = self.processor.image_processor(images=images, return_tensors="pt")
+        counts = self.processor.num_image_tokens(vision["image_grid_thw"])
+        return expand_image_pads(list(input_ids), self.image_token_id, counts), dict(vision)
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.no_grad()
+    def prefill(self, seq: Sequence, vision: dict, want_input_logprobs: int = -1) -> tuple[DynamicCache, torch.Tensor]:
+        """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
+        Sets ``seq.position`` (and ``seq.input_logprobs`` from ``want_input_logprobs`` on)."""
+        ids = torch.tensor([seq.prompt_ids], device=self.device)
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
+        if vision:
+            kwargs["pixel_values"] = vision["pixel_values"].to(self.device, self.dtype)
+            kwargs["image_grid_thw"] = vision["image_grid_thw"].to(self.device)
+        if self.is_vlm:
+            kwargs["mm_token_type_ids"] = (ids == self.image_token_id).long()
+            self.model.model.rope_deltas = None
+        if want_input_logprobs < 0:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        logits = out.logits[0].float()  # [L or 1, V]
+        seq.position = len(seq.prompt_ids)
+        if self.is_vlm:
+            seq.position += int(self.model.model.rope_deltas.reshape(-1)[0])
+        if want_input_logprobs >= 0:
+            logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+            full: list[float | None] = [None] + logp
+            seq.input_logprobs = full[want_input_logprobs:]
+        return out.past_key_values, logits[-1]
+
+    @torch.no_grad()
+    def decode(self, batch: Batch) -> torch.Tensor:
+        """One decode step for every sequence of the batch -> next-token logits [B, V] float32."""
+        last = torch.tensor([[s.output_ids[-1]] for s in batch.seqs], device=self.device)  # [B, 1]
+        mask = torch.cat([batch.attention_mask, torch.ones_like(last)], dim=1)  # [B, L+1]
+        pos = torch.tensor([[s.position] for s in batch.seqs], device=self.device)  # [B, 1]
+        position_ids = pos.unsqueeze(0).expand(3, -1, -1) if self.is_vlm else pos
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=batch.cache, use_cache=True)
+        batch.attention_mask = mask
+        for s in batch.seqs:
+            s.position += 1
+        return out.logits[:, -1].float()
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+        """Sample one token per row of ``logits [B, V]`` -> (token ids, their log-probs)."""
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)  # [B, 1]
+        scaled = logits / temps
+        logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        tokens = []
+        for i, p in enumerate(params):
+            if p.greedy:
+                tokens.append(int(torch.argmax(logits[i])))
+                continue
+            probs = _filtered_probs(logprobs[i].exp(), p)
+            noise = torch.empty_like(probs).exponential_(1.0, generator=generators[i])
+            tokens.append(int(torch.argmax(probs / noise)))  # exponential race == multinomial draw
+        chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0].tolist()
+        return tokens, chosen
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def load_weights(self, named: dict[str, torch.Tensor]) -> int:
+        """Copy HF-named tensors into the model in place -> number of tensors updated."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        aliases = _hf_name_aliases(params)
+        updated = 0
+        for name, tensor in named.items():
+            target = params.get(name) if name in params else params.get(aliases.get(name, ""))
+            if target is None:
+                raise WeightUpdateError(f"weight '{name}' is not a parameter of {type(self.model).__name__}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise WeightUpdateError(f"weight '{name}': shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+            updated += 1
+        return updated
+
+    def load_weights_from_disk(self, model_path: str) -> int:
+        """Load every ``*.safetensors`` file of an HF folder into the model."""
+        folder = Path(model_path)
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            raise WeightUpdateError(f"no *.safetensors files in {model_path}")
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            names = set(json.loads(index.read_text())["weight_map"].values())
+            files = [folder / n for n in sorted(names)]
+        named: dict[str, torch.Tensor] = {}
+        for f in files:
+            named.update(load_file(str(f)))
+        return self.load_weights(named)
+
+
+@dataclass
+class Batch:
+    """Sequences decoded together and their shared left-padded KV cache."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    attention_mask: torch.Tensor | None = None  # [B, L]
+
+    def add(self, seq: Sequence, cache: DynamicCache) -> None:
+        """Append a prefilled sequence, left-padding whichever side is shorter."""
+        length = cache.layers[0].keys.shape[-2]
+        mask = torch.ones(1, length, dtype=torch.long)
+        if self.cache is None:
+            self.seqs, self.cache, self.attention_mask = [seq], cache, mask
+            return
+        total = max(length, self.attention_mask.shape[1])
+        for mine, new in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, total), _left_pad(new.keys, total)], dim=0)
+            mine.values = torch.cat([_left_pad(mine.values, total), _left_pad(new.values, total)], dim=0)
+        self.attention_mask = torch.cat([_left_pad(self.attention_mask, total, dim=1),
+                                         _left_pad(mask, total, dim=1)], dim=0)
+        self.seqs.append(seq)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` and drop KV columns that are padding for every remaining row."""
+        if not rows:
+            self.seqs, self.cache, self.attention_mask = [], None, None
+            return
+        index = torch.tensor(rows)
+        mask = self.attention_mask.index_select(0, index)
+        first = int(mask.any(dim=0).nonzero()[0])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[..., first:, :]
+            layer.values = layer.values.index_select(0, index)[..., first:, :]
+        self.attention_mask = mask[:, first:]
+        self.seqs = [self.seqs[i] for i in rows]
+
+
+def _left_pad(t: torch.Tensor, total: int, dim: int = -2) -> torch.Tensor:
+    missing = total - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=t.dtype), t], dim=dim)
+
+
+def _filtered_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to ``probs [V]`` (unnormalised result is fine for sampling)."""
+    if p.top_k > 0 and p.top_k < probs.numel():
+        kth = torch.topk(probs, p.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=0)
+        drop = (cumulative - sorted_probs) > p.top_p * cumulative[-1]
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
+    return probs
+
+
+def _hf_name_aliases(params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Checkpoint names -> module names where transformers renamed them (VLM ``model.`` prefixes)."""
+    aliases = {}
+    for name in params:
+        if name.startswith("model.language_model."):
+            aliases["model." + name[len("model.language_model."):]] = name
+        if name.startswith("model.visual."):
+            aliases["visual." + name[len("model.visual."):]] = name
+    return aliases
