@@ -44,3 +44,13 @@ def tiny_paths():
     from slime_mt.assets import TINY_KINDS, tiny_model_dir
 
     return {kind: tiny_model_dir(kind) for kind in TINY_KINDS}
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-marked tests run only where CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

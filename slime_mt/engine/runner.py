@@ -121,8 +121,9 @@ class ModelRunner:
         out = self.model(**kwargs)
         logits = out.logits[0].float()  # [L or 1, V]
         seq.position = len(seq.prompt_ids)
-        if self.is_vlm:
-            seq.position += int(self.model.model.rope_deltas.reshape(-1)[0])
+        deltas = getattr(self.model.model, "rope_deltas", None) if self.is_vlm else None
+        if deltas is not None:  # M-RoPE: image tokens advance the position less than one per token
+            seq.position += int(deltas.reshape(-1)[0])
         if want_input_logprobs >= 0:
             logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
             full: list[float | None] = [None] + logp
@@ -149,18 +150,21 @@ class ModelRunner:
                generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
         """Sample one token per row of ``logits [B, V]`` -> (token ids, their log-probs)."""
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)  # [B, 1]
-        scaled = logits / temps
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
-        tokens = []
+        logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
+        probs = logprobs.exp()  # [B, V]
         for i, p in enumerate(params):
-            if p.greedy:
-                tokens.append(int(torch.argmax(logits[i])))
-                continue
-            probs = _filtered_probs(logprobs[i].exp(), p)
-            noise = torch.empty_like(probs).exponential_(1.0, generator=generators[i])
-            tokens.append(int(torch.argmax(probs / noise)))  # exponential race == multinomial draw
-        chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0].tolist()
-        return tokens, chosen
+            if not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0):
+                probs[i] = _filtered_probs(probs[i], p)
+        # Inverse-CDF draw, one uniform number per row (20x cheaper than torch.multinomial over a
+        # 150k vocabulary); right=True never lands on a zero-mass token.
+        cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [B, V]
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [B]
+        drawn = torch.searchsorted(cumulative, (u * cumulative[:, -1]).unsqueeze(1), right=True)[:, 0]
+        drawn = drawn.clamp_max(logits.shape[-1] - 1)
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = torch.where(greedy, logits.argmax(dim=-1), drawn) if greedy.any() else drawn  # [B]
+        chosen = logprobs.gather(1, tokens.unsqueeze(1))[:, 0]
+        return tokens.tolist(), chosen.tolist()
 
     # ------------------------------------------------------------------ weights
 

@@ -1,0 +1,99 @@
+"""Embedded engine throughput: generated tokens/s at concurrency 1, 4, 16 and the batched/sequential ratio.
+
+    .venv/bin/python benchmarks/engine_throughput.py [--requests 16] [--max-new-tokens 64]
+
+Runs SmolLM2-135M-Instruct (real weights) and the tiny Qwen2.5-VL (two images per request) in one
+process; each level sends the same ``--requests`` prompts through the SGLang-protocol client with at
+most ``c`` in flight. Sequential = concurrency 1.
+"""
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+import torch
+
+
+from slime_mt.assets import smollm2_dir, tiny_model_dir  # noqa: E402
+from slime_mt.engine.client import EngineClient  # noqa: E402
+from slime_mt.engine.images import encode_image  # noqa: E402
+from slime_mt.engine.protocol import collapse_image_pads  # noqa: E402
+from slime_mt.engine.server import LocalEngine  # noqa: E402
+from slime_mt.processing import load_tokenizer_or_processor  # noqa: E402
+
+
+def text_requests(path, n):
+    tokenizer = load_tokenizer_or_processor(path)
+    questions = ["Explain why the sky is blue.", "Write a short poem about rivers.", "What is a prime number?",
+                 "Describe a cat.", "How do airplanes fly?", "Give three tips for studying."]
+    out = []
+    for i in range(n):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
+                                            add_generation_prompt=True)
+        out.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), None))
+    return out
+
+
+def vlm_requests(path, n):
+    from PIL import Image, ImageDraw
+
+    processor = load_tokenizer_or_processor(path)
+    out = []
+    for i in range(n):
+        images = []
+        for k in range(2):
+            image = Image.new("RGB", (112, 112), (30 * i % 256, 60 * k % 256, 90))
+            ImageDraw.Draw(image).line([(0, 0), (111, 20 + 5 * i)], fill=(255, 255, 255), width=3)
+            images.append(image)
+        text = processor.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": f"Question {i}: compare the lines."}]}],
+            add_generation_prompt=True)
+        expanded = processor(text=text, images=images)["input_ids"][0].tolist()
+        ids, _ = collapse_image_pads(expanded, processor.image_token_id)
+        out.append((ids, [encode_image(im) for im in images]))
+    return out
+
+
+async def run_level(url, requests, concurrency, max_new_tokens):
+    sem = asyncio.Semaphore(concurrency)
+    async with EngineClient(url) as client:
+        async def one(i, ids, images):
+            async with sem:
+                r = await client.generate(ids, {"max_new_tokens": max_new_tokens, "temperature": 1.0,
+                                                "ignore_eos": True, "sampling_seed": i}, image_data=images)
+                return r["meta_info"]["completion_tokens"]
+
+        started = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i, ids, imgs) for i, (ids, imgs) in enumerate(requests)))
+        return sum(tokens) / (time.perf_counter() - started)
+
+
+def bench(name, path, make, args):
+    requests = make(path, args.requests)
+    rates = {}
+    with LocalEngine(path, max_batch_size=32) as engine:
+        asyncio.run(run_level(engine.url, requests[:2], 2, 4))  # warm-up
+        for c in (1, 4, 16):
+            runs = [asyncio.run(run_level(engine.url, requests, c, args.max_new_tokens)) for _ in range(args.repeats)]
+            rates[c] = statistics.median(runs)
+    print(f"{name}: " + ", ".join(f"c={c}: {r:.1f} tok/s" for c, r in rates.items())
+          + f" | batched/sequential at c=16: {rates[16] / rates[1]:.2f}x, c=4: {rates[4] / rates[1]:.2f}x", flush=True)
+    return rates
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("SLIME_MT_THREADS", "2")))
+    print(f"torch threads={torch.get_num_threads()}, requests={args.requests}, max_new_tokens={args.max_new_tokens}")
+    bench("SmolLM2-135M-Instruct", smollm2_dir(), text_requests, args)
+    bench("tiny Qwen2.5-VL (2 images/request)", tiny_model_dir("qwen2.5-vl"), vlm_requests, args)
+
+
+if __name__ == "__main__":
+    main()

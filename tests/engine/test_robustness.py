@@ -1,0 +1,143 @@
+"""Malformed requests get a 4xx and the engine keeps serving; the client survives a restarting server."""
+
+import asyncio
+import base64
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine_helpers import data_uri, diagram, run
+from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError, EngineTimeoutError
+from slime_mt.engine.launch import free_port
+from slime_mt.engine.server import LocalEngine
+
+PROMPT = [9707, 1879, 11]
+VALID = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+
+
+def malformed_requests(vl_pad: int) -> list[tuple[str, bytes | dict]]:
+    """(label, body) pairs: raw bytes are sent as-is, dicts as JSON."""
+    not_image = "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode()
+    cases: list[tuple[str, bytes | dict]] = [
+        ("bad json", b"{not json"),
+        ("truncated json", b'{"input_ids": [1, 2'),
+        ("empty body", b""),
+        ("json list", b"[1, 2, 3]"),
+        ("json string", b'"hello"'),
+        ("binary", bytes(range(256))),
+        ("no prompt", {"sampling_params": {}}),
+        ("empty ids", {"input_ids": []}),
+        ("empty text", {"text": ""}),
+        ("ids and text", {"input_ids": [1], "text": "a"}),
+        ("string ids", {"input_ids": "1 2 3"}),
+        ("float id", {"input_ids": [1.5]}),
+        ("negative id", {"input_ids": [-3]}),
+        ("id out of vocab", {"input_ids": [10_000_000]}),
+        ("nested empty", {"input_ids": [[1], []]}),
+        ("sampling list", {"input_ids": [1], "sampling_params": [1]}),
+        ("unknown sampling key", {"input_ids": [1], "sampling_params": {"max_tokens": 5}}),
+        ("string max_new_tokens", {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}),
+        ("negative max_new_tokens", {"input_ids": [1], "sampling_params": {"max_new_tokens": -5}}),
+        ("huge max_new_tokens", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}),
+        ("negative temperature", {"input_ids": [1], "sampling_params": {"temperature": -1}}),
+        ("top_p zero", {"input_ids": [1], "sampling_params": {"top_p": 0}}),
+        ("bad stop", {"input_ids": [1], "sampling_params": {"stop": 5}}),
+        ("bad stop ids", {"input_ids": [1], "sampling_params": {"stop_token_ids": ["a"]}}),
+        ("broken base64 image", {"input_ids": [1, vl_pad], "image_data": ["data:image/png;base64,!!!!"]}),
+        ("non-image bytes", {"input_ids": [1, vl_pad], "image_data": [not_image]}),
+        ("missing image file", {"input_ids": [1, vl_pad], "image_data": ["/no/such/image.png"]}),
+        ("image not a string", {"input_ids": [1, vl_pad], "image_data": [42]}),
+        ("image on text model", {"input_ids": [1, vl_pad], "image_data": [data_uri(diagram(1))]}),
+        ("rid not string", {"input_ids": [1], "rid": 7}),
+    ]
+    return cases
+
+
+def test_200_malformed_requests_then_a_valid_one(farm, tiny_paths):
+    target = farm.target("text-direct", tiny_paths["qwen2"])
+    cases = malformed_requests(151655)
+    rng = random.Random(0)
+    expected = httpx.post(target.url + "/generate", json=VALID, timeout=60).json()
+    statuses = []
+    with httpx.Client(timeout=60) as http:
+        for i in range(200):
+            label, body = cases[i % len(cases)] if i < len(cases) else rng.choice(cases)
+            if isinstance(body, bytes):
+                response = http.post(target.url + "/generate", content=body,
+                                     headers={"content-type": "application/json"})
+            else:
+                response = http.post(target.url + "/generate", json=body)
+            statuses.append((label, response.status_code))
+            assert 400 <= response.status_code < 500, (label, response.status_code, response.text)
+            assert response.json()["error"]["message"], label
+            if i % 20 == 0:  # the engine keeps answering valid requests correctly in between
+                assert http.post(target.url + "/generate", json=VALID).json()["output_ids"] == expected["output_ids"]
+        after = http.post(target.url + "/generate", json=VALID).json()
+    assert len(statuses) == 200
+    assert after["output_ids"] == expected["output_ids"]
+
+
+def test_4xx_is_not_retried(farm, tiny_paths):
+    target = farm.target("text-direct", tiny_paths["qwen2"])
+
+    async def go():
+        async with EngineClient(target.url, max_retries=5, backoff=2.0) as client:
+            started = time.perf_counter()
+            with pytest.raises(EngineRequestError, match="HTTP 400: .*unknown key"):
+                await client.generate(PROMPT, {"bogus": 1})
+            return time.perf_counter() - started
+
+    assert run(go()) < 1.5  # a retry would have slept 2 s
+
+
+def test_client_retries_through_a_restart():
+    from slime_mt.assets import tiny_model_dir
+
+    path = tiny_model_dir("qwen2")
+    port = free_port()
+    engine = LocalEngine(path, port=port).start()
+    expected = run(_generate(engine.url, retries=0))
+    engine.stop()
+    restarted: list[LocalEngine] = []
+
+    def restart_later():
+        time.sleep(1.5)
+        restarted.append(LocalEngine(path, port=port).start())
+
+    thread = threading.Thread(target=restart_later)
+    thread.start()
+    try:
+        out = run(_generate(f"http://127.0.0.1:{port}", retries=6, backoff=0.5))  # waits 0.5+1+2+4+8 s at most
+        assert out["output_ids"] == expected["output_ids"]
+    finally:
+        thread.join()
+        for e in restarted:
+            e.stop()
+
+
+def test_client_gives_up_after_budget_naming_url():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError, match=rf"engine {url}/generate failed after 3 attempts; last failure: ConnectError"):
+        run(_generate(url, retries=2, backoff=0.05))
+
+
+def test_timeout_aborts_the_request_on_the_engine(farm, tiny_paths):
+    target = farm.target("text-direct", tiny_paths["qwen2"])
+
+    async def go():
+        async with EngineClient(target.url) as client:
+            with pytest.raises(EngineTimeoutError, match="exceeded 0.5s; aborted"):
+                await client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, timeout=0.5)
+            await asyncio.sleep(0.3)
+            return (await client.server_info())[0]["internal_states"][0]
+
+    state = run(go())
+    assert state["#running_req"] == 0 and state["#queue_req"] == 0
+
+
+async def _generate(url, retries, backoff=0.5):
+    async with EngineClient(url, max_retries=retries, backoff=backoff) as client:
+        return await client.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
