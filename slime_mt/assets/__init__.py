@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
@@ -26,6 +27,15 @@ VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 1
 QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens, padded)
 
 
+# Bump when a builder changes what it writes; cache folders are named with it (and the chat
+# template's hash), so an edit never serves a stale asset.
+ASSET_VERSION = "1"
+
+
+def _tag(variant: str) -> str:
+    return hashlib.sha256((ASSET_VERSION + TEMPLATES[variant]).encode()).hexdigest()[:8]
+
+
 def _qwen_tokenizer_json() -> Path:
     return cached_dir("qwen-tokenizer-json", build_tokenizer_json) / "tokenizer.json"
 
@@ -38,7 +48,7 @@ def qwen_tokenizer_dir(variant: str = "qwen2.5") -> Path:
     def build(out: Path) -> None:
         _save_qwen_tokenizer(out, variant)
 
-    return cached_dir(f"tokenizer-{variant}", build)
+    return cached_dir(f"tokenizer-{variant}-{_tag(variant)}", build)
 
 
 def _save_qwen_tokenizer(out: Path, variant: str) -> None:
@@ -74,7 +84,7 @@ def smollm2_dir() -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
 
-    return cached_dir("smollm2-135m-instruct", build)
+    return cached_dir(f"smollm2-135m-instruct-v{ASSET_VERSION}", build)
 
 
 def _smollm2_gguf() -> Path:
@@ -153,4 +163,5 @@ def tiny_model_dir(kind: str) -> Path:
     """A random-weight tiny model folder of ``kind`` (one of TINY_KINDS), seed 0."""
     if kind not in TINY_KINDS:
         raise AssetError(f"unknown tiny model {kind!r}; choose from {TINY_KINDS}")
-    return cached_dir(f"tiny-{kind}", lambda out: _build_tiny(out, kind))
+    variant = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
+    return cached_dir(f"tiny-{kind}-{_tag(variant)}", lambda out: _build_tiny(out, kind))

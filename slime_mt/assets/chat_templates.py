@@ -4,8 +4,9 @@ Each renders ``messages`` (``content`` a string or a list of ``{"type": "text"|"
 images render as ``<|vision_start|><|image_pad|><|vision_end|>``, one pad per image, expanded later
 by the processor), ``tools`` (the ``# Tools`` system block), assistant ``tool_calls`` and ``tool``
 messages (``<tool_response>`` inside a user turn), and ``add_generation_prompt``.
-Qwen3 additionally keeps ``<think>`` reasoning only for assistant turns after the last user query
-and honours ``enable_thinking=False`` with an empty think block.
+Qwen3 additionally renders ``<think>`` blocks only for assistant turns after the last user query
+(the last message always, earlier ones when they have reasoning), and honours
+``enable_thinking=False`` with an empty think block in the generation prompt.
 """
 
 _CONTENT = """
@@ -112,7 +113,7 @@ _QWEN3_BODY = """
             {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
         {%- endif -%}
-        {%- if loop.index0 > ns2.last_query -%}
+        {%- if loop.index0 > ns2.last_query and (loop.last or reasoning) -%}
             {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}
         {%- else -%}
             {{- '<|im_start|>assistant\\n' + content -}}

@@ -1,0 +1,77 @@
+"""The interaction-environment API (``--rollout-interaction-env-path``).
+
+An environment module defines ``build_env(sample=None, args=None, **kw) -> BaseInteractionEnv``; the
+rollout builds one env per trajectory, calls ``reset()`` once, then after every model turn calls
+``step(response_text)`` and appends ``format_observation(observation)`` to the conversation (its tokens
+get loss mask 0: the model is never trained on them). ``close()`` is always called, also after errors.
+
+A minimal environment::
+
+    from envs.base import BaseInteractionEnv
+
+    class Guess(BaseInteractionEnv):
+        def __init__(self, target):
+            self.target = target
+
+        def step(self, response_text):
+            guess = int(response_text.strip()) if response_text.strip().isdigit() else None
+            if guess == self.target:
+                return {"text": "Correct!"}, True, {"reward": 1.0}
+            hint = "higher" if guess is None or guess < self.target else "lower"
+            return {"text": f"Try {hint}."}, False, {}
+
+    def build_env(sample=None, args=None, **kw):
+        return Guess(int(sample.label))
+
+Contract of ``step``:
+  * returns ``(observation: dict, done: bool, info: dict)``; may be ``async def``.
+  * ``observation`` holds ``text`` and optionally ``images`` (PIL images, file paths, base64 or data
+    URIs); ``format_observation`` turns it into one chat message or a list of them.
+  * ``info`` may carry ``reward`` (used when no ``--custom-rm-path`` is given), any metrics (numbers,
+    kept on the turn record), and ``retryable: True`` to ask for the step to be retried.
+  * a transient fault raises ``RetryableEnvError`` (or takes longer than ``--env-step-timeout``):
+    the same step is retried up to ``--max-env-retries-per-turn`` times; past the budget, or on any
+    other exception, the sample is FAILED with the error recorded and left out of training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RetryableEnvError(RuntimeError):
+    """A transient environment fault (tool server busy, sandbox restart): retry the same step."""
+
+
+class BaseInteractionEnv:
+    """Base class of interaction environments; override ``step`` (and ``reset``/``close`` if needed)."""
+
+    #: role of observation messages; "tool" renders as <tool_response> in Qwen templates.
+    observation_role: str = "user"
+
+    def reset(self) -> None:
+        """Prepare a fresh episode (called once before the first turn)."""
+
+    def step(self, response_text: str) -> tuple[dict, bool, dict]:
+        """React to the model's turn -> (observation, done, info). May be ``async def``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step(response_text)")
+
+    def format_observation(self, observation: dict) -> dict | list[dict]:
+        """Observation -> chat message(s). Images become ``{"type": "image", "image": ...}`` parts,
+        placed before the text, in order."""
+        images = list(observation.get("images") or [])
+        text = observation.get("text", "")
+        if not images:
+            return {"role": self.observation_role, "content": text}
+        content: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images]
+        if text:
+            content.append({"type": "text", "text": text})
+        return {"role": self.observation_role, "content": content}
+
+    def close(self) -> None:
+        """Release resources (sandboxes, connections); always called."""
+
+
+def build_env(sample=None, args=None, **kw) -> BaseInteractionEnv:
+    """Prototype of the module-level factory every environment module defines."""
+    raise NotImplementedError("an environment module must define build_env(sample=None, args=None, **kw)")

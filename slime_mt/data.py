@@ -1,0 +1,226 @@
+"""Prompt datasets: jsonl/parquet rows -> prompt groups of Samples, with a saveable cursor.
+
+A row gives the prompt (``--input-key``: a string or a list of chat messages), the reference answer
+(``--label-key``), a metadata dict (``--metadata-key``), tools (``--tool-key``) and images
+(``--multimodal-keys '{"image": "images"}'``: paths relative to the data file, base64 strings or data
+URIs). ``<image>`` placeholders in the prompt text are paired in order with the row's images and
+become image content parts. A row whose placeholders and images disagree, or whose image cannot be
+read, is a DatasetError naming the row and the file.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from slime_mt.config import DataConfig
+from slime_mt.types import Sample
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+class DatasetError(ValueError):
+    """A data file or row that cannot be used; names the file and the row."""
+
+
+@dataclass
+class PromptRow:
+    index: int
+    prompt: str | list[dict]
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Rows of a .jsonl or .parquet file as dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"prompt data file not found: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise DatasetError(f"{path}: unsupported prompt data format {path.suffix!r}; use .jsonl or .parquet")
+    rows = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"row {lineno} of {path.name}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _image_value(value: Any) -> Any:
+    """Parquet image columns are often {"bytes": ..., "path": ...} structs."""
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        return Image.open(io.BytesIO(value["bytes"]))
+    if isinstance(value, dict) and value.get("path"):
+        return value["path"]
+    return value
+
+
+def _load_image(value: Any, base_dir: Path, where: str) -> Image.Image:
+    value = _image_value(value)
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, str) and value.startswith("data:"):
+            image = Image.open(io.BytesIO(base64.b64decode(value.partition(",")[2], validate=True)))
+        elif isinstance(value, str) and (os.path.isabs(value) or (base_dir / value).exists() or "/" in value
+                                         or value.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".gif"))):
+            image = Image.open(value if os.path.isabs(value) else base_dir / value)
+        elif isinstance(value, str):
+            image = Image.open(io.BytesIO(base64.b64decode(value, validate=True)))
+        else:
+            raise DatasetError(f"{where}: image must be a path, base64 string or data URI, got {type(value).__name__}")
+        image.load()
+        return image.convert("RGB")
+    except DatasetError:
+        raise
+    except Exception as e:
+        shown = value if isinstance(value, str) and len(value) < 80 else f"<{type(value).__name__}>"
+        raise DatasetError(f"{where}: cannot read image {shown!r}: {type(e).__name__}: {e}") from None
+
+
+def _with_image_parts(text: str, images: list, where: str) -> list[dict] | str:
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) == 1:
+        return text
+    parts: list[dict] = []
+    for k, piece in enumerate(pieces):
+        if piece:
+            parts.append({"type": "text", "text": piece})
+        if k < len(pieces) - 1:
+            parts.append({"type": "image", "image": images.pop(0)})
+    return parts
+
+
+def _count_placeholders(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in prompt if isinstance(m.get("content"), str))
+
+
+def load_rows(path: str | Path, cfg: DataConfig) -> list[PromptRow]:
+    """Validate every row of ``path`` into a PromptRow (images decoded, placeholders paired)."""
+    path = Path(path)
+    records = read_records(path)
+    if not records:
+        raise DatasetError(f"{path}: no rows")
+    image_key = (cfg.multimodal_keys or {}).get("image")
+    rows = []
+    for i, record in enumerate(records):
+        where = f"row {i} of {path.name}"
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
+        if cfg.input_key not in record:
+            raise DatasetError(f"{where}: missing prompt key '{cfg.input_key}' (--input-key); keys: {sorted(record)}")
+        prompt = record[cfg.input_key]
+        if isinstance(prompt, str):
+            pass
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            prompt = [dict(m) for m in prompt]
+        else:
+            raise DatasetError(f"{where}: prompt '{cfg.input_key}' must be a string or a list of chat messages")
+        raw_images = record.get(image_key) if image_key else None
+        raw_images = list(raw_images) if raw_images is not None else []
+        placeholders = _count_placeholders(prompt)
+        if placeholders != len(raw_images):
+            raise DatasetError(f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(raw_images)} images")
+        images = [_load_image(v, path.parent, f"{where}, image {k}") for k, v in enumerate(raw_images)]
+        pending = list(images)
+        if isinstance(prompt, str):
+            prompt = _with_image_parts(prompt, pending, where)
+        else:
+            for message in prompt:
+                if isinstance(message["content"], str):
+                    message["content"] = _with_image_parts(message["content"], pending, where)
+        metadata = record.get(cfg.metadata_key) or {}
+        if isinstance(metadata, str):
+            try:
+                metadata = json.loads(metadata)
+            except json.JSONDecodeError:
+                raise DatasetError(f"{where}: metadata '{cfg.metadata_key}' is a string but not JSON") from None
+        if not isinstance(metadata, dict):
+            raise DatasetError(f"{where}: metadata '{cfg.metadata_key}' must be an object")
+        metadata = dict(metadata)
+        if cfg.tool_key and record.get(cfg.tool_key):
+            tools = record[cfg.tool_key]
+            metadata["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+        label = record.get(cfg.label_key) if cfg.label_key else None
+        rows.append(PromptRow(i, prompt, label, metadata, images))
+    return rows
+
+
+class PromptDataset:
+    """Prompt groups in epoch order (reshuffled per epoch when ``shuffle``), with a saveable cursor."""
+
+    def __init__(self, rows: list[PromptRow], n_samples_per_prompt: int, shuffle: bool = False, seed: int = 0):
+        self.rows = rows
+        self.n = n_samples_per_prompt
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.cursor = 0
+        self.next_group = 0
+        self._order = self._epoch_order()
+
+    @classmethod
+    def from_config(cls, path: str, cfg: DataConfig, n_samples_per_prompt: int) -> PromptDataset:
+        return cls(load_rows(path, cfg), n_samples_per_prompt, cfg.rollout_shuffle, cfg.rollout_seed)
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        """The next ``num_prompts`` prompts, each as a group of ``n_samples_per_prompt`` Samples."""
+        groups = []
+        for _ in range(num_prompts):
+            if self.cursor >= len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            row = self.rows[self._order[self.cursor]]
+            self.cursor += 1
+            group = []
+            for k in range(self.n):
+                group.append(Sample(index=self.next_group * self.n + k, group_index=self.next_group,
+                                    prompt=_copy_prompt(row.prompt),
+                                    label=row.label, metadata={**row.metadata, "row": row.index},
+                                    multimodal_inputs={"images": list(row.images)} if row.images else None))
+            self.next_group += 1
+            groups.append(group)
+        return groups
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "next_group": self.next_group}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor, self.next_group = state["epoch"], state["cursor"], state["next_group"]
+        self._order = self._epoch_order()
+
+
+def _copy_prompt(prompt: Any) -> Any:
+    """Copy the message structure so samples never share lists; images (read-only) are shared."""
+    if isinstance(prompt, list):
+        return [_copy_prompt(p) for p in prompt]
+    if isinstance(prompt, dict):
+        return {k: _copy_prompt(v) for k, v in prompt.items()}
+    return prompt

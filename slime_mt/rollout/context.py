@@ -1,0 +1,97 @@
+"""``RolloutContext``: what every rollout needs, created once per run and passed explicitly.
+
+slime's plug-in signatures take only ``args``; the trainer puts the context on
+``args.rollout_context`` so user rollout and generate functions reach the engine client, the
+tokenizer/processor and the observation encoder without globals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime_mt.config import Config, DataConfig, RolloutConfig
+from slime_mt.engine.client import EngineClient
+from slime_mt.plugins import PluginError, load_module
+from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+from slime_mt.tokenization import ObservationEncoder
+
+
+@dataclass
+class RolloutContext:
+    client: EngineClient
+    processor: Any
+    rollout: RolloutConfig
+    data: DataConfig
+    args: argparse.Namespace
+    env_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(64, "slime-mt-env"))
+    _encoders: dict[str, ObservationEncoder] = field(default_factory=dict)
+    _env_module: Any = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
+        client = EngineClient(url, worker_urls, timeout=cfg.engine.engine_request_timeout,
+                              max_retries=cfg.engine.engine_max_retries)
+        ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
+        ctx.args.rollout_context = ctx
+        return ctx
+
+    @property
+    def tokenizer(self):
+        return tokenizer_of(self.processor)
+
+    def encoder(self, tools: list[dict] | None = None) -> ObservationEncoder:
+        """The observation encoder for a tool set (built once per distinct set)."""
+        key = json.dumps(tools, sort_keys=True, default=str) if tools else ""
+        if key not in self._encoders:
+            self._encoders[key] = ObservationEncoder(self.processor, tools=tools)
+        return self._encoders[key]
+
+    def build_env(self, sample) -> Any:
+        """``build_env(sample=..., args=...)`` of ``--rollout-interaction-env-path`` (None if unset)."""
+        path = self.rollout.rollout_interaction_env_path
+        if not path:
+            return None
+        if self._env_module is None:
+            module = load_module(path)
+            if not callable(getattr(module, "build_env", None)):
+                raise PluginError(f"--rollout-interaction-env-path {path}: module defines no build_env(sample, args)")
+            self._env_module = module
+        return self._env_module.build_env(sample=sample, args=self.args)
+
+    def sampling_params(self) -> dict:
+        """Per-run sampling params from the rollout config (``max_new_tokens`` is set per turn)."""
+        r = self.rollout
+        params = {"temperature": r.rollout_temperature, "top_p": r.rollout_top_p, "top_k": r.rollout_top_k,
+                  "max_new_tokens": r.rollout_max_response_len, "no_stop_trim": True}
+        if r.rollout_stop:
+            params["stop"] = list(r.rollout_stop)
+        if r.rollout_stop_token_ids:
+            params["stop_token_ids"] = list(r.rollout_stop_token_ids)
+        return params
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The run's event loop, on its own thread: the engine client's connections live on it, and
+        sync callers (slime's ``generate_rollout`` contract, the trainer) submit work to it."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="slime-mt-rollout-loop", daemon=True).start()
+        return self._loop
+
+    def run_sync(self, coro) -> Any:
+        """Run a coroutine on the run's loop from synchronous code and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self.run_sync(self.client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+        self.env_executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,125 @@
+"""Default ``--rollout-function-path``: prompt groups -> trajectories -> rewards -> kept groups.
+
+``generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`` (slime's
+contract). Each prompt becomes ``n_samples_per_prompt`` samples sharing ``group_index``; every sample
+runs through ``--custom-generate-function-path`` with at most ``rollout_concurrency`` in flight; the
+reward comes from ``--custom-rm-path`` (async, float or dict read at ``--reward-key``) or from the
+env's ``info["reward"]``; FAILED samples get reward 0 and are marked (advantages leave them out).
+With ``--dynamic-sampling-filter-path``, groups the filter rejects are dropped and more prompts are
+drawn (``--over-sampling-batch-size`` per round) until ``rollout_batch_size`` groups are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from tqdm import tqdm
+
+from slime_mt.plugins import load_function
+from slime_mt.rollout.context import RolloutContext
+from slime_mt.types import Sample, Status
+
+logger = logging.getLogger(__name__)
+
+MAX_OVERSAMPLING_ROUNDS = 16
+
+
+class RolloutError(RuntimeError):
+    """A rollout that cannot produce the requested data; names the flag to look at."""
+
+
+async def _expected_generate(args, sample, sampling_params):
+    """Contract of --custom-generate-function-path."""
+
+
+async def _expected_rm(args, sample):
+    """Contract of --custom-rm-path."""
+
+
+def _expected_filter(args, samples):
+    """Contract of --dynamic-sampling-filter-path."""
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    """slime's rollout contract, synchronous: runs the async rollout on the run's event loop."""
+    ctx: RolloutContext = args.rollout_context
+    return ctx.run_sync(rollout_groups(ctx, data_source, evaluation))
+
+
+async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    r = ctx.rollout
+    generate = load_function(r.custom_generate_function_path, _expected_generate, "--custom-generate-function-path")
+    rm = load_function(r.custom_rm_path, _expected_rm, "--custom-rm-path") if r.custom_rm_path else None
+    keep = None
+    if r.dynamic_sampling_filter_path and not evaluation:
+        keep = load_function(r.dynamic_sampling_filter_path, _expected_filter, "--dynamic-sampling-filter-path")
+    semaphore = asyncio.Semaphore(r.rollout_concurrency)
+    sampling_params = ctx.sampling_params()
+    target = r.rollout_batch_size
+    kept: list[list[Sample]] = []
+    rounds = 0
+    with tqdm(total=target * r.n_samples_per_prompt, desc="rollout", mininterval=1.0, leave=False) as bar:
+        while len(kept) < target:
+            rounds += 1
+            if rounds > MAX_OVERSAMPLING_ROUNDS:
+                raise RolloutError(f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} kept only "
+                                   f"{len(kept)} of {target} groups after {MAX_OVERSAMPLING_ROUNDS} rounds")
+            draw = target - len(kept) if keep is None else max(r.over_sampling_batch_size or target, target - len(kept))
+            groups = data_source.get_samples(draw)
+            done = await asyncio.gather(*(_run_group(ctx, g, generate, rm, sampling_params, semaphore, bar)
+                                          for g in groups))
+            for group in done:
+                if keep is None or _kept(keep(ctx.args, group)):
+                    kept.append(group)
+                else:
+                    for s in group:
+                        s.metadata["filtered"] = True
+    return kept[:target]
+
+
+def _kept(verdict: Any) -> bool:
+    return bool(getattr(verdict, "keep", verdict))
+
+
+async def _run_group(ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar) -> list[Sample]:
+    async def one(sample: Sample) -> Sample:
+        async with semaphore:
+            try:
+                result = await generate(ctx.args, sample, dict(sampling_params))
+            except Exception as e:  # a user generate function that raises fails its sample only
+                logger.exception("generate failed for sample %s", sample.index)
+                sample.status = Status.FAILED
+                sample.metadata["error"] = f"generate raised {type(e).__name__}: {e}"
+                result = sample
+        results = result if isinstance(result, list) else [result]
+        for s in results:
+            await _assign_reward(ctx, s, rm)
+        bar.update(1)
+        return results
+
+    nested = await asyncio.gather(*(one(s) for s in group))
+    return [s for results in nested for s in results]
+
+
+async def _assign_reward(ctx, sample: Sample, rm) -> None:
+    if sample.status == Status.FAILED:
+        sample.reward = 0.0
+        return
+    try:
+        value = await rm(ctx.args, sample) if rm is not None else sample.metadata.get("env_reward", 0.0)
+        if isinstance(value, dict):
+            key = ctx.rollout.reward_key
+            if key is None or key not in value:
+                raise RolloutError(f"reward function returned a dict {sorted(value)}; set --reward-key to one of them")
+            sample.metadata["reward_dict"] = value
+            value = value[key]
+        sample.reward = float(value)
+    except RolloutError:
+        raise
+    except Exception as e:
+        logger.exception("reward failed for sample %s", sample.index)
+        sample.status = Status.FAILED
+        sample.reward = 0.0
+        sample.metadata["error"] = f"reward raised {type(e).__name__}: {e}"

@@ -1,0 +1,48 @@
+"""Turn-level rollout metrics from finished samples (a pure function of the samples)."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+from slime_mt.types import Sample, Status
+
+
+def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    """Flat ``rollout/...`` metrics: rewards, turns, statuses, terminations, finish reasons, env
+    retries and failures, tokens per turn, engine vs env time, observation share of tokens."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    live = [s for s in samples if s.status != Status.FAILED]
+    rewards = [float(s.reward or 0.0) for s in live]
+    turns = [len(s.turns) for s in samples]
+    generated = sum(t.output_tokens for s in samples for t in s.turns)
+    observed = sum(t.observation_tokens for s in samples for t in s.turns)
+    all_turns = [t for s in samples for t in s.turns]
+    out: dict[str, float] = {
+        "rollout/samples": len(samples),
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/pass_rate": sum(r > 0 for r in rewards) / len(rewards) if rewards else 0.0,
+        "rollout/turns_mean": statistics.fmean(turns),
+        "rollout/turns_max": max(turns),
+        "rollout/response_tokens_mean": statistics.fmean(s.response_length for s in samples),
+        "rollout/generated_tokens": generated,
+        "rollout/observation_tokens": observed,
+        "rollout/observation_share": observed / max(generated + observed, 1),
+        "rollout/tokens_per_turn": generated / max(len(all_turns), 1),
+        "rollout/engine_seconds": sum(t.engine_seconds for t in all_turns),
+        "rollout/env_seconds": sum(t.env_seconds for t in all_turns),
+        "rollout/env_retries": sum(t.env_retries for t in all_turns),
+        "rollout/env_failures": sum(1 for s in samples if s.status == Status.FAILED),
+    }
+    for n, count in sorted(collections.Counter(turns).items()):
+        out[f"rollout/turns_hist/{n}"] = count
+    for status, count in collections.Counter(s.status.value for s in samples).items():
+        out[f"rollout/status/{status}"] = count
+    for reason, count in collections.Counter(s.metadata.get("termination", "error") for s in samples).items():
+        out[f"rollout/termination/{reason}"] = count
+    for reason, count in collections.Counter(t.finish_reason for t in all_turns).items():
+        out[f"rollout/finish_reason/{reason}"] = count
+    return out

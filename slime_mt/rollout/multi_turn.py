@@ -1,0 +1,232 @@
+"""The multi-turn loop: engine turn -> env step -> delta-encoded observation, until a stop condition.
+
+Per turn: the engine gets the context in its view (one image pad per image) and every image so far;
+its output tokens are appended with their log-probs (loss mask 1); ``env.step(text)`` answers; the
+observation is delta-encoded and appended (loss mask 0). Stops and resulting status:
+
+  env done -> COMPLETED            max_turns reached -> COMPLETED (last output kept, no observation)
+  engine "length" -> TRUNCATED     engine "abort" -> ABORTED
+  context budget exhausted, or an observation cut to fit -> TRUNCATED
+  env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
+
+``rollout_max_context_len`` bounds prompt + response; each turn's ``max_new_tokens`` is the smaller
+of ``rollout_max_response_len`` and what is left. The env is always closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+from envs.base import RetryableEnvError
+from slime_mt.engine.client import EngineError
+from slime_mt.engine.protocol import collapse_image_pads
+from slime_mt.multimodal import MultimodalBuffer
+from slime_mt.rollout.context import RolloutContext
+from slime_mt.types import Sample, Status, Turn
+
+logger = logging.getLogger(__name__)
+
+
+class EnvStepFailed(RuntimeError):
+    """The env failed past its retry budget (or with a non-retryable error)."""
+
+    def __init__(self, message: str, retries: int):
+        super().__init__(message)
+        self.retries = retries
+
+
+async def call_env(ctx: RolloutContext, fn, *args) -> Any:
+    """Call a sync or async env method; sync ones run on the env thread pool, off the event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    result = await asyncio.get_running_loop().run_in_executor(ctx.env_executor, fn, *args)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, bool, dict, int]:
+    """``env.step(text)`` retried on RetryableEnvError, timeouts and ``info["retryable"]``
+    -> (observation, done, info, retries). Raises EnvStepFailed past the budget or on other errors."""
+    budget = ctx.rollout.max_env_retries_per_turn
+    timeout = ctx.rollout.env_step_timeout
+    last = ""
+    for attempt in range(budget + 1):
+        try:
+            result = await asyncio.wait_for(call_env(ctx, env.step, text), timeout)
+        except RetryableEnvError as e:
+            last = f"RetryableEnvError: {e}"
+            continue
+        except asyncio.TimeoutError:
+            last = f"env step timed out after {timeout}s"
+            continue
+        except Exception as e:
+            raise EnvStepFailed(f"env step raised {type(e).__name__}: {e}", attempt) from e
+        if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict)
+                and isinstance(result[2], dict)):
+            raise EnvStepFailed(f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}",
+                                attempt)
+        observation, done, info = result
+        if info.get("retryable"):
+            last = f"env marked the step retryable: {info.get('error', info)}"
+            continue
+        return observation, bool(done), info, attempt
+    raise EnvStepFailed(f"env step failed {budget + 1} times; last: {last}", budget)
+
+
+class Trajectory:
+    """Mutable state of one episode: the sample, the engine view of its tokens, its images."""
+
+    def __init__(self, ctx: RolloutContext, sample: Sample):
+        self.ctx = ctx
+        self.sample = sample
+        self.buffer = MultimodalBuffer()
+        self.engine_ids: list[int] = []  # context with ONE pad per image (kept in step with sample.tokens)
+        self.image_token_id = getattr(ctx.processor, "image_token_id", None)
+
+    def _engine_view(self, ids: list[int]) -> list[int]:
+        return collapse_image_pads(ids, self.image_token_id)[0] if self.image_token_id is not None else ids
+
+    def start(self, encoded) -> None:
+        self.sample.set_prompt_tokens(encoded.ids)
+        self.engine_ids = self._engine_view(encoded.ids)
+        self.buffer.append(encoded.tensors, encoded.images)
+
+    def add_output(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        self.sample.append_model_tokens(ids, logprobs, text)
+        self.engine_ids.extend(ids)
+
+    def add_observation(self, encoded) -> None:
+        self.sample.append_observation_tokens(encoded.ids, encoded.text)
+        self.engine_ids.extend(self._engine_view(encoded.ids))
+        self.buffer.append(encoded.tensors, encoded.images)
+
+
+def fit_observation(encoded, room: int, image_token_id: int | None):
+    """Cut an encoded observation to ``room`` tokens; images whose pads do not fit entirely are
+    dropped with everything after them. -> (encoded, was_cut)."""
+    if len(encoded.ids) <= room:
+        return encoded, False
+    cut = max(room, 0)
+    kept_images = 0
+    if encoded.images:
+        position = 0
+        runs = []  # (start, end) of each image's pad run
+        while position < len(encoded.ids):
+            if encoded.ids[position] == image_token_id:
+                start = position
+                while position < len(encoded.ids) and encoded.ids[position] == image_token_id:
+                    position += 1
+                runs.append((start, position))
+            else:
+                position += 1
+        for start, end in runs:
+            if end <= cut:
+                kept_images += 1
+            else:
+                cut = min(cut, start)
+                break
+    from slime_mt.tokenization import Encoded
+
+    tensors = {}
+    if kept_images:
+        grid = encoded.tensors["image_grid_thw"][:kept_images]
+        rows = int(grid.prod(dim=-1).sum())
+        tensors = {"image_grid_thw": grid, "pixel_values": encoded.tensors["pixel_values"][:rows]}
+    return Encoded(encoded.ids[:cut], encoded.images[:kept_images], tensors, encoded.text), True
+
+
+async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict | None = None, env=None) -> Sample:
+    """Run one trajectory to its end; always returns the sample with a final status."""
+    r = ctx.rollout
+    sampling_params = dict(sampling_params or ctx.sampling_params())
+    tools = (sample.metadata or {}).get("tools")
+    encoder = ctx.encoder(tools)
+    traj = Trajectory(ctx, sample)
+    traj.start(encoder.encode_prompt(sample.prompt, ctx.data.apply_chat_template or not isinstance(sample.prompt, str)))
+    own_env = env is None
+    try:
+        if own_env:
+            env = ctx.build_env(sample)
+        if env is not None:
+            await call_env(ctx, env.reset)
+        await _turn_loop(ctx, traj, encoder, env, sampling_params, r)
+    except EnvStepFailed as e:
+        sample.status = Status.FAILED
+        sample.metadata["error"] = str(e)
+        if sample.turns:
+            sample.turns[-1].env_retries = e.retries
+    except EngineError as e:
+        sample.status = Status.FAILED
+        sample.metadata["error"] = f"engine: {e}"
+    except Exception as e:  # env construction/reset errors are infra failures of this sample only
+        logger.exception("sample %s failed", sample.index)
+        sample.status = Status.FAILED
+        sample.metadata["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if env is not None and own_env:
+            try:
+                await call_env(ctx, env.close)
+            except Exception:
+                logger.exception("env.close failed for sample %s", sample.index)
+    sample.multimodal_train_inputs = traj.buffer.finalize()
+    if traj.buffer.num_images:
+        sample.multimodal_inputs = {**(sample.multimodal_inputs or {}), "image_data": traj.buffer.image_data}
+    sample.weight_versions = [t.weight_version for t in sample.turns if t.weight_version is not None]
+    return sample
+
+
+async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r) -> None:
+    sample = traj.sample
+    for turn_index in range(r.max_turns):
+        room = r.rollout_max_context_len - len(sample.tokens)
+        if room <= 0:
+            sample.status = Status.TRUNCATED
+            sample.metadata["termination"] = "context_exhausted"
+            return
+        params = dict(sampling_params, max_new_tokens=min(r.rollout_max_response_len, room))
+        started = time.perf_counter()
+        response = await ctx.client.generate(traj.engine_ids, params, image_data=traj.buffer.image_data or None)
+        engine_seconds = time.perf_counter() - started
+        meta = response["meta_info"]
+        ids = list(response["output_ids"])
+        logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+        if len(logprobs) != len(ids):
+            raise EngineError(f"engine returned {len(ids)} tokens but {len(logprobs)} log-probs")
+        start = len(sample.tokens)
+        traj.add_output(ids, logprobs, response.get("text", ""))
+        finish = meta["finish_reason"]
+        turn = Turn(output_start=start, output_end=len(sample.tokens), observation_end=len(sample.tokens),
+                    finish_reason=finish["type"], weight_version=meta.get("weight_version"),
+                    engine_seconds=engine_seconds, num_images=traj.buffer.num_images)
+        sample.turns.append(turn)
+        if finish["type"] == "abort":
+            sample.status, sample.metadata["termination"] = Status.ABORTED, "engine_abort"
+            return
+        if finish["type"] == "length":
+            sample.status, sample.metadata["termination"] = Status.TRUNCATED, "engine_length"
+            return
+        last_turn = turn_index == r.max_turns - 1
+        if env is None:
+            sample.status, sample.metadata["termination"] = Status.COMPLETED, "no_env"
+            return
+        started = time.perf_counter()
+        observation, done, info, retries = await step_with_retries(ctx, env, response.get("text", ""))
+        turn.env_seconds, turn.env_retries = time.perf_counter() - started, retries
+        turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        if "reward" in info:
+            sample.metadata["env_reward"] = info["reward"]
+        if done or last_turn:
+            sample.status = Status.COMPLETED
+            sample.metadata["termination"] = "env_done" if done else "max_turns"
+            return
+        model_ended_turn = bool(ids) and ids[-1] == encoder.eot_id
+        encoded = encoder.encode_observation(env.format_observation(observation), model_ended_turn)
+        encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens), traj.image_token_id)
+        traj.add_observation(encoded)
+        turn.observation_end = len(sample.tokens)
+        if cut:
+            sample.status, sample.metadata["termination"] = Status.TRUNCATED, "observation_cut"
+            return

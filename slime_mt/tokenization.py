@@ -1,0 +1,119 @@
+"""Prompt and observation encoding. The framework encodes only prompts and observations (plus the
+template glue around them); model output is never re-tokenized.
+
+``ObservationEncoder`` uses the fixed-base trick: the chat template renders a fixed base conversation
+``[user, assistant]`` followed by the new observation message(s) and the generation prompt; everything
+after the base assistant turn's end-of-turn token is the delta. So no system or tool preamble is
+repeated, templates that inject a default system prompt (SmolLM2) or render earlier turns
+differently (Qwen3's think stripping) are handled, and glue after the end-of-turn token (Qwen's
+``\\n`` after ``<|im_end|>``) starts the delta, because the model stops AT ``<|im_end|>``. When the
+model's turn did not end with the end-of-turn token (a stop string matched), the delta starts with it.
+Images in observations go through the processor: pads expanded, tensors returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slime_mt.processing import QwenVLProcessor, tokenizer_of
+
+_BASE_USER = "slime_mt base question"
+_BASE_ASSISTANT = "slime_mt base answer 7f3a"
+
+
+class EncodingError(ValueError):
+    """A chat template that the delta trick cannot use; the message says what was rendered."""
+
+
+@dataclass
+class Encoded:
+    """Token ids (image pads expanded), the images they reference, and processor tensors."""
+
+    ids: list[int]
+    images: list[Any] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    text: str = ""
+
+
+def _image_parts(messages: list[dict]) -> list[Any]:
+    """Images of the messages' content parts, in order (``{"type": "image", "image": ...}``)."""
+    images = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part):
+                    image = part.get("image", part.get("image_url"))
+                    if image is None:
+                        raise EncodingError(f"image part without an 'image' value in message {message}")
+                    images.append(image)
+    return images
+
+
+class ObservationEncoder:
+    """Built once per run from a tokenizer (or a QwenVLProcessor) and its chat template."""
+
+    def __init__(self, tokenizer_or_processor: Any, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict | None = None):
+        self.processor = tokenizer_or_processor if isinstance(tokenizer_or_processor, QwenVLProcessor) else None
+        self.tokenizer = tokenizer_of(tokenizer_or_processor)
+        self.tools = tools
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.eot_id = self._end_of_turn_id()
+        self.eot_text = self.tokenizer.convert_ids_to_tokens(self.eot_id)
+        self._base = [{"role": "user", "content": _BASE_USER}, {"role": "assistant", "content": _BASE_ASSISTANT}]
+        base_text = self.render(self._base, add_generation_prompt=False)
+        anchor = base_text.find(_BASE_ASSISTANT)
+        if anchor < 0 or base_text.find(self.eot_text, anchor) < 0:
+            raise EncodingError(f"chat template does not end assistant turns with {self.eot_text!r}: {base_text!r}")
+
+    def _end_of_turn_id(self) -> int:
+        """The token that closes an assistant turn: the template's ``<|im_end|>`` (Qwen, SmolLM2) or eos."""
+        for candidate in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(candidate)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id and token_id is not None:
+                return token_id
+        if self.tokenizer.eos_token_id is None:
+            raise EncodingError("tokenizer has no end-of-turn or eos token")
+        return self.tokenizer.eos_token_id
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  tools=self.tools, **self.template_kwargs)
+
+    def _tokenize(self, text: str, images: list[Any]) -> Encoded:
+        if images:
+            if self.processor is None:
+                raise EncodingError(f"{len(images)} images in a conversation but the model has no image processor")
+            from slime_mt.engine.images import load_image
+
+            pil = [load_image(im, f"image {k}") if not hasattr(im, "convert") else im.convert("RGB")
+                   for k, im in enumerate(images)]
+            out = self.processor(text=text, images=pil)
+            tensors = {k: out[k] for k in ("pixel_values", "image_grid_thw")}
+            return Encoded(out["input_ids"][0].tolist(), pil, tensors, text)
+        return Encoded(self.tokenizer(text, add_special_tokens=False)["input_ids"], [], {}, text)
+
+    def encode_prompt(self, messages: list[dict] | str, apply_chat_template: bool = True) -> Encoded:
+        """The first context: the conversation with the generation prompt (or a raw string as is)."""
+        if isinstance(messages, str) and not apply_chat_template:
+            return self._tokenize(messages, [])
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self._tokenize(self.render(messages, add_generation_prompt=True), _image_parts(messages))
+
+    def encode_observation(self, messages: dict | list[dict], model_ended_turn: bool = True) -> Encoded:
+        """Delta tokens that follow the model's turn: template glue, the observation message(s), and
+        the next generation prompt. ``model_ended_turn``: the model's output ended with the
+        end-of-turn token; if not, the delta starts with it."""
+        messages = [messages] if isinstance(messages, dict) else list(messages)
+        full = self.render(self._base + messages, add_generation_prompt=True)
+        anchor = full.find(_BASE_ASSISTANT)
+        eot_at = full.find(self.eot_text, anchor)
+        if anchor < 0 or eot_at < 0:
+            raise EncodingError(f"base assistant turn not found in the rendered observation: {full[:300]!r}")
+        cut = eot_at if not model_ended_turn else eot_at + len(self.eot_text)
+        return self._tokenize(full[cut:], _image_parts(messages))

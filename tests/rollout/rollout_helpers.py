@@ -1,0 +1,73 @@
+"""Helpers for rollout tests: a context over a real engine, a client that records its requests,
+and small scripted environments."""
+
+import argparse
+import asyncio
+import random
+
+from envs.base import BaseInteractionEnv, RetryableEnvError
+from slime_mt.config import DataConfig, RolloutConfig
+from slime_mt.engine.client import EngineClient
+from slime_mt.processing import load_tokenizer_or_processor
+from slime_mt.rollout.context import RolloutContext
+
+
+class RecordingClient(EngineClient):
+    """The real client, keeping every /generate request and response for the assertions."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.calls = []
+
+    async def generate(self, input_ids=None, sampling_params=None, image_data=None, **kw):
+        response = await super().generate(input_ids, sampling_params, image_data=image_data, **kw)
+        self.calls.append({"input_ids": list(input_ids), "image_data": list(image_data or []),
+                           "sampling_params": dict(sampling_params), "response": response})
+        return response
+
+
+def make_ctx(url, model_path, data=None, **rollout) -> RolloutContext:
+    ctx = RolloutContext(RecordingClient(url), load_tokenizer_or_processor(model_path),
+                         RolloutConfig(**rollout), data or DataConfig(apply_chat_template=True), argparse.Namespace())
+    ctx.args.rollout_context = ctx
+    return ctx
+
+
+class ScriptedEnv(BaseInteractionEnv):
+    """Answers every turn with the next scripted observation; done after ``len(script)`` steps."""
+
+    def __init__(self, script, role="user", done_after=None, reward=1.0):
+        self.script = list(script)
+        self.observation_role = role
+        self.done_after = done_after
+        self.reward = reward
+        self.steps = []
+        self.closed = False
+
+    def step(self, response_text):
+        self.steps.append(response_text)
+        k = len(self.steps)
+        done = self.done_after is not None and k >= self.done_after
+        obs = self.script[(k - 1) % len(self.script)]
+        return obs, done, {"reward": self.reward if done else 0.0, "step": k}
+
+    def close(self):
+        self.closed = True
+
+
+class FlakyEnv(BaseInteractionEnv):
+    """Raises RetryableEnvError on ``p_retry`` of steps and hangs on ``p_hang`` (async), seeded."""
+
+    def __init__(self, seed, p_retry=0.3, p_hang=0.05, turns=3):
+        self.rng = random.Random(seed)
+        self.p_retry, self.p_hang, self.turns = p_retry, p_hang, turns
+        self.count = 0
+
+    async def step(self, response_text):
+        roll = self.rng.random()
+        if roll < self.p_hang:
+            await asyncio.sleep(3600)
+        if roll < self.p_hang + self.p_retry:
+            raise RetryableEnvError(f"tool server busy (roll {roll:.2f})")
+        self.count += 1
+        return {"text": f"ok {self.count}"}, self.count >= self.turns, {"reward": 1.0}
