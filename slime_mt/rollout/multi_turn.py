@@ -139,16 +139,16 @@ def fit_observation(encoded, room: int, image_token_id: int | None):
 
 
 async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict | None = None, env=None) -> Sample:
-    """Run one trajectory to its end; always returns the sample with a final status."""
+    """Run one trajectory to its end; always returns the sample with a final status. ``env``: an
+    environment to use (default: ``build_env`` of the context's env module); it is closed at the end."""
     r = ctx.rollout
     sampling_params = dict(sampling_params or ctx.sampling_params())
     tools = (sample.metadata or {}).get("tools")
     encoder = ctx.encoder(tools)
     traj = Trajectory(ctx, sample)
     traj.start(encoder.encode_prompt(sample.prompt, ctx.data.apply_chat_template or not isinstance(sample.prompt, str)))
-    own_env = env is None
     try:
-        if own_env:
+        if env is None:
             env = ctx.build_env(sample)
         if env is not None:
             await call_env(ctx, env.reset)
@@ -166,7 +166,7 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
         sample.status = Status.FAILED
         sample.metadata["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if env is not None and own_env:
+        if env is not None:
             try:
                 await call_env(ctx, env.close)
             except Exception:

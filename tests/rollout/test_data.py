@@ -1,0 +1,100 @@
+"""Prompt datasets: jsonl and parquet rows, <image> pairing, errors naming row and file, cursor."""
+
+import base64
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from slime_mt.config import DataConfig
+from slime_mt.data import DatasetError, PromptDataset, load_rows
+
+
+def png_bytes(color=(255, 0, 0), size=(20, 10)):
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CFG = DataConfig(input_key="problem", label_key="answer", multimodal_keys={"image": "images"})
+
+
+def test_jsonl_rows_with_images_from_path_base64_and_data_uri(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes((1, 2, 3)))
+    b64 = base64.b64encode(png_bytes((4, 5, 6))).decode()
+    rows = load_rows(write_jsonl(tmp_path / "train.jsonl", [
+        {"problem": "<image>Find x.", "answer": "4", "images": ["a.png"], "metadata": {"level": 2}},
+        {"problem": "Compare <image> and <image>", "answer": "1/2",
+         "images": [b64, "data:image/png;base64," + b64]},
+        {"problem": "No image here", "answer": 3},
+    ]), CFG)
+    assert rows[0].prompt == [{"type": "image", "image": rows[0].images[0]}, {"type": "text", "text": "Find x."}]
+    assert rows[0].images[0].getpixel((0, 0)) == (1, 2, 3)
+    assert rows[0].metadata == {"level": 2} and rows[0].label == "4"
+    assert [p["type"] for p in rows[1].prompt] == ["text", "image", "text", "image"]
+    assert rows[1].images[1].getpixel((0, 0)) == (4, 5, 6)
+    assert rows[2].prompt == "No image here" and rows[2].images == []
+
+
+def test_parquet_rows_with_image_structs(tmp_path):
+    table = pa.table({"problem": ["<image>How long is AB?"], "answer": ["5"],
+                      "images": [[{"bytes": png_bytes((9, 9, 9)), "path": None}]]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    [row] = load_rows(tmp_path / "train.parquet", CFG)
+    assert row.images[0].getpixel((0, 0)) == (9, 9, 9)
+    assert row.prompt[1] == {"type": "text", "text": "How long is AB?"}
+
+
+def test_chat_message_prompts_get_image_parts(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    [row] = load_rows(write_jsonl(tmp_path / "t.jsonl", [
+        {"problem": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "<image>x?"}],
+         "images": ["a.png"]}]), CFG)
+    assert row.prompt[0] == {"role": "system", "content": "Be exact."}
+    assert row.prompt[1]["content"][0]["type"] == "image"
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"problem": "<image><image>", "images": ["a.png"]}], r"row 0 of bad.jsonl: 2 <image> placeholders but 1 images"),
+    ([{"problem": "ok"}, {"problem": "none", "images": ["a.png"]}], r"row 1 of bad.jsonl: 0 <image> placeholders but 1"),
+    ([{"problem": "<image>", "images": ["missing.png"]}], r"row 0 of bad.jsonl, image 0: cannot read image"),
+    ([{"problem": "<image>", "images": ["data:image/png;base64,AAAA"]}], r"row 0 of bad.jsonl, image 0: cannot read"),
+    ([{"question": "x"}], r"row 0 of bad.jsonl: missing prompt key 'problem' \(--input-key\)"),
+    ([{"problem": 5}], r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages"),
+    ([{"problem": "x", "metadata": "not json"}], r"row 0 of bad.jsonl: metadata 'metadata' is a string but not JSON"),
+])
+def test_bad_rows_name_row_and_file(tmp_path, rows, message):
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    with pytest.raises(DatasetError, match=message):
+        load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), CFG)
+
+
+def test_bad_json_line_and_missing_file(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"problem": "a"}\n{oops\n')
+    with pytest.raises(DatasetError, match=r"row 2 of bad.jsonl: not valid JSON"):
+        load_rows(tmp_path / "bad.jsonl", CFG)
+    with pytest.raises(DatasetError, match="prompt data file not found"):
+        load_rows(tmp_path / "nope.jsonl", CFG)
+
+
+def test_groups_share_group_index_and_cursor_round_trips(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "t.jsonl", [{"problem": f"q{i}", "answer": i} for i in range(5)]), CFG)
+    data = PromptDataset(rows, n_samples_per_prompt=3, shuffle=True, seed=1)
+    first = data.get_samples(2)
+    assert [[s.group_index for s in g] for g in first] == [[0, 0, 0], [1, 1, 1]]
+    assert [s.index for g in first for s in g] == list(range(6))
+    state = data.state_dict()
+    following = [g[0].prompt for g in data.get_samples(6)]  # crosses an epoch boundary
+    resumed = PromptDataset(rows, n_samples_per_prompt=3, shuffle=True, seed=1)
+    resumed.load_state_dict(state)
+    assert [g[0].prompt for g in resumed.get_samples(6)] == following
+    epoch0 = [g[0].prompt for g in PromptDataset(rows, 1, shuffle=True, seed=1).get_samples(5)]
+    assert sorted(epoch0) == [f"q{i}" for i in range(5)] and epoch0 != [f"q{i}" for i in range(5)]

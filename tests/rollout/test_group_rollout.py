@@ -1,0 +1,101 @@
+"""Group rollouts with plug-ins given by file path: envs, reward functions, filters, and faults."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rollout_helpers import make_ctx
+from slime_mt.config import DataConfig
+from slime_mt.data import PromptDataset, load_rows
+from slime_mt.rollout.group_rollout import generate_rollout
+from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.types import Status
+
+REPO = Path(__file__).resolve().parents[2]
+STOPS = list(range(3, 151643, 4)) + [151645]
+DATA_CFG = DataConfig(input_key="prompt", label_key="secret", apply_chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def target(farm, tiny_paths):
+    return farm.target("q2group-direct", tiny_paths["qwen2"])
+
+
+def dataset(tmp_path, n_prompts, n_samples):
+    path = tmp_path / "guess.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Guess my number from 1 to 16 (game {i}).", "secret": 1 + i % 16})
+                            + "\n" for i in range(n_prompts)))
+    return PromptDataset(load_rows(path, DATA_CFG), n_samples)
+
+
+def context(target, **rollout):
+    defaults = dict(rollout_max_response_len=24, rollout_temperature=1.0, rollout_stop_token_ids=STOPS,
+                    rollout_concurrency=16)
+    ctx = make_ctx(target.url, target.model_path, data=DATA_CFG, **{**defaults, **rollout})
+    return ctx
+
+
+def test_example_env_by_file_path(target, tmp_path):
+    ctx = context(target, rollout_interaction_env_path=str(REPO / "examples/custom_env/guess_env.py"),
+                  rollout_batch_size=3, n_samples_per_prompt=4, max_turns=3)
+    groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 5, 4))
+    assert len(groups) == 3 and all(len(g) == 4 for g in groups)
+    assert [{s.group_index for s in g} for g in groups] == [{0}, {1}, {2}]
+    for s in (s for g in groups for s in g):
+        s.validate()
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+        assert isinstance(s.reward, float)
+        assert 1 <= len(s.turns) <= 3
+    metrics = rollout_metrics(groups)
+    assert metrics["rollout/samples"] == 12
+    assert sum(v for k, v in metrics.items() if k.startswith("rollout/status/")) == 12
+    assert sum(v for k, v in metrics.items() if k.startswith("rollout/turns_hist/")) == 12
+    assert metrics["rollout/generated_tokens"] > 0 and 0 < metrics["rollout/observation_share"] < 1
+
+
+def test_custom_reward_dict_and_dynamic_filter_by_path(target, tmp_path):
+    (tmp_path / "plugins.py").write_text(textwrap.dedent("""
+        async def rm(args, sample):
+            return {"score": float(len(sample.turns)), "length": sample.response_length}
+
+        def keep_even(args, samples):
+            return samples[0].group_index % 2 == 0
+    """))
+    ctx = context(target, custom_rm_path=f"{tmp_path}/plugins.py:rm", reward_key="score",
+                  dynamic_sampling_filter_path=f"{tmp_path}/plugins.py:keep_even", over_sampling_batch_size=4,
+                  rollout_batch_size=3, n_samples_per_prompt=2, max_turns=1)
+    groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 10, 2))
+    assert [g[0].group_index for g in groups] == [0, 2, 4]
+    for s in (s for g in groups for s in g):
+        assert s.reward == float(len(s.turns)) and s.metadata["reward_dict"]["length"] == s.response_length
+
+
+def test_flaky_env_over_64_trajectories(target, tmp_path):
+    (tmp_path / "flaky_env.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from rollout_helpers import FlakyEnv
+
+        def build_env(sample=None, args=None, **kw):
+            return FlakyEnv(seed=sample.index, p_retry=0.3, p_hang=0.05, turns=3)
+    """))
+    ctx = context(target, rollout_interaction_env_path=str(tmp_path / "flaky_env.py"), rollout_batch_size=16,
+                  n_samples_per_prompt=4, max_turns=4, env_step_timeout=0.5, max_env_retries_per_turn=2,
+                  rollout_concurrency=64)
+    groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 16, 4))
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 64
+    assert all(s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for s in samples)
+    failed = [s for s in samples if s.status == Status.FAILED]
+    assert failed, "with 35% faults per attempt and 2 retries some trajectories must fail"
+    for s in failed:
+        assert "env step failed 3 times; last:" in s.metadata["error"]
+        assert s.reward == 0.0
+    metrics = rollout_metrics(groups)
+    assert metrics["rollout/env_failures"] == len(failed)
+    assert metrics["rollout/env_retries"] >= len(failed) * 2
+    timeouts = [s for s in failed if "timed out after 0.5s" in s.metadata["error"]]
+    retryables = [s for s in failed if "RetryableEnvError" in s.metadata["error"]]
+    assert len(timeouts) + len(retryables) == len(failed)
