@@ -131,6 +131,8 @@ class AlgoConfig:
     use_tis: bool = _opt(False, "Truncated importance sampling against the rollout log-probs.")
     tis_clip: float = _opt(2.0, "TIS weight upper clip.")
     tis_clip_low: float = _opt(0.0, "TIS weight lower clip.")
+    tis_mode: str = _opt("token", "Off-policy correction: clip token or sequence weights, or mask outside the band.",
+                         choices=["token", "sequence", "token_mask", "geo_mean_mask"])
     loss_reduction: str = _opt(
         "token_mean",
         "How token losses are averaged over the global batch.",

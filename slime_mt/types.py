@@ -52,6 +52,7 @@ class Turn:
     env_info: dict = field(default_factory=dict)
     num_images: int = 0
     context_ids: list[int] | None = None
+    image_indices: list[int] | None = None  # images of a rewritten context (default: the first num_images)
 
     @property
     def context_end(self) -> int:
@@ -203,3 +204,33 @@ def _decode(value: Any) -> Any:
     if isinstance(value, list):
         return [_decode(v) for v in value]
     return value
+
+
+@dataclass
+class TrainingSample:
+    """One sequence to train on: a whole trajectory (concat) or one LLM turn (step-wise).
+
+    ``response_ids``, ``loss_mask`` and ``rollout_log_probs`` have equal lengths; observation tokens
+    inside a response have mask 0 and log-prob 0.0. ``trajectory_id`` ties the steps of one
+    trajectory together; ``group_id`` is its prompt group; ``is_last_step`` marks its final step.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    reward: float
+    trajectory_id: str
+    group_id: int
+    is_last_step: bool
+    stop_reason: str | None = None
+    multimodal_train_inputs: dict | None = None
+    status: Status = Status.COMPLETED
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.loss_mask)

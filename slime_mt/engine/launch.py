@@ -165,13 +165,14 @@ class EngineGroup:
 
 
 def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed: int = 0,
-                  tp_size: int = 1) -> EngineGroup:
-    """Connect to ``cfg.engine_url`` or launch ``cfg.num_engines`` engines (+ a router when > 1)."""
+                  tp_size: int = 1, connect_timeout: float = 30.0) -> EngineGroup:
+    """Connect to ``cfg.engine_url`` (waiting up to ``connect_timeout`` s for each) or launch
+    ``cfg.num_engines`` engines (+ a router when > 1)."""
     if cfg.engine_url:
         group = EngineGroup(cfg.engine_url[0], list(cfg.engine_url[1:] or cfg.engine_url))
         for url in group.worker_urls:
             try:
-                wait_healthy(url, timeout=30.0)
+                wait_healthy(url, timeout=connect_timeout)
             except TimeoutError as e:
                 raise LaunchError(f"--engine-url {url} does not answer /health: {e}") from None
         return group

@@ -22,7 +22,7 @@ def test_missing_sglang_names_the_gpu_extra(tmp_path):
 
 def test_engine_url_that_does_not_answer(tmp_path):
     with pytest.raises(LaunchError, match=r"--engine-url http://127.0.0.1:9 does not answer /health"):
-        start_engines(EngineConfig(engine_url=["http://127.0.0.1:9"]), "unused", tmp_path)
+        start_engines(EngineConfig(engine_url=["http://127.0.0.1:9"]), "unused", tmp_path, connect_timeout=1.0)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,149 @@
+"""RL policy losses on packed tokens.
+
+All per-token tensors are 1-D over the response tokens of a micro-batch, concatenated: ``[T]``.
+``seq_ids [T]`` (long) says which sequence each token belongs to (0..S-1, used by sequence-level
+terms); ``weights [T]`` are the global reduction weights from ``reduction_weights`` (0 on masked
+tokens), so ``sum(per_token_loss * weights)`` summed over micro-batches is the normalised loss of the
+whole global batch, whatever the micro-batch split.
+
+Terms: PPO clipped surrogate with asymmetric clip (``eps_clip``, ``eps_clip_high``) and dual clip
+(``eps_clip_c``); GSPO's sequence ratio; KL to a reference (k1, k2, k3 = low_var_kl); entropy bonus;
+off-policy correction against the rollout log-probs (token TIS, sequence TIS, token mask outside a
+band, geometric-mean sequence mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime_mt.config import AlgoConfig
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch of packed response tokens."""
+
+    log_probs: torch.Tensor  # [T] current policy (requires grad)
+    old_log_probs: torch.Tensor  # [T] policy before this step's updates (recomputed by the trainer)
+    rollout_log_probs: torch.Tensor  # [T] what the engine reported
+    advantages: torch.Tensor  # [T] per-token advantages (already times the loss mask)
+    weights: torch.Tensor  # [T] global reduction weights, 0 on masked tokens
+    seq_ids: torch.Tensor  # [T] long, sequence index of each token
+    ref_log_probs: torch.Tensor | None = None  # [T] reference policy, for the KL term
+    entropy: torch.Tensor | None = None  # [T] policy entropy per position
+
+
+def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """``values [T]`` summed per sequence -> ``[S]``."""
+    return torch.zeros(num_seqs, dtype=values.dtype).index_add(0, seq_ids, values)
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of pi vs ref ``[T]``: k1 = log r, k2 = (log r)^2 / 2,
+    k3 = low_var_kl = exp(-log r) - 1 + log r (clamped to [-10, 10]), with log r = lp - ref."""
+    log_ratio = log_probs - ref_log_probs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
+    raise ValueError(f"unknown KL type {kind!r}; use k1, k2, k3 or low_var_kl")
+
+
+def off_policy_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                       seq_ids: torch.Tensor, num_seqs: int, mode: str, low: float, high: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Importance weights between the trainer's old policy and the rollout engine -> (weights [T]
+    (no grad), kept-token mask [T], metrics). Modes: ``token`` TIS clip(w_t, low, high);
+    ``sequence`` TIS clip(prod_t w_t); ``token_mask`` drops tokens with w_t outside [low, high];
+    ``geo_mean_mask`` drops sequences whose geometric-mean weight is outside [low, high]."""
+    log_w = ((old_log_probs - rollout_log_probs) * mask).detach()
+    raw = torch.exp(log_w)
+    keep = mask.clone()
+    if mode == "token":
+        weights = raw.clamp(low, high)
+    elif mode == "sequence":
+        seq_w = torch.exp(segment_sum(log_w, seq_ids, num_seqs)).clamp(low, high)
+        weights = seq_w[seq_ids]
+    elif mode == "token_mask":
+        weights = torch.ones_like(raw)
+        keep = keep * ((raw >= low) & (raw <= high)).to(mask.dtype)
+    elif mode == "geo_mean_mask":
+        counts = segment_sum(mask, seq_ids, num_seqs).clamp_min(1)
+        geo = torch.exp(segment_sum(log_w, seq_ids, num_seqs) / counts)
+        weights = torch.ones_like(raw)
+        keep = keep * ((geo >= low) & (geo <= high))[seq_ids].to(mask.dtype)
+    else:
+        raise ValueError(f"unknown off-policy correction {mode!r}")
+    n = mask.sum().clamp_min(1)
+    live = mask > 0
+    metrics = {
+        "tis_weight_mean": float((weights * mask).sum() / n),
+        "tis_weight_min": float(weights[live].min()) if live.any() else 0.0,
+        "tis_weight_max": float(weights[live].max()) if live.any() else 0.0,
+        "tis_masked_fraction": float(((mask - keep) * mask).sum() / n),
+    }
+    return weights * keep, keep, metrics
+
+
+def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """-> (scalar loss = sum over tokens of per-token loss x weights, metric sums over tokens).
+
+    Metric values are token sums weighted by ``x.weights``; summing them over micro-batches gives
+    the global-batch mean under the configured reduction."""
+    mask = (x.weights > 0).to(x.log_probs.dtype)  # [T]
+    num_seqs = int(x.seq_ids.max()) + 1 if x.seq_ids.numel() else 0
+    log_ratio = x.log_probs - x.old_log_probs  # [T]
+    if cfg.advantage_estimator == "gspo":
+        counts = segment_sum(mask, x.seq_ids, num_seqs).clamp_min(1)
+        seq_log_ratio = segment_sum(log_ratio.detach() * mask, x.seq_ids, num_seqs) / counts  # [S]
+        # sg[s_i] * pi/sg[pi]: the value is the sequence ratio, the gradient flows per token
+        ratio = torch.exp(seq_log_ratio[x.seq_ids] + x.log_probs - x.log_probs.detach())
+    else:
+        ratio = torch.exp(log_ratio)
+    low, high = cfg.eps_clip, cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip
+    surrogate = -x.advantages * ratio
+    clipped = -x.advantages * ratio.clamp(1 - low, 1 + high)
+    pg = torch.maximum(surrogate, clipped)
+    clip_mask = (clipped > surrogate).to(pg.dtype)
+    if cfg.eps_clip_c is not None:
+        dual = -x.advantages * cfg.eps_clip_c
+        pg = torch.where(x.advantages < 0, torch.minimum(pg, dual), pg)
+    weights = x.weights
+    metrics: dict[str, float] = {}
+    if cfg.use_tis:
+        is_weights, keep, tis_metrics = off_policy_weights(x.old_log_probs, x.rollout_log_probs, mask, x.seq_ids,
+                                                           num_seqs, cfg.tis_mode, cfg.tis_clip_low, cfg.tis_clip)
+        pg = pg * is_weights
+        weights = weights * keep
+        metrics.update({k: v * float(x.weights.sum()) for k, v in tis_metrics.items()})
+    per_token = pg
+    if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
+        if x.ref_log_probs is None:
+            raise ValueError("--use-kl-loss needs reference log-probs")
+        kl = kl_penalty(x.log_probs, x.ref_log_probs, cfg.kl_loss_type)
+        per_token = per_token + cfg.kl_loss_coef * kl
+        metrics["kl"] = float((kl.detach() * x.weights).sum())
+    if cfg.entropy_coef != 0 and x.entropy is not None:
+        per_token = per_token - cfg.entropy_coef * x.entropy
+    loss = (per_token * weights).sum()
+    w = x.weights
+    metrics.update({
+        "pg_loss": float((pg.detach() * weights).sum()),
+        "clip_fraction": float((clip_mask * w).sum()),
+        "approx_kl": float((-log_ratio.detach() * w).sum()),
+        "train_rollout_logprob_abs_diff": float(((x.old_log_probs - x.rollout_log_probs).abs() * w).sum()),
+        "ratio_mean": float((ratio.detach() * w).sum()),
+    })
+    if x.entropy is not None:
+        metrics["entropy"] = float((x.entropy.detach() * w).sum())
+    return loss, metrics
+
+
+def sft_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the trainable tokens, under the same reduction weights."""
+    loss = -(x.log_probs * x.weights).sum()
+    return loss, {"sft_nll": float(loss.detach())}
