@@ -1,0 +1,141 @@
+"""Every patch that lets megatron-core run on a CPU-only machine (gloo), in one place.
+
+Applied by ``apply_cpu_patches()`` only when no GPU is present; each patch names the hard-coded CUDA
+call it replaces. Nothing here changes numerics: the same layers, the same collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+_APPLIED = False
+
+
+class CpuRNGStatesTracker:
+    """Replaces megatron's ``CudaRNGStatesTracker`` (``torch.cuda.get_rng_state``/``manual_seed``):
+    named CPU generator states, forked around model-parallel regions (dropout, init)."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        original = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        original = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+
+def _cpu_model_parallel_seed(seed: int, *args, **kwargs) -> None:
+    """Replaces ``model_parallel_cuda_manual_seed`` (calls ``torch.cuda.manual_seed``): the default
+    generator gets ``seed``, the tensor-parallel state ``seed + 2718 + tp_rank`` as megatron does."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(seed)
+    tracker = CpuRNGStatesTracker()
+    tracker.add(random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * tp_rank)
+    random._CUDA_RNG_STATE_TRACKER = tracker
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """Replaces ``get_default_causal_mask`` (allocates with ``device="cuda"``)."""
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cpu_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None, data_parallel_group=None):
+    """Replaces ``get_grad_norm_fp32`` (apex multi-tensor L2 norm on ``device='cuda'``): local norm
+    of this rank's grads, all-reduced over the model-parallel group (as megatron does)."""
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        local = max((g.abs().max() for g in grads_for_norm), default=torch.tensor(0.0))
+        total = torch.tensor([float(local)])
+        op = torch.distributed.ReduceOp.MAX
+    else:
+        total = torch.zeros(1)
+        for g in grads_for_norm:
+            total += torch.norm(g.float(), norm_type) ** norm_type
+        op = torch.distributed.ReduceOp.SUM
+    for group in (data_parallel_group, grad_stats_parallel_group):
+        if group is not None:
+            torch.distributed.all_reduce(total, op=op, group=group)
+    return float(total[0]) if norm_type == math.inf else float(total[0]) ** (1.0 / norm_type)
+
+
+def _cpu_clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Replaces ``clip_grad_by_total_norm_fp32`` (asserts ``torch.cuda.FloatTensor`` grads)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            grad = p.decoupled_grad if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.mul_(coeff)
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron-core for CPU when CUDA is absent; returns True when patches were applied."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    # torch.cuda.current_device() places buffers in DDP grad buffers, rotary inv_freq, the global
+    # memory buffer, TP gathers and M-RoPE: on a CPU-only torch it raises, so it answers "cpu".
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import utils as transformer_utils
+
+    random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    random.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    clip_grads.get_grad_norm_fp32 = _cpu_grad_norm_fp32
+    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
+    optimizer.get_grad_norm_fp32 = _cpu_grad_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
+    _APPLIED = True
+    return True

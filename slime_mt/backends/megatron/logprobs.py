@@ -1,0 +1,64 @@
+"""Per-token log-probs and entropy from vocab-sharded logits (tensor parallel), with gradients.
+
+Each TP rank holds ``logits [T, V/tp]`` for its vocabulary slice. ``log p(target) = z_target - logZ``
+with ``logZ`` from a max-shifted sum of exponentials reduced over the TP group; the entropy is
+``-sum p log p`` reduced the same way. The reductions use megatron's
+``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), so every rank
+computes the same loss and back-propagates into its own slice. Temperature divides the logits first,
+as the engine does. Positions are processed in chunks to bound the temporary ``[chunk, V/tp]`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _tp_group_info():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x)
+
+
+def _reduce_max(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    x = x.detach().clone()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [T, V/tp]`` (this rank's vocab slice), ``targets [T]`` (global ids) ->
+    (log-probs ``[T]``, entropy ``[T]`` or None). ``vocab_size``: real vocabulary (padded rows masked)."""
+    rank, tp = _tp_group_info()
+    local = logits.shape[-1]
+    start = rank * local
+    logprob_chunks, entropy_chunks = [], []
+    for begin in range(0, logits.shape[0], chunk):
+        z = logits[begin:begin + chunk].float() / temperature  # [C, V/tp]
+        if start + local > vocab_size:  # padded vocabulary rows never win
+            z = z.clone()
+            z[:, max(vocab_size - start, 0):] = float("-inf")
+        t = targets[begin:begin + chunk]
+        shifted = z - _reduce_max(z.max(dim=-1).values).unsqueeze(-1)  # [C, V/tp]
+        log_z = torch.log(_reduce_sum(torch.exp(shifted).sum(dim=-1)))  # [C]
+        owned = (t >= start) & (t < start + local)
+        local_index = (t - start).clamp(0, local - 1)
+        picked = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) * owned
+        logprob_chunks.append(_reduce_sum(picked) - log_z)
+        if with_entropy:
+            log_p = shifted - log_z.unsqueeze(-1)
+            p = torch.exp(log_p)
+            entropy_chunks.append(_reduce_sum(-(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)))
+    logprobs = torch.cat(logprob_chunks) if logprob_chunks else logits.new_zeros(0)
+    entropy = torch.cat(entropy_chunks) if with_entropy and entropy_chunks else None
+    return logprobs, entropy

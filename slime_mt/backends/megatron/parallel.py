@@ -1,0 +1,74 @@
+"""Process setup: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's TP/DP groups, seeds.
+
+Launched by ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) or as a single process
+(world size 1, a local TCP store on 127.0.0.1). DP = world / TP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slime_mt.backends.megatron.cpu_patches import apply_cpu_patches
+
+
+@dataclass
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
+    """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    gpu = torch.cuda.is_available()
+    apply_cpu_patches()
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            world = int(os.environ["WORLD_SIZE"])
+            if gpu:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if gpu else "gloo")
+        else:
+            world = 1
+            dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % tp_size:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the {world} launched processes")
+    if not gpu:
+        # one intra-op thread per process when processes share the 2 cores (oversubscription is slower)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelInfo(dist.get_rank(), world, parallel_state.get_tensor_model_parallel_rank(), tp_size,
+                        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
