@@ -114,6 +114,29 @@ def _cpu_clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad
                 grad.mul_(coeff)
 
 
+_torch_tensor = torch.tensor
+
+
+def _tensor_on_cpu(*args, **kwargs):
+    """``torch.tensor`` that places ``device="cuda"`` requests on the CPU."""
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return _torch_tensor(*args, **kwargs)
+
+
+def _allocating_on_cpu(init):
+    """Wrap an ``__init__`` whose ``torch.tensor(..., device='cuda')`` calls must land on the CPU."""
+
+    def wrapped(self, *args, **kwargs):
+        torch.tensor = _tensor_on_cpu
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.tensor = _torch_tensor
+
+    return wrapped
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU when CUDA is absent; returns True when patches were applied."""
     global _APPLIED
@@ -135,6 +158,10 @@ def apply_cpu_patches() -> bool:
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     clip_grads.get_grad_norm_fp32 = _cpu_grad_norm_fp32
     clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
+    # FP32Optimizer / MixedPrecisionOptimizer allocate their loss-scale and found-inf flags with
+    # torch.tensor(..., device='cuda') in __init__.
+    optimizer.FP32Optimizer.__init__ = _allocating_on_cpu(optimizer.FP32Optimizer.__init__)
+    optimizer.MixedPrecisionOptimizer.__init__ = _allocating_on_cpu(optimizer.MixedPrecisionOptimizer.__init__)
     optimizer.get_grad_norm_fp32 = _cpu_grad_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
     _APPLIED = True

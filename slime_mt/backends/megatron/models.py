@@ -108,7 +108,7 @@ def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.fl
         use_cpu_initialization=not gpu, perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True,
+        attention_softmax_in_fp32=True, mrope_section=list(spec.mrope_section) if spec.mrope_section else None,
     )
 
 
@@ -130,12 +130,7 @@ def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, pr
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    kwargs = {}
-    if spec.mrope_section is not None:
-        kwargs = {"position_embedding_type": "mrope", "mrope_section": list(spec.mrope_section)}
-    else:
-        kwargs = {"position_embedding_type": "rope"}
     return GPTModel(config, layer_spec, vocab_size=padded_vocab(spec.vocab_size, tp),
                     max_sequence_length=spec.max_positions, pre_process=pre_process, post_process=True,
                     share_embeddings_and_output_weights=spec.tie_embeddings, rotary_base=int(spec.rope_theta),
-                    **kwargs)
+                    position_embedding_type="mrope" if spec.mrope_section else "rope")
