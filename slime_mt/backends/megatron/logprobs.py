@@ -6,6 +6,7 @@ with ``logZ`` from a max-shifted sum of exponentials reduced over the TP group; 
 ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), so every rank
 computes the same loss and back-propagates into its own slice. Temperature divides the logits first,
 as the engine does. Positions are processed in chunks to bound the temporary ``[chunk, V/tp]`` tensors.
+The entropy has its own autograd function (see ``_VocabParallelEntropy``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,37 @@ def _reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(z) over the whole (sharded) vocabulary with the analytic gradient
+    dH/dz_v = -p_v (log p_v + H), computed locally from this rank's p_v and the global H.
+    (Differentiating through a reduce with identity backward would drop the other ranks' share of
+    dH/dlogZ.)"""
+
+    @staticmethod
+    def forward(ctx, shifted: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+        log_p = shifted - log_z.unsqueeze(-1)  # [C, V/tp]
+        p = torch.exp(log_p)
+        local = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+        entropy = _reduce_max_free_sum(local)
+        ctx.save_for_backward(p, log_p, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, log_p, entropy = ctx.saved_tensors
+        log_p = torch.where(p > 0, log_p, torch.zeros_like(log_p))
+        return -p * (log_p + entropy.unsqueeze(-1)) * grad.unsqueeze(-1), None
+
+
+def _reduce_max_free_sum(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    x = x.clone()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+    return x
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
                    with_entropy: bool = False, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits [T, V/tp]`` (this rank's vocab slice), ``targets [T]`` (global ids) ->
@@ -56,9 +88,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
         picked = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) * owned
         logprob_chunks.append(_reduce_sum(picked) - log_z)
         if with_entropy:
-            log_p = shifted - log_z.unsqueeze(-1)
-            p = torch.exp(log_p)
-            entropy_chunks.append(_reduce_sum(-(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)))
+            entropy_chunks.append(_VocabParallelEntropy.apply(shifted, log_z.detach()))
     logprobs = torch.cat(logprob_chunks) if logprob_chunks else logits.new_zeros(0)
     entropy = torch.cat(entropy_chunks) if with_entropy and entropy_chunks else None
     return logprobs, entropy
