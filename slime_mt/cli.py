@@ -14,6 +14,8 @@ from slime_mt.config import GROUPS, ConfigError, add_config_arguments, config_fr
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
     "serve": "Serve a HF model folder with the embedded engine (SGLang's HTTP API) on 127.0.0.1.",
+    "plot": "Write PNG curves (reward, turns, lengths, timings) of a run directory's metrics.",
+    "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
 }
 
 
@@ -34,6 +36,14 @@ def build_cli() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="Port (0: any free port).")
     serve.add_argument("--max-batch-size", type=int, default=32, help="Requests decoded together.")
     serve.add_argument("--seed", type=int, default=0, help="Sampling seed for requests without sampling_seed.")
+    plot = sub.add_parser("plot", help=COMMANDS["plot"], description=COMMANDS["plot"])
+    plot.add_argument("run_dir", help="Run directory holding metrics.jsonl.")
+    prep = sub.add_parser("prepare-data", help=COMMANDS["prepare-data"], description=COMMANDS["prepare-data"])
+    prep.add_argument("--out", required=True, help="Output folder (train.jsonl, test.jsonl, images/).")
+    prep.add_argument("--parquet", nargs="+", help="geo3k parquet file(s) on disk (fields problem, answer, images).")
+    prep.add_argument("--synthetic", type=int, help="Draw N synthetic geo3k-style problems instead.")
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--test-fraction", type=float, default=0.1)
     parser.epilog = "Commands:\n" + "\n".join(f"  {k:<8} {v}" for k, v in COMMANDS.items()) + \
         "\n\nFlags of 'train', grouped by concern:\n" + _indent(_flag_sections(train.format_help()))
     return parser
@@ -55,8 +65,37 @@ def resolved_yaml(cfg) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def _user_errors() -> tuple[type, ...]:
+    from slime_mt.assets.qwen_tokenizer import AssetError
+    from slime_mt.backends.megatron.actor import CheckpointError
+    from slime_mt.backends.megatron.models import ModelConfigError
+    from slime_mt.data import DatasetError
+    from slime_mt.engine.launch import LaunchError
+    from slime_mt.plugins import PluginError
+    from slime_mt.trainer import TrainSetupError
+
+    return (ConfigError, DatasetError, PluginError, ModelConfigError, LaunchError, TrainSetupError, AssetError,
+            CheckpointError)
+
+
+USER_ERRORS: tuple[type, ...] = (ConfigError,)
+
+
+def run_train(cfg) -> int:
+    """Preflight every input, then train. Errors in the inputs surface before anything is written."""
+    from slime_mt.trainer import preflight, train
+
+    preflight(cfg)
+    train(cfg)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "megatron", "uvicorn"):  # one line per request / per layer otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    global USER_ERRORS
+    USER_ERRORS = _user_errors()
     parser = build_cli()
     ns = parser.parse_args(argv)
     if ns.command is None:
@@ -67,18 +106,36 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed)
         return 0
+    if ns.command == "plot":
+        from slime_mt.metrics import plot_run
+
+        try:
+            for path in plot_run(ns.run_dir):
+                print(path)
+        except FileNotFoundError as e:
+            print(f"slime-mt plot: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if ns.command == "prepare-data":
+        from slime_mt.geo3k_data import prepare
+
+        try:
+            print(prepare(ns.out, ns.parquet, ns.synthetic, ns.seed, ns.test_fraction))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"slime-mt prepare-data: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:
         cfg = config_from_namespace(argparse.Namespace(**values))
-    except ConfigError as e:
-        print(f"slime-mt {ns.command}: error: {e}", file=sys.stderr)
+        if dry_run:
+            print(resolved_yaml(cfg), end="")
+            return 0
+        return run_train(cfg)
+    except USER_ERRORS as e:
+        print(f"slime-mt {ns.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    if ns.command == "train" and dry_run:
-        print(resolved_yaml(cfg), end="")
-        return 0
-    print("slime-mt train: the training loop is not available in this version; use --dry-run", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ class RolloutConfig:
     )
     merge_step_wise: bool = _opt(False, "Merge step-wise samples whose context extends the previous one.")
     mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
+    async_mode: bool = _opt(False, "slime's train_async: roll out step k+1 while step k trains (one step "
+                            "off-policy).", flag="--async", aliases=["async"])
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
     env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
 
@@ -225,7 +227,12 @@ FIELDS = _field_index()
 
 
 def flag_name(key: str) -> str:
+    if key in FIELDS and "flag" in FIELDS[key][1].metadata:
+        return FIELDS[key][1].metadata["flag"]
     return "--" + key.replace("_", "-")
+
+
+ALIASES = {alias: name for name, (_, f) in FIELDS.items() for alias in f.metadata.get("aliases", [])}
 
 
 def _base_type(f: dataclasses.Field) -> tuple[type, bool]:
@@ -401,6 +408,7 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     custom: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
+        key = ALIASES.get(key, key)
         if key in FIELDS:
             known[key] = _coerce(key, value, path)
         else:

@@ -45,10 +45,11 @@ def _expected_filter(args, samples):
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     """slime's rollout contract, synchronous: runs the async rollout on the run's event loop."""
     ctx: RolloutContext = args.rollout_context
-    return ctx.run_sync(rollout_groups(ctx, data_source, evaluation))
+    return ctx.run_sync(rollout_groups(ctx, data_source, evaluation, rollout_id))
 
 
-async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False) -> list[list[Sample]]:
+async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False,
+                         rollout_id: int | None = None) -> list[list[Sample]]:
     r = ctx.rollout
     generate = load_function(r.custom_generate_function_path, _expected_generate, "--custom-generate-function-path")
     rm = load_function(r.custom_rm_path, _expected_rm, "--custom-rm-path") if r.custom_rm_path else None
@@ -68,6 +69,9 @@ async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = Fa
                                    f"{len(kept)} of {target} groups after {MAX_OVERSAMPLING_ROUNDS} rounds")
             draw = target - len(kept) if keep is None else max(r.over_sampling_batch_size or target, target - len(kept))
             groups = data_source.get_samples(draw)
+            if rollout_id is not None:
+                for s in (s for g in groups for s in g):
+                    s.metadata["rollout_id"] = rollout_id
             done = await asyncio.gather(*(_run_group(ctx, g, generate, rm, sampling_params, semaphore, bar)
                                           for g in groups))
             for group in done:

@@ -31,6 +31,12 @@ from slime_mt.types import Sample, Status, Turn
 logger = logging.getLogger(__name__)
 
 
+def turn_seed(run_seed: int, rollout_id: int, sample_index: int, turn_index: int) -> int:
+    """A stable 31-bit sampling seed for one engine call."""
+    value = (run_seed * 1_000_003 + rollout_id) * 1_000_033 + sample_index
+    return (value * 1_009 + turn_index) % (2**31 - 1)
+
+
 class EnvStepFailed(RuntimeError):
     """The env failed past its retry budget (or with a non-retryable error)."""
 
@@ -187,6 +193,10 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             sample.metadata["termination"] = "context_exhausted"
             return
         params = dict(sampling_params, max_new_tokens=min(r.rollout_max_response_len, room))
+        if "sampling_seed" not in params and "rollout_id" in sample.metadata:
+            # a seed per (run seed, step, sample, turn): a resumed run samples what the original did
+            params["sampling_seed"] = turn_seed(ctx.data.rollout_seed, sample.metadata["rollout_id"],
+                                                sample.index or 0, turn_index)
         started = time.perf_counter()
         response = await ctx.client.generate(traj.engine_ids, params, image_data=traj.buffer.image_data or None)
         engine_seconds = time.perf_counter() - started

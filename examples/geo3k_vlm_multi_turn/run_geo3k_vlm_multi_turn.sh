@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# geo3k VLM multi-turn GRPO on GPUs: Qwen3-VL-2B-Instruct from a local HF folder, SGLang engines
+# behind sglang-router, Megatron with tensor parallelism, asymmetric PPO clip (as slime's recipe).
+#   MODEL=/models/Qwen3-VL-2B-Instruct GEO3K=/data/geo3k \
+#   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh [TP] [extra slime-mt flags]
+# GEO3K holds the geo3k parquet files (train-*.parquet, test-*.parquet). --dry-run prints the
+# resolved configuration and exits.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+TP="${1:-2}"
+shift || true
+MODEL="${MODEL:?set MODEL to a local Qwen3-VL-2B-Instruct folder}"
+GEO3K="${GEO3K:-}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+NUM_GPUS="${NUM_GPUS:-8}"
+NUM_ENGINES="${NUM_ENGINES:-$((NUM_GPUS / 2))}"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/geo3k_qwen3vl_2b}"
+DATA="$RUN_DIR/data"
+DRY_RUN=0
+for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY_RUN=1; done
+if [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.jsonl" ]; then
+    if [ -z "$GEO3K" ]; then echo "set GEO3K to the folder of the geo3k parquet files" >&2; exit 2; fi
+    "$PY" scripts/prepare_geo3k.py --parquet "$GEO3K"/*.parquet --out "$DATA"
+fi
+ARGS=(
+    --hf-checkpoint "$MODEL"
+    --prompt-data "$DATA/train.jsonl" --eval-prompt-data "$DATA/test.jsonl" --eval-interval 20
+    --input-key messages --label-key answer --tool-key tools --multimodal-keys '{"image": "images"}'
+    --apply-chat-template
+    --rollout-interaction-env-path envs/geo3k.py --max-turns 3
+    --rollout-max-response-len 4096 --rollout-max-context-len 16384
+    --rollout-temperature 1.0 --rollout-top-p 1.0
+    --n-samples-per-prompt 8 --rollout-batch-size 64 --global-batch-size 512 --micro-batch-size 1
+    --max-tokens-per-micro-batch 16384 --num-rollout 200 --rollout-shuffle
+    --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
+    --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl --entropy-coef 0.0
+    --use-tis --tis-clip 2.0
+    --lr 1e-6 --weight-decay 0.1 --clip-grad 1.0 --bf16
+    --tensor-model-parallel-size "$TP"
+    --engine sglang --num-engines "$NUM_ENGINES" --sglang-mem-fraction-static 0.7
+    --save "$RUN_DIR/ckpt" --save-interval 20 --log-dir "$RUN_DIR"
+)
+if [ "$DRY_RUN" = 1 ]; then
+    exec "$PY" -m slime_mt.cli train "${ARGS[@]}" "$@"
+fi
+exec "$PY" -m torch.distributed.run --nproc-per-node "$TP" -m slime_mt.cli train "${ARGS[@]}" "$@"

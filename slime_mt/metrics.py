@@ -1,0 +1,111 @@
+"""Metrics sinks: one JSONL line per step (always), TensorBoard when installed, W&B when asked, a
+console summary line; and ``slime-mt plot RUN_DIR`` curves (reward, turns, lengths, timings)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_KEYS = [("rollout/reward_mean", "reward"), ("rollout/turns_mean", "turns"), ("train/loss", "loss"),
+                ("train/grad_norm", "gnorm"), ("train/entropy", "entropy"), ("time/step_seconds", "s")]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, use_tensorboard: bool = True, use_wandb: bool = False,
+                 wandb_project: str | None = None, config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._tb = None
+        self._wandb = None
+        if use_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                logger.info("tensorboard not installed; metrics go to %s only", self.path)
+        if use_wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("--use-wandb needs the wandb package: pip install wandb") from e
+            self._wandb = wandb.init(project=wandb_project or "slime_mt", config=config or {}, dir=str(self.run_dir))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps >= ``step`` (a resumed run rewrites them)."""
+        if not self.path.is_file():
+            return
+        lines = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        tmp.replace(self.path)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        parts = [f"{label} {clean[key]:.4g}" for key, label in SUMMARY_KEYS if key in clean]
+        print(f"[step {step}] " + " | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a slime-mt run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+PLOTS = {
+    "reward.png": ["rollout/reward_mean", "eval/reward_mean", "rollout/pass_rate"],
+    "turns.png": ["rollout/turns_mean", "rollout/turns_max"],
+    "lengths.png": ["rollout/response_tokens_mean", "rollout/tokens_per_turn", "rollout/observation_share"],
+    "timings.png": ["time/rollout_seconds", "time/train_seconds", "time/sync_seconds", "time/step_seconds"],
+    "train.png": ["train/loss", "train/grad_norm", "train/entropy", "train/clip_fraction"],
+}
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write PNG curves of a run's metrics into ``run_dir/plots`` -> the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for name, keys in PLOTS.items():
+        present = [k for k in keys if any(k in r for r in rows)]
+        if not present:
+            continue
+        fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), squeeze=False)
+        for ax, key in zip(axes[:, 0], present):
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+            ax.set_title(key)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=90)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written

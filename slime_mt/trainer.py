@@ -1,0 +1,281 @@
+"""The RL loop (``slime-mt train``), written out step by step.
+
+Launched with ``torchrun`` (one process per TP rank) or as one process. Rank 0 owns the engines, the
+data and the rollout; every rank owns its Megatron shard. Per step:
+
+  rollout (rank 0) -> finalize (--sample-format, --merge-step-wise) -> advantages -> broadcast
+  -> Megatron train step(s) -> HF weights to the engine (bumps weight_version) -> metrics
+  -> checkpoint every --save-interval and at the end.
+
+``--async``: the rollout of step k+1 runs (engine thread + rollout loop) while step k trains, one
+step off-policy; the version gap is recorded and TIS (--use-tis) corrects for it. Ctrl-C finishes
+the current step, saves, and stops the engines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from slime_mt.algo.advantages import compute_advantages
+from slime_mt.config import Config, ConfigError
+from slime_mt.data import PromptDataset
+from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.types import Status
+
+logger = logging.getLogger(__name__)
+
+
+class TrainSetupError(RuntimeError):
+    """Something the run needs is missing or broken; raised before anything is written."""
+
+
+@dataclasses.dataclass
+class RolloutSide:
+    """What rank 0 owns: engines, rollout context, data, rollout function, metrics."""
+
+    engines: object
+    ctx: object
+    data: PromptDataset
+    eval_data: PromptDataset | None
+    rollout_fn: object
+    metrics: object
+    weights_dir: Path
+    data_state_before_prefetch: dict | None = None
+
+
+def preflight(cfg: Config) -> None:
+    """Check every input before anything is launched or written; one clear error per problem."""
+    from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
+    from slime_mt.data import load_rows
+    from slime_mt.plugins import load_function, load_module
+
+    t = cfg.train
+    if not t.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
+    if not Path(t.hf_checkpoint).is_dir():
+        raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
+    decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json")
+    if not cfg.data.prompt_data:
+        raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
+    load_rows(cfg.data.prompt_data, cfg.data)
+    if cfg.data.eval_prompt_data:
+        load_rows(cfg.data.eval_prompt_data, cfg.data)
+    r = cfg.rollout
+    load_function(r.rollout_function_path, what="--rollout-function-path")
+    load_function(r.custom_generate_function_path, what="--custom-generate-function-path")
+    if r.custom_rm_path:
+        load_function(r.custom_rm_path, what="--custom-rm-path")
+    if r.dynamic_sampling_filter_path:
+        load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
+    if r.rollout_interaction_env_path:
+        module = load_module(r.rollout_interaction_env_path)
+        if not callable(getattr(module, "build_env", None)):
+            raise TrainSetupError(f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
+                                  "the module defines no build_env(sample=None, args=None, **kw)")
+    for url in cfg.engine.engine_url or []:
+        from slime_mt.engine.server import wait_healthy
+
+        try:
+            wait_healthy(url, timeout=10.0)
+        except TimeoutError as e:
+            raise TrainSetupError(f"--engine-url {url} does not answer: {e}") from None
+    if cfg.checkpoint.load and not (Path(cfg.checkpoint.load) / "latest").is_file():
+        raise TrainSetupError(f"--load {cfg.checkpoint.load}: no checkpoint there (no 'latest' file)")
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.log_dir or cfg.checkpoint.save or tempfile.mkdtemp(prefix="slime-mt-run-"))
+
+
+def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
+    from slime_mt.engine.launch import start_engines
+    from slime_mt.metrics import MetricsLogger
+    from slime_mt.plugins import load_function
+    from slime_mt.rollout.context import RolloutContext
+
+    data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
+    eval_data = PromptDataset.from_config(cfg.data.eval_prompt_data, cfg.data, 1) if cfg.data.eval_prompt_data else None
+    engines = start_engines(cfg.engine, cfg.train.hf_checkpoint, run_dir / "logs", seed=cfg.train.seed,
+                            tp_size=cfg.train.tensor_model_parallel_size)
+    ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+    rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
+    metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
+    return RolloutSide(engines, ctx, data, eval_data, rollout_fn, metrics, run_dir / "weights")
+
+
+def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
+    samples = [s for g in groups for s in g]
+    train_samples, merge_metrics = finalize(samples, cfg.rollout.sample_format, cfg.rollout.merge_step_wise,
+                                            cfg.rollout.mask_truncated)
+    advantages = compute_advantages(train_samples, cfg.algo.advantage_estimator, cfg.algo.normalize_advantages_std)
+    return train_samples, advantages, merge_metrics
+
+
+def _push_weights(cfg: Config, side: RolloutSide, named: dict[str, torch.Tensor], version: str) -> None:
+    """New weights to every engine: in-process for embedded engines, a safetensors folder otherwise."""
+    engines = side.engines
+    if engines.local_engines:
+        for engine in engines.local_engines:
+            engine.update_weights_from_tensors(named, weight_version=version)
+        return
+    folder = side.weights_dir / f"v{version}"
+    tmp = side.weights_dir / f".tmp_v{version}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"))
+    os.replace(tmp, folder)
+    side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=version))
+
+
+def _version_metrics(groups, version: int) -> dict[str, float]:
+    """Weight versions the samples were generated with, and the gap to the version being trained."""
+    versions = [int(v) for g in groups for s in g for v in s.weight_versions if str(v).isdigit()]
+    if not versions:
+        return {"rollout/weight_version_gap": 0.0}
+    return {"rollout/weight_version_gap": float(version - min(versions)),
+            "rollout/sample_weight_version_min": float(min(versions)),
+            "rollout/sample_weight_version_max": float(max(versions))}
+
+
+def _broadcast(obj, info):
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dp_share(train_samples, advantages, info):
+    """This DP rank's prompt groups (whole groups, round robin)."""
+    if info.dp_size == 1:
+        return train_samples, advantages
+    keep = [i for i, s in enumerate(train_samples) if s.group_id % info.dp_size == info.dp_rank]
+    return [train_samples[i] for i in keep], [advantages[i] for i in keep]
+
+
+def train(cfg: Config) -> None:
+    from slime_mt.backends.megatron.actor import MegatronActor
+    from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
+
+    info = init_parallel(cfg.train.tensor_model_parallel_size, cfg.train.seed)
+    run_dir = run_dir_of(cfg)
+    r = cfg.rollout
+    prompts_per_step = cfg.train.global_batch_size // r.n_samples_per_prompt
+    steps_per_rollout = max(r.rollout_batch_size // prompts_per_step, 1)
+    actor = MegatronActor(cfg.train.hf_checkpoint, cfg.train, cfg.algo, info, temperature=r.rollout_temperature,
+                          norm_max_len=r.rollout_max_context_len, total_steps=r.num_rollout * steps_per_rollout)
+    side = _setup_rollout(cfg, run_dir) if info.is_main else None
+    start = 0
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        stop["requested"] = True
+        logger.warning("interrupt: finishing this step, saving, stopping engines")
+
+    previous = signal.signal(signal.SIGINT, request_stop)
+    try:
+        if cfg.checkpoint.load:
+            extra = actor.load(cfg.checkpoint.load)
+            start = int(extra["rollout_step"])
+            if side is not None:
+                side.data.load_state_dict(extra["data"])
+                side.metrics.truncate_after(start)
+        named = actor.export_hf()
+        if side is not None and cfg.checkpoint.load:
+            _push_weights(cfg, side, named, str(start))
+        pool = concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout") if cfg.rollout.async_mode and side \
+            else None
+        pending = None
+        for step in range(start, r.num_rollout):
+            t0 = time.perf_counter()
+            payload = None
+            if side is not None:
+                if pending is not None:
+                    groups, rollout_started, rollout_seconds = pending.result()
+                else:
+                    rollout_started = time.time()
+                    began = time.perf_counter()
+                    groups = side.rollout_fn(side.ctx.args, step, side.data)
+                    rollout_seconds = time.perf_counter() - began
+                train_samples, advantages, merge_metrics = _prepare(cfg, groups)
+                pending = None
+                if pool is not None and step + 1 < r.num_rollout:
+                    pending = pool.submit(_timed_rollout, side, step + 1)
+                payload = (train_samples, advantages, merge_metrics, rollout_metrics(groups), rollout_seconds,
+                           rollout_started, _version_metrics(groups, step))
+            train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = \
+                _broadcast(payload, info)
+            mine, my_adv = _dp_share(train_samples, advantages, info)
+            train_started = time.time()
+            t_metrics = actor.train(mine, my_adv, prompts_per_step=max(prompts_per_step // info.dp_size, 1),
+                                    on_policy=not cfg.rollout.async_mode)
+            train_finished = time.time()
+            t_sync = time.perf_counter()
+            named = actor.export_hf()
+            if side is not None:
+                _push_weights(cfg, side, named, str(step + 1))
+            sync_seconds = time.perf_counter() - t_sync
+            if side is not None:
+                metrics = {**r_metrics, **t_metrics, **merge_metrics, **versions,
+                           "rollout/weight_version": float(step + 1),
+                           "time/rollout_seconds": rollout_seconds, "time/train_seconds": t_metrics["train/seconds"],
+                           "time/sync_seconds": sync_seconds, "time/step_seconds": time.perf_counter() - t0,
+                           "time/rollout_started": rollout_started, "time/train_started": train_started,
+                           "time/train_finished": train_finished}
+                if cfg.checkpoint.eval_interval and (step + 1) % cfg.checkpoint.eval_interval == 0 and side.eval_data:
+                    metrics.update(_evaluate(cfg, side, step))
+                side.metrics.log(step, metrics)
+            last = step + 1 == r.num_rollout or stop["requested"]
+            if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
+                data_state = side.data.state_dict() if side is not None else None
+                if pending is not None:  # the prefetched rollout already advanced the data: save the cursor before it
+                    data_state = side.data_state_before_prefetch
+                actor.save(cfg.checkpoint.save, _broadcast({"rollout_step": step + 1, "data": data_state}, info))
+            if stop["requested"]:
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if side is not None:
+            side.metrics.close()
+            side.ctx.close()
+            side.engines.stop()
+        destroy_parallel()
+
+
+def _timed_rollout(side: RolloutSide, step: int):
+    side.data_state_before_prefetch = side.data.state_dict()
+    started = time.time()
+    began = time.perf_counter()
+    groups = side.rollout_fn(side.ctx.args, step, side.data)
+    return groups, started, time.perf_counter() - began
+
+
+def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:
+    eval_rollout = dataclasses.replace(cfg.rollout, n_samples_per_prompt=1, rollout_batch_size=len(side.eval_data.rows),
+                                       dynamic_sampling_filter_path=None)
+    ctx = dataclasses.replace(side.ctx, rollout=eval_rollout)
+    side.eval_data.load_state_dict({"epoch": 0, "cursor": 0, "next_group": 0})
+    from slime_mt.rollout.group_rollout import rollout_groups
+
+    groups = ctx.run_sync(rollout_groups(ctx, side.eval_data, evaluation=True, rollout_id=10_000_000 + step))
+    rewards = [float(s.reward or 0.0) for g in groups for s in g if s.status != Status.FAILED]
+    return {"eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1), "eval/samples": len(rewards)}
+
+
+def describe(cfg: Config) -> str:
+    return json.dumps({g: dataclasses.asdict(getattr(cfg, g)) for g in ("data", "rollout", "engine", "algo", "train",
+                                                                         "checkpoint")}, indent=1, default=str)

@@ -1,0 +1,194 @@
+"""The RL loop end to end on CPU: tiny Qwen2.5-VL, synthetic geo3k, embedded engine, Megatron.
+
+Each test launches ``slime-mt train`` as real processes (TP=1, or TP=2 under torchrun)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_mt.engine.launch import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+STOPS = [str(t) for t in list(range(3, 151643, 37)) + [151645]]
+REQUIRED = [
+    "rollout/reward_mean", "rollout/reward_std", "rollout/pass_rate", "rollout/turns_mean", "rollout/env_retries",
+    "rollout/env_failures", "rollout/response_tokens_mean", "rollout/observation_tokens", "rollout/engine_seconds",
+    "rollout/env_seconds", "time/train_seconds", "time/sync_seconds", "time/rollout_seconds", "train/loss",
+    "train/pg_loss", "train/entropy", "train/clip_fraction", "train/grad_norm", "train/approx_kl",
+    "train/train_rollout_logprob_abs_diff", "train/sequences_before_merge", "train/sequences_after_merge",
+    "rollout/weight_version_gap",
+]
+PLUGINS = '''
+async def rm(args, sample):
+    """Deterministic, varied rewards so that GRPO advantages are never all zero."""
+    return float(sum(sample.tokens[-sample.response_length:]) % 3 == 0) + 0.1 * (sample.response_length % 2)
+'''
+
+
+@pytest.fixture(scope="module")
+def geo3k(tmp_path_factory):
+    out = tmp_path_factory.mktemp("geo3k")
+    subprocess.run([sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--synthetic", "16", "--out", str(out)],
+                   check=True, capture_output=True)
+    (out / "plugins.py").write_text(PLUGINS)
+    return out
+
+
+def train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int = 2) -> list[str]:
+    from slime_mt.assets import tiny_model_dir
+
+    launch = [sys.executable, "-m", "slime_mt.cli"]
+    if tp > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr",
+                  "127.0.0.1", "--master-port", str(free_port()), "-m", "slime_mt.cli"]
+    return launch + [
+        "train", "--hf-checkpoint", str(tiny_model_dir("qwen2.5-vl")),
+        "--prompt-data", str(geo3k / "train.jsonl"), "--input-key", "messages", "--label-key", "answer",
+        "--tool-key", "tools", "--multimodal-keys", '{"image": "images"}',
+        "--rollout-interaction-env-path", str(REPO / "envs/geo3k.py"), "--custom-rm-path", f"{geo3k}/plugins.py:rm",
+        "--max-turns", "3", "--rollout-max-response-len", "24", "--rollout-max-context-len", "1024",
+        "--rollout-stop-token-ids", *STOPS, "--n-samples-per-prompt", "2", "--rollout-batch-size", "2",
+        "--global-batch-size", "4", "--micro-batch-size", "2", "--num-rollout", str(steps), "--lr", "1e-4",
+        "--tensor-model-parallel-size", str(tp), "--save", str(run / "ckpt"), "--log-dir", str(run), *extra]
+
+
+def run(cmd, timeout=600, **kw):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, **kw)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict:
+    ckpt = run_dir / "ckpt"
+    return torch.load(ckpt / (ckpt / "latest").read_text() / "rank_000.pt", weights_only=True)["model"]
+
+
+def initial_decoder(name: str) -> torch.Tensor:
+    from slime_mt.assets import tiny_model_dir
+    from slime_mt.backends.megatron.convert import load_hf_state
+
+    return load_hf_state(tiny_model_dir("qwen2.5-vl"))[name]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_steps_end_to_end(geo3k, tmp_path, tp):
+    proc = run(train_cmd(geo3k, tmp_path, tp=tp))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in REQUIRED:
+        assert all(key in r for r in rows), key
+    assert max(r["rollout/turns_max"] for r in rows) >= 2  # multi-turn rollouts happened
+    assert rows[0]["train/grad_norm"] > 0
+    # the engine's weight version advanced and the second rollout's samples were generated with version 1
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
+    assert rows[1]["rollout/sample_weight_version_min"] == 1.0
+    # weights changed, and the checkpoint exists
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000002"
+    state = final_weights(tmp_path)
+    norm = state["gpt.decoder.final_layernorm.weight"]
+    assert not torch.equal(norm, initial_decoder("model.norm.weight"))
+
+
+def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path):
+    deterministic = ["--rollout-concurrency", "1", "--save-interval", "1"]
+    straight = tmp_path / "straight"
+    proc = run(train_cmd(geo3k, straight, *deterministic, steps=4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    child = subprocess.Popen(train_cmd(geo3k, killed, *deterministic, steps=4), cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # step index 2 (the third step) has started once two lines are logged
+        if (killed / "metrics.jsonl").is_file() and len((killed / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert (killed / "ckpt" / "latest").read_text() == "iter_0000002"
+    resumed = run(train_cmd(geo3k, killed, *deterministic, "--load", str(killed / "ckpt"), steps=4))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    a, b = metrics(straight), metrics(killed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for key in ("rollout/reward_mean", "rollout/generated_tokens", "rollout/observation_tokens", "rollout/turns_mean",
+                "train/loss", "train/grad_norm"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-6), key
+    wa, wb = final_weights(straight), final_weights(killed)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_async_overlaps_rollout_and_training(geo3k, tmp_path):
+    proc = run(train_cmd(geo3k, tmp_path, "--async", "--use-tis", steps=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    for previous, current in zip(rows, rows[1:]):
+        # the rollout of step k+1 started before step k finished training
+        assert current["time/rollout_started"] < previous["time/train_finished"]
+        assert current["rollout/weight_version_gap"] == 1.0
+    assert rows[0]["rollout/weight_version_gap"] == 0.0
+
+
+@pytest.mark.slow
+def test_cpu_recipe_runs(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "1"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env=dict(os.environ, RUN_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3 and "eval/reward_mean" in rows[1]
+
+
+def test_gpu_recipe_parses_and_dry_runs():
+    script = REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script), "4", "--dry-run"], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, MODEL="/models/Qwen3-VL-2B-Instruct", PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor_model_parallel_size: 4" in proc.stdout and "engine: sglang" in proc.stdout
+    assert "eps_clip_high: 0.28" in proc.stdout and "hf_checkpoint: /models/Qwen3-VL-2B-Instruct" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["missing model", "bad row", "env import", "dead engine"])
+def test_bad_input_fails_fast_with_a_clear_error(geo3k, tmp_path, case):
+    save = tmp_path / "save"
+    cmd = train_cmd(geo3k, tmp_path / "logs", steps=1)
+    cmd[cmd.index("--save") + 1] = str(save)
+    if case == "missing model":
+        cmd[cmd.index("--hf-checkpoint") + 1] = str(tmp_path / "no_model")
+        expected = "no_model: model folder not found"
+    elif case == "bad row":
+        bad = tmp_path / "bad.jsonl"
+        first, second = [json.loads(line) for line in (geo3k / "train.jsonl").read_text().splitlines()[:2]]
+        first["images"] = [str(geo3k / p) for p in first["images"]]
+        second["images"] = [str(geo3k / p) for p in second["images"]] * 2
+        bad.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+        cmd[cmd.index("--prompt-data") + 1] = str(bad)
+        expected = "row 1 of bad.jsonl: 1 <image> placeholders but 2 images"
+    elif case == "env import":
+        env_file = tmp_path / "broken_env.py"
+        env_file.write_text("import no_such_module_anywhere\n")
+        cmd[cmd.index("--rollout-interaction-env-path") + 1] = str(env_file)
+        expected = "broken_env.py raised while importing: ModuleNotFoundError"
+    else:
+        cmd += ["--engine-url", f"http://127.0.0.1:{free_port()}"]
+        expected = "does not answer"
+    proc = run(cmd, timeout=120)
+    assert proc.returncode != 0
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("slime-mt train: error:")]
+    assert len(error_lines) == 1 and expected in error_lines[0], proc.stderr[-2000:]
+    assert not save.exists()
