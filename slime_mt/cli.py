@@ -66,6 +66,7 @@ def resolved_yaml(cfg) -> str:
 
 
 def _user_errors() -> tuple[type, ...]:
+    """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback)."""
     from slime_mt.assets.qwen_tokenizer import AssetError
     from slime_mt.backends.megatron.actor import CheckpointError
     from slime_mt.backends.megatron.models import ModelConfigError
@@ -76,9 +77,6 @@ def _user_errors() -> tuple[type, ...]:
 
     return (ConfigError, DatasetError, PluginError, ModelConfigError, LaunchError, TrainSetupError, AssetError,
             CheckpointError)
-
-
-USER_ERRORS: tuple[type, ...] = (ConfigError,)
 
 
 def run_train(cfg) -> int:
@@ -94,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "megatron", "uvicorn"):  # one line per request / per layer otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    global USER_ERRORS
-    USER_ERRORS = _user_errors()
+    user_errors = _user_errors()
     parser = build_cli()
     ns = parser.parse_args(argv)
     if ns.command is None:
@@ -133,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             print(resolved_yaml(cfg), end="")
             return 0
         return run_train(cfg)
-    except USER_ERRORS as e:
+    except user_errors as e:
         print(f"slime-mt {ns.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
