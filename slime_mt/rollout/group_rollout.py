@@ -61,7 +61,8 @@ async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = Fa
     target = r.rollout_batch_size
     kept: list[list[Sample]] = []
     rounds = 0
-    with tqdm(total=target * r.n_samples_per_prompt, desc="rollout", mininterval=1.0, leave=False) as bar:
+    with tqdm(total=target * r.n_samples_per_prompt, desc="rollout", mininterval=1.0, leave=False,
+              disable=None) as bar:  # None: only on a terminal, not in logs
         while len(kept) < target:
             rounds += 1
             if rounds > MAX_OVERSAMPLING_ROUNDS:
