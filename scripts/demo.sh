@@ -13,7 +13,7 @@ rm -rf "$RUN_DIR"
 mkdir -p "$RUN_DIR"
 MODEL="$(.venv/bin/python -c 'from slime_mt.assets import smollm2_dir; print(smollm2_dir())')"
 .venv/bin/python examples/demo/make_data.py "$RUN_DIR/data"
-echo "[demo] training SmolLM2-135M-Instruct on the secret-word game (20 steps, about 8 minutes on 2 cores)"
+echo "[demo] training SmolLM2-135M-Instruct on the secret-word game (20 steps, about 5 minutes on 2 cores)"
 .venv/bin/slime-mt train --config examples/demo/config.yaml --hf-checkpoint "$MODEL" \
     --prompt-data "$RUN_DIR/data/train.jsonl" --eval-prompt-data "$RUN_DIR/data/eval.jsonl" \
     --log-dir "$RUN_DIR" "$@"
