@@ -82,11 +82,13 @@ class MegatronActor:
                 p.requires_grad_(False)
         return model
 
-    def _positions(self, sample: TrainingSample):
-        return self.policy.mrope_positions(sample) if hasattr(self.policy, "mrope_positions") else None
+    @property
+    def _mrope(self):
+        """M-RoPE position function of a VLM policy (None for text models)."""
+        return getattr(self.policy, "mrope_positions", None)
 
     def _forward(self, module, row: PackedRow, with_entropy: bool):
-        if hasattr(self.policy, "mrope_positions"):
+        if self._mrope is not None:
             logits = module(row.tokens, row.position_ids, row.attention_mask,
                             pixel_values=row.pixel_values, image_grid_thw=row.image_grid_thw)
         else:
@@ -111,7 +113,7 @@ class MegatronActor:
         module.eval()
         out: list[torch.Tensor | None] = [None] * len(samples)
         for row_indices in self._rows(samples, list(range(len(samples)))):
-            row = pack_row(samples, row_indices, self._positions if hasattr(self.policy, "mrope_positions") else None)
+            row = pack_row(samples, row_indices, self._mrope)
             lp, _ = self._forward(module, row, with_entropy)
             for k, i in enumerate(row.sample_index):
                 out[i] = lp[row.seq_ids == k]
@@ -146,7 +148,7 @@ class MegatronActor:
         sums: dict[str, float] = {}
         tokens = 0
         for row_indices in self._rows(samples, mb):
-            row = pack_row(samples, row_indices, self._positions if hasattr(self.policy, "mrope_positions") else None)
+            row = pack_row(samples, row_indices, self._mrope)
             lp, entropy = self._forward(self.model, row, with_entropy=True)
             cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
             old_lp = cat([old[i] for i in row.sample_index]) if old is not None else lp.detach()
