@@ -19,6 +19,7 @@ import torch
 from slime_mt.algo.batching import micro_batches_by_tokens
 from slime_mt.assets import smollm2_dir
 from slime_mt.backends.megatron.actor import MegatronActor
+from slime_mt.backends.megatron.packing import padding_efficiency
 from slime_mt.backends.megatron.parallel import init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
@@ -98,7 +99,7 @@ def main():
     mix = length_mix(256)
     lengths = [p + r for p, r in mix]
     rows = micro_batches_by_tokens(lengths, args.pack_tokens)
-    efficiency = sum(lengths) / (len(rows) * args.pack_tokens)
+    efficiency = padding_efficiency(lengths, rows, args.pack_tokens)
     print(f"packed rows of {args.pack_tokens} tokens for 256 multi-turn trajectories: {len(rows)} rows, "
           f"padding efficiency {efficiency:.3f} (goal >= 0.95)")
 

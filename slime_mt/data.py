@@ -97,7 +97,7 @@ def _load_image(value: Any, base_dir: Path, where: str) -> Image.Image:
         raise DatasetError(f"{where}: cannot read image {shown!r}: {type(e).__name__}: {e}") from None
 
 
-def _with_image_parts(text: str, images: list, where: str) -> list[dict] | str:
+def _with_image_parts(text: str, images: list) -> list[dict] | str:
     pieces = text.split(IMAGE_PLACEHOLDER)
     if len(pieces) == 1:
         return text
@@ -145,11 +145,11 @@ def load_rows(path: str | Path, cfg: DataConfig) -> list[PromptRow]:
         images = [_load_image(v, path.parent, f"{where}, image {k}") for k, v in enumerate(raw_images)]
         pending = list(images)
         if isinstance(prompt, str):
-            prompt = _with_image_parts(prompt, pending, where)
+            prompt = _with_image_parts(prompt, pending)
         else:
             for message in prompt:
                 if isinstance(message["content"], str):
-                    message["content"] = _with_image_parts(message["content"], pending, where)
+                    message["content"] = _with_image_parts(message["content"], pending)
         metadata = record.get(cfg.metadata_key) or {}
         if isinstance(metadata, str):
             try:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from slime_mt.engine.images import load_image
 from slime_mt.processing import QwenVLProcessor, tokenizer_of
 
 _BASE_USER = "slime_mt base question"
@@ -88,8 +89,6 @@ class ObservationEncoder:
         if images:
             if self.processor is None:
                 raise EncodingError(f"{len(images)} images in a conversation but the model has no image processor")
-            from slime_mt.engine.images import load_image
-
             pil = [load_image(im, f"image {k}") if not hasattr(im, "convert") else im.convert("RGB")
                    for k, im in enumerate(images)]
             out = self.processor(text=text, images=pil)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -275,7 +274,3 @@ def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:
     return {"eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
             "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1), "eval/samples": len(rewards)}
 
-
-def describe(cfg: Config) -> str:
-    return json.dumps({g: dataclasses.asdict(getattr(cfg, g)) for g in ("data", "rollout", "engine", "algo", "train",
-                                                                         "checkpoint")}, indent=1, default=str)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from slime_mt.engine.protocol import SamplingParams
+from slime_mt.engine.protocol import ProtocolError, SamplingParams, expand_image_pads
 from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
 
 
@@ -84,12 +84,8 @@ class ModelRunner:
             input_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not self.is_vlm:
             if images:
-                from slime_mt.engine.protocol import ProtocolError
-
                 raise ProtocolError(f"image_data given but the served model {self.model_path} is text-only")
             return list(input_ids), {}
-        from slime_mt.engine.protocol import ProtocolError, expand_image_pads
-
         pads = sum(1 for t in input_ids if t == self.image_token_id)
         if pads != len(images):
             raise ProtocolError(

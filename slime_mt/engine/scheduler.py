@@ -172,9 +172,12 @@ class Scheduler:
         self._accept(job, logits[None], cache)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         logits = self.runner.decode(self._batch)  # [B, V]
         jobs = [self._job_of(s) for s in self._batch.seqs]
         self._accept_tokens(jobs, logits)
+        # tokens per second of this decode step (forward + sampling), as SGLang's gen throughput
+        self.last_throughput = len(jobs) / max(time.perf_counter() - started, 1e-9)
 
     def _accept(self, job: Job, logits: torch.Tensor, cache) -> None:
         """First token of a newly prefilled sequence; it joins the batch unless already finished."""
@@ -190,7 +193,6 @@ class Scheduler:
 
     def _accept_tokens(self, jobs: list[Job], logits: torch.Tensor) -> None:
         seqs = [j.seq for j in jobs]
-        started = time.perf_counter()
         tokens, logprobs = self.runner.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         keep = []
         for row, (job, token, logprob) in enumerate(zip(jobs, tokens, logprobs)):
@@ -202,7 +204,6 @@ class Scheduler:
             else:
                 self._complete(job, reason)
         self.generated_tokens += len(jobs)
-        self.last_throughput = len(jobs) / max(time.perf_counter() - started, 1e-9)
         if len(keep) != len(jobs):
             self._batch.keep(keep)
 

@@ -26,6 +26,7 @@ from slime_mt.engine.client import EngineError
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
+from slime_mt.tokenization import Encoded
 from slime_mt.types import Sample, Status, Turn
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,6 @@ def fit_observation(encoded, room: int, image_token_id: int | None):
             else:
                 cut = min(cut, start)
                 break
-    from slime_mt.tokenization import Encoded
-
     tensors = {}
     if kept_images:
         grid = encoded.tensors["image_grid_thw"][:kept_images]

@@ -14,7 +14,7 @@ import torch
 
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron.actor import MegatronActor
-from slime_mt.backends.megatron.convert import load_hf_state, megatron_to_hf, text_prefix
+from slime_mt.backends.megatron.convert import load_hf_state, megatron_to_hf
 from slime_mt.backends.megatron.packing import pack_row
 from slime_mt.backends.megatron.parallel import init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig

@@ -104,12 +104,17 @@ def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
             params[name].copy_(tensor)
 
 
-def _gather(t: torch.Tensor, dim: int, tp: int, group) -> torch.Tensor:
+def _gather_parts(t: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
+    """Every TP rank's shard of ``t``, in rank order."""
     if tp == 1:
-        return t.detach().clone()
+        return [t.detach().clone()]
     parts = [torch.empty_like(t) for _ in range(tp)]
     torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return parts
+
+
+def _gather(t: torch.Tensor, dim: int, tp: int, group) -> torch.Tensor:
+    return torch.cat(_gather_parts(t, tp, group), dim=dim)
 
 
 def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Tensor, ...]:
@@ -123,13 +128,6 @@ def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Te
 def megatron_to_hf(state: dict[str, torch.Tensor], spec: DecoderSpec, tp: int, group=None,
                    prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Full HF tensors from this rank's Megatron decoder state (collective over the TP group)."""
-    def gathered_list(t):
-        if tp == 1:
-            return [t.detach().clone()]
-        parts = [torch.empty_like(t) for _ in range(tp)]
-        torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
-        return parts
-
     p = prefix
     out = {f"{p}embed_tokens.weight": _gather(state["embedding.word_embeddings.weight"], 0, tp, group)[: spec.vocab_size],
            f"{p}norm.weight": state["decoder.final_layernorm.weight"].detach().clone()}
@@ -140,16 +138,16 @@ def megatron_to_hf(state: dict[str, torch.Tensor], spec: DecoderSpec, tp: int, g
         a = dst + "self_attn."
         out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"].detach().clone()
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"].detach().clone()
-        q, k, v = _unqkv(gathered_list(state[src + "self_attention.linear_qkv.weight"]), spec)
+        q, k, v = _unqkv(_gather_parts(state[src + "self_attention.linear_qkv.weight"], tp, group), spec)
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
         if spec.qkv_bias:
-            qb, kb, vb = _unqkv(gathered_list(state[src + "self_attention.linear_qkv.bias"]), spec)
+            qb, kb, vb = _unqkv(_gather_parts(state[src + "self_attention.linear_qkv.bias"], tp, group), spec)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
         if spec.qk_norm:
             out[a + "q_norm.weight"] = state[src + "self_attention.q_layernorm.weight"].detach().clone()
             out[a + "k_norm.weight"] = state[src + "self_attention.k_layernorm.weight"].detach().clone()
         out[a + "o_proj.weight"] = _gather(state[src + "self_attention.linear_proj.weight"], 1, tp, group)
-        fc1 = gathered_list(state[src + "mlp.linear_fc1.weight"])
+        fc1 = _gather_parts(state[src + "mlp.linear_fc1.weight"], tp, group)
         gates, ups = zip(*(part.chunk(2, dim=0) for part in fc1))
         out[dst + "mlp.gate_proj.weight"] = torch.cat(gates).contiguous()
         out[dst + "mlp.up_proj.weight"] = torch.cat(ups).contiguous()

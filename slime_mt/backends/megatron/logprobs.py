@@ -47,7 +47,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
         log_p = shifted - log_z.unsqueeze(-1)  # [C, V/tp]
         p = torch.exp(log_p)
         local = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
-        entropy = _reduce_max_free_sum(local)
+        entropy = _all_reduce_sum_no_grad(local)
         ctx.save_for_backward(p, log_p, entropy)
         return entropy
 
@@ -58,7 +58,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
         return -p * (log_p + entropy.unsqueeze(-1)) * grad.unsqueeze(-1), None
 
 
-def _reduce_max_free_sum(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum_no_grad(x: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     x = x.clone()

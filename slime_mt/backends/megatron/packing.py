@@ -73,5 +73,4 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
 
 def padding_efficiency(lengths: list[int], rows: list[list[int]], row_capacity: int) -> float:
     """Real tokens / processed tokens when each row is processed at ``row_capacity`` tokens."""
-    real = sum(lengths)
-    return real / max(len(rows) * row_capacity, 1)
+    return sum(lengths) / max(len(rows) * row_capacity, 1)
