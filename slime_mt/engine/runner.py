@@ -35,7 +35,8 @@ class Sequence:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
+    input_logprobs: list[float | None] | None = None  # from prompt position input_logprob_start on
+    input_logprob_start: int = 0
     position: int = 0  # next rotary position
 
 
@@ -94,16 +95,21 @@ class ModelRunner:
             )
         if not images:
             return list(input_ids), {}
-        vision = self.processor.image_processor(images=images, return_tensors="pt")
+        try:
+            vision = self.processor.image_processor(images=images, return_tensors="pt")
+        except Exception as e:  # e.g. an aspect ratio the processor refuses: the client's image
+            raise ProtocolError(f"image_data: the image processor rejected the images: {type(e).__name__}: {e}") from None
         counts = self.processor.num_image_tokens(vision["image_grid_thw"])
         return expand_image_pads(list(input_ids), self.image_token_id, counts), dict(vision)
 
     # ------------------------------------------------------------------ forward passes
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence, vision: dict, want_input_logprobs: int = -1) -> tuple[DynamicCache, torch.Tensor]:
+    def prefill(self, seq: Sequence, vision: dict, input_logprob_start: int | None = None
+                ) -> tuple[DynamicCache, torch.Tensor]:
         """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
-        Sets ``seq.position`` (and ``seq.input_logprobs`` from ``want_input_logprobs`` on)."""
+        Sets ``seq.position``; with ``input_logprob_start`` = s in [0, L), ``seq.input_logprobs`` for
+        prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i)."""
         ids = torch.tensor([seq.prompt_ids], device=self.device)
         kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
         if vision:
@@ -112,18 +118,20 @@ class ModelRunner:
         if self.is_vlm:
             kwargs["mm_token_type_ids"] = (ids == self.image_token_id).long()
             self.model.model.rope_deltas = None
-        if want_input_logprobs < 0:
-            kwargs["logits_to_keep"] = 1
+        length = len(seq.prompt_ids)
+        start = length - 1 if input_logprob_start is None else input_logprob_start
+        kwargs["logits_to_keep"] = length - start  # logits of positions start..L-1
         out = self.model(**kwargs)
-        logits = out.logits[0].float()  # [L or 1, V]
-        seq.position = len(seq.prompt_ids)
+        logits = out.logits[0].float()  # [L - start, V]
+        seq.position = length
         deltas = getattr(self.model.model, "rope_deltas", None) if self.is_vlm else None
         if deltas is not None:  # M-RoPE: image tokens advance the position less than one per token
             seq.position += int(deltas.reshape(-1)[0])
-        if want_input_logprobs >= 0:
-            logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
-            full: list[float | None] = [None] + logp
-            seq.input_logprobs = full[want_input_logprobs:]
+        if input_logprob_start is not None:
+            targets = ids[0, start + 1:, None]  # [L - start - 1, 1]
+            logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, targets)[:, 0].tolist()
+            seq.input_logprobs = [None] + logp
+            seq.input_logprob_start = start
         return out.past_key_values, logits[-1]
 
     @torch.no_grad()
@@ -142,11 +150,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-        """Sample one token per row of ``logits [B, V]`` -> (token ids, their log-probs)."""
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)  # [B, 1]
-        logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               blocked: list[list[int] | None] | None = None) -> tuple[list[int], list[float]]:
+        """Sample one token per row of ``logits [B, V]`` -> (token ids, their log-probs). ``blocked[i]``:
+        token ids row i may not produce (logit -inf before everything else, as SGLang's penalizers do,
+        so the reported log-probs are under the masked distribution)."""
+        vocab = logits.shape[-1]
+        if blocked and any(blocked):
+            logits = logits.clone()
+            for i, ids in enumerate(blocked):
+                ids = [t for t in ids or () if 0 <= t < vocab]
+                if ids:
+                    logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)  # [B]
+        logprobs = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)  # [B, V]
         probs = logprobs.exp()  # [B, V]
         for i, p in enumerate(params):
             if not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0):
@@ -154,10 +171,10 @@ class ModelRunner:
         # Inverse-CDF draw, one uniform number per row (20x cheaper than torch.multinomial over a
         # 150k vocabulary); right=True never lands on a zero-mass token.
         cumulative = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [B, V]
-        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [B]
-        drawn = torch.searchsorted(cumulative, (u * cumulative[:, -1]).unsqueeze(1), right=True)[:, 0]
-        drawn = drawn.clamp_max(logits.shape[-1] - 1)
-        greedy = torch.tensor([p.greedy for p in params])
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators])  # [B]
+        drawn = torch.searchsorted(cumulative, (u.to(logits.device) * cumulative[:, -1]).unsqueeze(1), right=True)[:, 0]
+        drawn = drawn.clamp_max(vocab - 1)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), drawn) if greedy.any() else drawn  # [B]
         chosen = logprobs.gather(1, tokens.unsqueeze(1))[:, 0]
         return tokens.tolist(), chosen.tolist()
@@ -166,35 +183,61 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor]) -> int:
-        """Copy HF-named tensors into the model in place -> number of tensors updated."""
+        """Copy HF-named tensors into the model, all or nothing -> number of tensors updated. Every
+        name, shape and dtype is checked and every tensor converted (staged) before the first copy,
+        so a WeightUpdateError leaves the served weights exactly as they were."""
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         aliases = _hf_name_aliases(params)
-        updated = 0
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, tensor in named.items():
             target = params.get(name) if name in params else params.get(aliases.get(name, ""))
             if target is None:
                 raise WeightUpdateError(f"weight '{name}' is not a parameter of {type(self.model).__name__}")
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightUpdateError(f"weight '{name}': shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
-            target.copy_(tensor.to(target.dtype))
-            updated += 1
-        return updated
+            if tensor.is_floating_point() != target.is_floating_point():
+                raise WeightUpdateError(f"weight '{name}': dtype {tensor.dtype} cannot replace the model's {target.dtype}")
+            staged.append((target, tensor.to(dtype=target.dtype)))
+        for target, tensor in staged:  # same shape and dtype: a plain copy that cannot fail half-way
+            target.copy_(tensor)
+        return len(staged)
 
     def load_weights_from_disk(self, model_path: str) -> int:
-        """Load every ``*.safetensors`` file of an HF folder into the model."""
+        """Load every ``*.safetensors`` file of an HF folder into the model, all or nothing. A missing
+        folder, a bad index or an unreadable file is a WeightUpdateError naming it."""
         folder = Path(model_path)
-        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-        if not files:
-            raise WeightUpdateError(f"no *.safetensors files in {model_path}")
+        if not folder.is_dir():
+            raise WeightUpdateError(f"update_weights_from_disk: model_path {model_path!r} is not a folder")
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            names = set(json.loads(index.read_text())["weight_map"].values())
-            files = [folder / n for n in sorted(names)]
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise WeightUpdateError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+            files = [folder / n for n in names]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise WeightUpdateError(f"{index} names files that do not exist: {missing[:3]}")
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise WeightUpdateError(f"no *.safetensors files in {model_path}")
         named: dict[str, torch.Tensor] = {}
         for f in files:
-            named.update(load_file(str(f)))
-        return self.load_weights(named)
+            try:
+                tensors = load_file(str(f))
+            except Exception as e:  # safetensors raises its own SafetensorError for corrupt files
+                raise WeightUpdateError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+            named.update(tensors)
+        if not named:
+            raise WeightUpdateError(f"the safetensors files in {model_path} hold no tensors")
+        try:
+            return self.load_weights(named)
+        except WeightUpdateError as e:
+            raise WeightUpdateError(f"{model_path}: {e}") from None
 
 
 @dataclass
@@ -206,18 +249,21 @@ class Batch:
     attention_mask: torch.Tensor | None = None  # [B, L]
 
     def add(self, seq: Sequence, cache: DynamicCache) -> None:
-        """Append a prefilled sequence, left-padding whichever side is shorter."""
+        """Append a prefilled sequence, left-padding whichever side is shorter. Every new tensor is
+        built before the batch changes, so a failure leaves the batch as it was."""
         length = cache.layers[0].keys.shape[-2]
-        mask = torch.ones(1, length, dtype=torch.long)
+        mask = torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device)
         if self.cache is None:
             self.seqs, self.cache, self.attention_mask = [seq], cache, mask
             return
         total = max(length, self.attention_mask.shape[1])
-        for mine, new in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, total), _left_pad(new.keys, total)], dim=0)
-            mine.values = torch.cat([_left_pad(mine.values, total), _left_pad(new.values, total)], dim=0)
-        self.attention_mask = torch.cat([_left_pad(self.attention_mask, total, dim=1),
-                                         _left_pad(mask, total, dim=1)], dim=0)
+        merged = [(torch.cat([_left_pad(mine.keys, total), _left_pad(new.keys, total)], dim=0),
+                   torch.cat([_left_pad(mine.values, total), _left_pad(new.values, total)], dim=0))
+                  for mine, new in zip(self.cache.layers, cache.layers)]
+        attention_mask = torch.cat([_left_pad(self.attention_mask, total, dim=1), _left_pad(mask, total, dim=1)], dim=0)
+        for layer, (keys, values) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = keys, values
+        self.attention_mask = attention_mask
         self.seqs.append(seq)
 
     def keep(self, rows: list[int]) -> None:
@@ -225,7 +271,7 @@ class Batch:
         if not rows:
             self.seqs, self.cache, self.attention_mask = [], None, None
             return
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=self.attention_mask.device)
         mask = self.attention_mask.index_select(0, index)
         first = int(mask.any(dim=0).nonzero()[0])
         for layer in self.cache.layers:
@@ -241,7 +287,7 @@ def _left_pad(t: torch.Tensor, total: int, dim: int = -2) -> torch.Tensor:
         return t
     shape = list(t.shape)
     shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype), t], dim=dim)
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
 
 
 def _filtered_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:

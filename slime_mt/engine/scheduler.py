@@ -2,9 +2,15 @@
 
 Each loop iteration admits waiting requests (prefill each alone, merge its KV cache into the
 running batch) up to ``max_batch_size``, then runs one decode step for the whole batch, samples,
-and finishes sequences that hit a stop token, a stop string, ``max_new_tokens`` or the context
-length. Aborts and pauses take effect between steps; weight updates hold the same lock as a step,
-so a step never sees half-updated weights.
+and finishes sequences that hit ``max_new_tokens`` or the context length, a stop token or a stop
+string (checked in SGLang's order). Aborts and pauses take effect between steps; weight updates hold
+the same lock as a step, so a step never sees half-updated weights.
+
+Failure isolation: an exception while admitting a request fails that request alone (HTTP 400 for a
+``ProtocolError``, else an ``EngineFault`` naming the cause, HTTP 500) and the requests admitted with
+it go on; an exception in a decode step fails the running batch with an ``EngineFault`` and the
+loop goes on serving the queue. Every future is settled exactly once (``_settle``); a future that
+its waiter cancelled counts as an abort.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +30,10 @@ from slime_mt.engine.runner import Batch, ModelRunner, Sequence
 logger = logging.getLogger(__name__)
 
 
+class EngineFault(RuntimeError):
+    """The engine failed while serving a request (not the client's fault): HTTP 500 naming the cause."""
+
+
 @dataclass
 class Job:
     request: GenerateRequest
@@ -31,6 +41,11 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     aborted: str | None = None
     seq: Sequence | None = None
+
+    def abort_reason(self) -> str | None:
+        if self.future.cancelled():
+            return "Cancelled by the waiter"
+        return self.aborted
 
 
 class Scheduler:
@@ -45,7 +60,7 @@ class Scheduler:
         self._batch = Batch()
         self._paused = False
         self._stopped = False
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._thread = threading.Thread(target=self._loop, name="slime-mt-engine", daemon=True)
         self.generated_tokens = 0
         self.finished_requests = 0
@@ -62,20 +77,37 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is serving (False once stopped or if it died)."""
+        return self._thread.is_alive() and not self._stopped
+
     def submit(self, request: GenerateRequest) -> Future:
         job = Job(request, Future())
         with self._cond:
+            if self._stopped:
+                job.future.set_exception(EngineFault("the engine is shut down"))
+                return job.future
             self._waiting.append(job)
             self._cond.notify_all()
         return job.future
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Mark matching requests aborted; they finish with finish_reason abort at the next step."""
+        message = "Abort requested" + ("" if abort_all else f" for rid {rid}")
+        return self._mark_aborted(lambda job: abort_all or job.request.rid == rid, message)
+
+    def abort_futures(self, futures: list[Future], message: str) -> int:
+        """Abort the requests behind ``futures`` (a batch whose answer is no longer wanted)."""
+        wanted = {id(f) for f in futures}
+        return self._mark_aborted(lambda job: id(job.future) in wanted, message)
+
+    def _mark_aborted(self, match, message: str) -> int:
         count = 0
         with self._cond:
             for job in list(self._waiting) + list(self._running.values()):
-                if abort_all or job.request.rid == rid:
-                    job.aborted = "Abort requested" + ("" if abort_all else f" for rid {rid}")
+                if match(job) and not job.future.done():
+                    job.aborted = message
                     count += 1
             self._cond.notify_all()
         return count
@@ -109,67 +141,108 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._stopped and (self._paused and not self._any_aborted()
-                                             or not (self._waiting or self._running)):
-                    self._cond.wait()
-                if self._stopped:
-                    break
-                admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.max_batch_size and not self._paused:
-                    admitted.append(self._waiting.popleft())
-                aborted_waiting = [j for j in self._waiting if j.aborted]
-                for job in aborted_waiting:
-                    self._waiting.remove(job)
-            for job in aborted_waiting:
-                self._finish(job, finish_abort(job.aborted))
+            admitted: list[Job] = []
             try:
+                with self._cond:
+                    while not self._stopped and (self._paused and not self._any_aborted()
+                                                 or not (self._waiting or self._running)):
+                        self._cond.wait()
+                    if self._stopped:
+                        break
+                    while self._waiting and len(self._running) + len(admitted) < self.max_batch_size \
+                            and not self._paused:
+                        admitted.append(self._waiting.popleft())
+                    dropped = [j for j in self._waiting if j.abort_reason()]
+                    for job in dropped:
+                        self._waiting.remove(job)
+                for job in dropped:
+                    self._settle(job, finish_abort(job.abort_reason()))
                 with self.lock:
                     for job in admitted:
                         self._admit(job)
-                    self._drop_aborted()
-                    if self._batch.seqs and not self._paused:
-                        self._step()
-            except Exception as e:  # a model failure must not kill the server: fail the batch
-                logger.exception("engine step failed")
-                for job in list(self._running.values()):
-                    self._fail(job, e)
-                self._running.clear()
-                self._batch = Batch()
-        for job in list(self._waiting) + list(self._running.values()):
-            self._finish(job, finish_abort("Engine shut down"))
+                    admitted = []
+                    self._step_batch()
+            except Exception as e:  # a bug in the loop itself: fail what is in hand, keep serving
+                logger.exception("engine loop iteration failed")
+                for job in admitted:
+                    self._settle(job, error=EngineFault(f"engine loop failed: {type(e).__name__}: {e}"))
+                self._fail_running(e)
+        with self._cond:
+            leftover = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        for job in leftover:
+            self._settle(job, finish_abort("Engine shut down"))
 
     def _any_aborted(self) -> bool:
-        return any(j.aborted for j in self._running.values()) or any(j.aborted for j in self._waiting)
+        return any(j.abort_reason() for j in self._running.values()) or any(j.abort_reason() for j in self._waiting)
 
     def _admit(self, job: Job) -> None:
-        req = job.request
-        if job.aborted:
-            self._finish(job, finish_abort(job.aborted))
-            return
+        """Prefill one request and add it to the batch; any failure settles this job alone."""
         try:
-            prompt_ids, vision = self.runner.encode_prompt(req.input_ids, req.text, req.images)
-            total = len(prompt_ids) + req.sampling.max_new_tokens
-            if total > self.runner.context_length:
-                raise ProtocolError(
-                    f"Requested token count exceeds the model's maximum context length of "
-                    f"{self.runner.context_length} tokens: {len(prompt_ids)} prompt tokens + "
-                    f"{req.sampling.max_new_tokens} max_new_tokens"
-                )
+            reason = job.abort_reason()
+            if reason:
+                self._settle(job, finish_abort(reason))
+                return
+            seq, vision, generates = self._new_sequence(job)
+            job.seq = seq
+            req = job.request
+            start = req.logprob_start_len if req.return_logprob else None
+            if start is not None and start < 0:
+                start = len(seq.prompt_ids) - 1  # SGLang's default: the last prompt token
+            cache, logits = self.runner.prefill(seq, vision, start)
+            if not generates:
+                self._settle(job, finish_length(0))
+                return
+            self._accept(job, logits[None], cache)
         except ProtocolError as e:
-            job.future.set_exception(e)
-            return
-        generator = None
-        if req.sampling.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
-        seq = Sequence(req.rid, prompt_ids, req.sampling, generator or self._generator)
-        job.seq = seq
-        cache, logits = self.runner.prefill(seq, vision, req.logprob_start_len if req.return_logprob else -1)
-        if req.sampling.max_new_tokens == 0:
-            self._finish(job, finish_length(0))
-            return
-        self._running[id(seq)] = job
-        self._accept(job, logits[None], cache)
+            self._settle(job, error=e)
+        except Exception as e:
+            logger.exception("admitting request %s failed", job.request.rid)
+            self._running.pop(id(job.seq), None)
+            self._settle(job, error=EngineFault(f"request {job.request.rid} failed in the engine: "
+                                                f"{type(e).__name__}: {e}"))
+
+    def _new_sequence(self, job: Job) -> tuple[Sequence, dict, bool]:
+        """-> (the sequence, its vision inputs, whether it generates). Raises ProtocolError for
+        requests that do not fit this model."""
+        req = job.request
+        prompt_ids, vision = self.runner.encode_prompt(req.input_ids, req.text, req.images)
+        context = self.runner.context_length
+        if len(prompt_ids) >= context:
+            raise ProtocolError(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                                f"({context} tokens).")
+        sampling = req.sampling
+        if sampling.max_new_tokens is None:  # null: as many as the context allows, as SGLang does
+            sampling.max_new_tokens = context - len(prompt_ids)
+        if len(prompt_ids) + sampling.max_new_tokens > context:
+            raise ProtocolError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens: "
+                f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} max_new_tokens")
+        if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
+            raise ProtocolError(f"logprob_start_len={req.logprob_start_len} is not below the number of input "
+                                f"tokens ({len(prompt_ids)})")
+        generator = self._generator
+        if sampling.sampling_seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
+        return Sequence(req.rid, prompt_ids, sampling, generator), vision, sampling.max_new_tokens > 0
+
+    def _step_batch(self) -> None:
+        """Drop aborted sequences and run one decode step; a failure fails the running batch."""
+        try:
+            self._drop_aborted()
+            if self._batch.seqs and not self._paused:
+                self._step()
+        except Exception as e:
+            logger.exception("engine decode step failed")
+            self._fail_running(e)
+
+    def _fail_running(self, error: Exception) -> None:
+        fault = EngineFault(f"engine decode step failed: {type(error).__name__}: {error}")
+        for job in list(self._running.values()):
+            self._settle(job, error=fault)
+        self._running.clear()
+        self._batch = Batch()
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -179,21 +252,32 @@ class Scheduler:
         # tokens per second of this decode step (forward + sampling), as SGLang's gen throughput
         self.last_throughput = len(jobs) / max(time.perf_counter() - started, 1e-9)
 
+    def _blocked(self, seq: Sequence) -> list[int] | None:
+        """Token ids that may not be sampled yet: SGLang's min_new_tokens penalizer masks every stop
+        token id and EOS id until ``min_new_tokens`` tokens exist."""
+        sp = seq.sampling
+        if len(seq.output_ids) >= sp.min_new_tokens:
+            return None
+        return sorted(set(sp.stop_token_ids) | self.runner.eos_ids)
+
     def _accept(self, job: Job, logits: torch.Tensor, cache) -> None:
         """First token of a newly prefilled sequence; it joins the batch unless already finished."""
-        token, logprob = self.runner.sample(logits, [job.seq.sampling], [job.seq.generator])
-        job.seq.output_ids.append(token[0])
-        job.seq.output_logprobs.append(logprob[0])
+        seq = job.seq
+        token, logprob = self.runner.sample(logits, [seq.sampling], [seq.generator], [self._blocked(seq)])
+        seq.output_ids.append(token[0])
+        seq.output_logprobs.append(logprob[0])
         self.generated_tokens += 1
-        reason = self._finish_reason(job.seq)
+        reason = self._finish_reason(seq)
         if reason is not None:
-            self._complete(job, reason)
-        else:
-            self._batch.add(job.seq, cache)
+            self._settle(job, reason)
+            return
+        self._batch.add(seq, cache)
+        self._running[id(seq)] = job
 
     def _accept_tokens(self, jobs: list[Job], logits: torch.Tensor) -> None:
         seqs = [j.seq for j in jobs]
-        tokens, logprobs = self.runner.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        tokens, logprobs = self.runner.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                                              [self._blocked(s) for s in seqs])
         keep = []
         for row, (job, token, logprob) in enumerate(zip(jobs, tokens, logprobs)):
             job.seq.output_ids.append(token)
@@ -208,27 +292,29 @@ class Scheduler:
             self._batch.keep(keep)
 
     def _finish_reason(self, seq: Sequence) -> dict | None:
+        """SGLang's order (``Req.check_finished``): length first, then stop token ids and EOS (both
+        ignored with ``ignore_eos``), then stop strings."""
         sp = seq.sampling
         token = seq.output_ids[-1]
         n = len(seq.output_ids)
-        if n >= sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.runner.eos_ids):
-                return finish_stop(token)
-            if sp.stop:
-                text = self.runner.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
-                for stop in sp.stop:
-                    if stop in text:
-                        return finish_stop(stop)
         if n >= sp.max_new_tokens or len(seq.prompt_ids) + n >= self.runner.context_length:
             return finish_length(n)
+        if not sp.ignore_eos and (token in sp.stop_token_ids or token in self.runner.eos_ids):
+            return finish_stop(token)
+        if sp.stop:
+            text = self.runner.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop:
+                if stop in text:
+                    return finish_stop(stop)
         return None
 
     def _drop_aborted(self) -> None:
         rows = []
         for row, seq in enumerate(self._batch.seqs):
             job = self._job_of(seq)
-            if job.aborted:
-                self._complete(job, finish_abort(job.aborted))
+            reason = job.abort_reason()
+            if reason:
+                self._complete(job, finish_abort(reason))
             else:
                 rows.append(row)
         if len(rows) != len(self._batch.seqs):
@@ -238,19 +324,30 @@ class Scheduler:
         return self._running[id(seq)]
 
     def _complete(self, job: Job, reason: dict) -> None:
-        if job.seq is not None:
-            self._running.pop(id(job.seq), None)
-        self._finish(job, reason)
+        self._running.pop(id(job.seq), None)
+        self._settle(job, reason)
 
-    def _fail(self, job: Job, error: Exception) -> None:
-        if not job.future.done():
-            job.future.set_exception(RuntimeError(f"engine step failed: {type(error).__name__}: {error}"))
-
-    def _finish(self, job: Job, reason: dict) -> None:
+    def _settle(self, job: Job, reason: dict | None = None, error: Exception | None = None) -> None:
+        """Complete ``job.future`` once: with the response for ``reason``, or with ``error``. A failure
+        to build the response is an EngineFault; a future already done (or cancelled) is left as is."""
         if job.future.done():
             return
-        self.finished_requests += 1
-        job.future.set_result(self._response(job, reason))
+        result = None
+        if error is None:
+            try:
+                result = self._response(job, reason)
+            except Exception as e:
+                logger.exception("building the response of request %s failed", job.request.rid)
+                error = EngineFault(f"building the response of request {job.request.rid} failed: "
+                                    f"{type(e).__name__}: {e}")
+        try:
+            if error is None:
+                job.future.set_result(result)
+                self.finished_requests += 1
+            else:
+                job.future.set_exception(error)
+        except InvalidStateError:  # cancelled by its waiter meanwhile
+            pass
 
     def _response(self, job: Job, reason: dict) -> dict:
         req, seq = job.request, job.seq
@@ -261,7 +358,7 @@ class Scheduler:
             text_ids = output_ids[:-1]
         text = self.runner.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
         if reason["type"] == "stop" and isinstance(reason["matched"], str) and not sp.no_stop_trim:
-            text = text[: text.index(reason["matched"])]
+            text = text[: text.index(reason["matched"])] if reason["matched"] in text else text
         meta = {
             "id": req.rid,
             "finish_reason": reason,
@@ -273,15 +370,15 @@ class Scheduler:
         }
         if req.return_logprob:
             show = req.return_text_in_logprobs
+            decode = self.runner.tokenizer.decode
             meta["output_token_logprobs"] = [
-                [lp, t, self.runner.tokenizer.decode([t]) if show else None]
+                [lp, t, decode([t]) if show else None]
                 for lp, t in zip(seq.output_logprobs if seq else [], output_ids)
             ]
             if seq is not None and seq.input_logprobs is not None:
-                start = max(req.logprob_start_len, 0)
                 meta["input_token_logprobs"] = [
-                    [lp, t, self.runner.tokenizer.decode([t]) if show else None]
-                    for lp, t in zip(seq.input_logprobs, seq.prompt_ids[start:])
+                    [lp, t, decode([t]) if show else None]
+                    for lp, t in zip(seq.input_logprobs, seq.prompt_ids[seq.input_logprob_start:])
                 ]
         if req.return_prompt_token_ids and seq is not None:
             meta["prompt_token_ids"] = list(seq.prompt_ids)

@@ -3,22 +3,30 @@ transformers model, with continuous batching (``scheduler.py``).
 
 Endpoints (SGLang names; the deprecated ``/get_*`` aliases too): ``/generate``, ``/health``,
 ``/health_generate``, ``/model_info``, ``/server_info``, ``/flush_cache``, ``/abort_request``,
-``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``. Malformed requests get
-HTTP 400 with a message and the server stays up.
+``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``.
+
+Guarantees, for any input: every request gets an answer; a client error is a 4xx naming the field
+(never a 5xx), an engine failure is a 5xx naming the cause and fails only the requests it touched;
+bodies are bounded in size and nesting, images in bytes and pixels, and decoded off the event loop;
+a weight update is all-or-nothing (the previous weights and ``weight_version`` keep serving after a
+failed one); the batch's other requests are aborted when one of a batch fails or the client leaves.
 
     with LocalEngine(model_path) as engine:      # binds 127.0.0.1, waits for /health
         client = EngineClient(engine.url)
-        engine.update_weights_from_tensors(named_tensors)   # in-process weight sync
+        engine.update_weights_from_tensors(named_tensors, weight_version="1")   # in-process weight sync
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -30,31 +38,108 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
-from slime_mt.engine.images import load_image
-from slime_mt.engine.protocol import ProtocolError, parse_generate
+from slime_mt.engine.images import MAX_IMAGE_PIXELS, load_image
+from slime_mt.engine.protocol import (
+    GenerateRequest,
+    PayloadTooLarge,
+    ProtocolError,
+    SamplingParams,
+    decode_json_body,
+    parse_bool,
+    parse_generate,
+    show,
+)
 from slime_mt.engine.runner import ModelRunner, WeightUpdateError
-from slime_mt.engine.scheduler import Scheduler
+from slime_mt.engine.scheduler import EngineFault, Scheduler
 
 logger = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 256 * 1024 * 1024
+MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS  # all images of one request together
+DISCONNECT_POLL_SECONDS = 1.0
+
+
+class _JSON(JSONResponse):
+    """Strict JSON out; a non-finite float (a model producing NaN) becomes null, as SGLang's orjson does."""
+
+    def render(self, content) -> bytes:
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        except ValueError:
+            return json.dumps(_finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+class _Unavailable(ProtocolError):
+    """The engine cannot serve (its scheduler thread stopped): HTTP 503."""
+
+    status = 503
+
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}, "object": "error"}, status_code=status)
+    return _JSON({"error": {"message": message, "code": status}, "object": "error"}, status_code=status)
 
 
-async def _json_body(request: Request, required: bool = True) -> dict:
-    raw = await request.body()
-    if not raw:
-        if required:
-            raise ProtocolError("request body is empty; expected a JSON object")
+def _guarded(handler):
+    """Every answer of a handler: its own, a 4xx for a ProtocolError (or WeightUpdateError), a 500
+    naming the cause for anything else. The server keeps serving either way."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request):
+        try:
+            return await handler(request)
+        except ProtocolError as e:
+            return _error(e.status, str(e))
+        except WeightUpdateError as e:
+            return _error(400, str(e))
+        except EngineFault as e:
+            return _error(500, str(e))
+        except Exception as e:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return _error(500, f"{request.url.path} failed in the engine: {type(e).__name__}: {e}")
+
+    return wrapped
+
+
+async def _json_body(request: Request, required: bool = True, limit: int = MAX_BODY_BYTES) -> dict:
+    """The request's JSON object, read up to ``limit`` bytes (413 beyond)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is larger than the {limit} bytes allowed")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is larger than the {limit} bytes allowed")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw and not required:
         return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return decode_json_body(raw)
+
+
+def _load_request_images(requests: list[GenerateRequest]) -> None:
+    """Decode every request's images in place (runs in a worker thread); a per-request pixel budget
+    bounds what many small-but-huge images can cost together."""
+    for i, req in enumerate(requests):
+        images, pixels = [], 0
+        for k, item in enumerate(req.images):
+            image = load_image(item, f"image_data[{i}][{k}]")
+            pixels += image.width * image.height
+            if pixels > MAX_REQUEST_PIXELS:
+                raise ProtocolError(f"image_data[{i}]: the images hold more than the {MAX_REQUEST_PIXELS} "
+                                    "pixels allowed per request")
+            images.append(image)
+        req.images = images
 
 
 class EngineApp:
@@ -79,39 +164,58 @@ class EngineApp:
             Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
             Route("/get_weight_version", self.weight_version, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes)
+        self.app = Starlette(routes=[Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes])
+
+    def _require_alive(self) -> None:
+        if not self.scheduler.alive:
+            raise _Unavailable("the engine is not running (its scheduler thread stopped)")
 
     async def generate(self, request: Request):
-        try:
-            body = await _json_body(request)
-            requests, is_batch = parse_generate(body, self.runner.vocab_size)
-            for i, req in enumerate(requests):
-                req.images = [load_image(img, f"image_data[{i}][{k}]") for k, img in enumerate(req.images)]
-        except ProtocolError as e:
-            return _error(400, str(e))
+        self._require_alive()
+        body = await _json_body(request)
+        requests, is_batch = parse_generate(body, self.runner.vocab_size)
+        if any(req.images for req in requests):
+            if not self.runner.is_vlm:
+                raise ProtocolError(f"image_data given but the served model {self.model_path} is text-only")
+            await asyncio.get_running_loop().run_in_executor(None, _load_request_images, requests)
         futures = [self.scheduler.submit(req) for req in requests]
-        results = []
-        for fut in futures:
-            try:
-                results.append(await asyncio.wrap_future(fut))
-            except ProtocolError as e:
-                for other in futures:
-                    other.cancel()
-                return _error(400, str(e))
-            except Exception as e:
-                return _error(500, f"{type(e).__name__}: {e}")
-        return JSONResponse(results if is_batch else results[0])
+        results = await self._wait(request, futures)
+        if results is None:
+            return _error(499, "client disconnected; its requests were aborted")
+        return _JSON(results if is_batch else results[0])
+
+    async def _wait(self, request: Request, futures: list[Future]) -> list[dict] | None:
+        """Every result in order, or raise the first failure in batch order (the others are aborted);
+        None when the client disconnected (its requests are aborted)."""
+        waiters = [asyncio.wrap_future(f) for f in futures]
+        for w in waiters:
+            w.add_done_callback(_retrieve)
+        pending = set(waiters)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_SECONDS,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((w for w in waiters if w.done() and (w.cancelled() or w.exception() is not None)), None)
+            if failed is not None:
+                if pending:
+                    self.scheduler.abort_futures(futures, "another request of the same batch failed")
+                if failed.cancelled():
+                    raise EngineFault("the request was cancelled in the engine")
+                raise failed.exception()
+            if pending and await request.is_disconnected():
+                self.scheduler.abort_futures(futures, "client disconnected")
+                return None
+        return [w.result() for w in waiters]
 
     async def health(self, request: Request):
+        self._require_alive()
         return PlainTextResponse("")
 
     async def health_generate(self, request: Request):
-        from slime_mt.engine.protocol import GenerateRequest, SamplingParams
-
-        probe = GenerateRequest(rid=f"health-{time.time_ns()}", input_ids=[self._probe_token()], text=None, images=[],
-                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        self._require_alive()
         if self.scheduler.paused:
             return PlainTextResponse("")
+        probe = GenerateRequest(rid=f"health-{time.time_ns()}", input_ids=[self._probe_token()], text=None, images=[],
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(probe)), timeout=60)
         except Exception as e:
@@ -123,14 +227,14 @@ class EngineApp:
         return tok.bos_token_id if tok.bos_token_id is not None else min(self.runner.eos_ids)
 
     async def model_info(self, request: Request):
-        return JSONResponse({
+        return _JSON({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "weight_version": self.scheduler.weight_version, "has_image_understanding": self.runner.is_vlm,
             "preferred_sampling_params": None,
         })
 
     async def server_info(self, request: Request):
-        return JSONResponse({
+        return _JSON({
             "model_path": self.model_path, "engine": "slime_mt.local", "version": __version__,
             "context_length": self.runner.context_length, "max_running_requests": self.scheduler.max_batch_size,
             "weight_version": self.scheduler.weight_version, "internal_states": [self.scheduler.load()],
@@ -138,73 +242,74 @@ class EngineApp:
         })
 
     async def weight_version(self, request: Request):
-        return JSONResponse({"weight_version": self.scheduler.weight_version})
+        return _JSON({"weight_version": self.scheduler.weight_version})
 
     async def flush_cache(self, request: Request):
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation will not be performed.)")
 
     async def abort_request(self, request: Request):
-        try:
-            body = await _json_body(request)
-        except ProtocolError as e:
-            return _error(400, str(e))
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if not abort_all and not isinstance(rid, str):
-            return _error(400, "abort_request needs a string 'rid' or 'abort_all': true")
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid"), parse_bool(body.get("abort_all"), "abort_all")
+        if rid is not None and not isinstance(rid, str):
+            raise ProtocolError(f"abort_request: rid must be a string, got {show(rid)}")
+        if not abort_all and rid is None:
+            raise ProtocolError("abort_request needs a string 'rid' or 'abort_all': true")
         count = self.scheduler.abort(rid, abort_all)
-        return JSONResponse({"success": True, "aborted": count})
+        return _JSON({"success": True, "aborted": count})
 
     async def pause_generation(self, request: Request):
-        try:
-            body = await _json_body(request, required=False)
-            self.scheduler.pause(body.get("mode", "abort"))
-        except ProtocolError as e:
-            return _error(400, str(e))
-        return JSONResponse({"success": True, "message": "Generation paused."})
+        body = await _json_body(request, required=False)
+        mode = body.get("mode")
+        if mode is not None and not isinstance(mode, str):
+            raise ProtocolError(f"pause_generation: mode must be abort, in_place or retract, got {show(mode)}")
+        self.scheduler.pause(mode or "abort")
+        return _JSON({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: Request):
         self.scheduler.resume()
-        return JSONResponse({"success": True, "message": "Generation continued."})
+        return _JSON({"success": True, "message": "Generation continued."})
 
     async def update_weights_from_disk(self, request: Request):
-        try:
-            body = await _json_body(request)
-        except ProtocolError as e:
-            return _error(400, str(e))
-        path = body.get("model_path")
-        if not isinstance(path, str) or not Path(path).is_dir():
-            return _error(400, f"update_weights_from_disk: model_path {path!r} is not a folder")
-        version = body.get("weight_version")
-        try:
-            count = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: update_weights(self.scheduler, lambda: self.runner.load_weights_from_disk(path), version))
-        except WeightUpdateError as e:
-            return _error(400, str(e))
-        return JSONResponse({"success": True, "message": f"Updated {count} tensors from {path}.",
-                             "num_paused_requests": 0, "weight_version": self.scheduler.weight_version})
+        body = await _json_body(request)
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError(f"update_weights_from_disk: model_path must be a folder path, got {show(path)}")
+        if version is not None and not isinstance(version, str):
+            raise ProtocolError(f"update_weights_from_disk: weight_version must be a string, got {show(version)}")
+        count = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: update_weights(self.scheduler, lambda: self.runner.load_weights_from_disk(path), version))
+        return _JSON({"success": True, "message": f"Updated {count} tensors from {path}.",
+                      "num_paused_requests": 0, "weight_version": self.scheduler.weight_version})
+
+
+def _retrieve(waiter: asyncio.Future) -> None:
+    """Mark a waiter's exception as seen (a batch that answered early leaves some behind)."""
+    if not waiter.cancelled():
+        waiter.exception()
 
 
 def update_weights(scheduler: Scheduler, load, weight_version: str | None) -> int:
-    """Run ``load()`` between decode steps and bump the weight version (``weight_version`` or +1)."""
+    """Run ``load()`` between decode steps; on success set ``weight_version`` when one is given (as
+    SGLang does, the version is unchanged otherwise). ``load`` is all-or-nothing, so a failure
+    leaves the weights and the version as they were."""
     with scheduler.lock:
         count = load()
-        scheduler.weight_version = weight_version if weight_version is not None else _next_version(scheduler.weight_version)
+        if weight_version is not None:
+            scheduler.weight_version = weight_version
     return count
-
-
-def _next_version(version: str) -> str:
-    return str(int(version) + 1) if version.isdigit() else version + "+1"
 
 
 class LocalEngine:
     """An embedded engine server in this process (model + scheduler thread + uvicorn thread)."""
 
     def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32,
-                 seed: int = 0, weight_version: str = "0", dtype: torch.dtype = torch.float32):
+                 seed: int = 0, weight_version: str = "0", dtype: torch.dtype = torch.float32,
+                 device: str | None = None):
         self.model_path = str(model_path)
         self.host, self.port = host, port
         self.max_batch_size, self.seed, self.dtype = max_batch_size, seed, dtype
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.initial_version = weight_version
         self.scheduler: Scheduler | None = None
         self._server: uvicorn.Server | None = None
@@ -219,7 +324,7 @@ class LocalEngine:
         return self.scheduler.weight_version
 
     def start(self, timeout: float = 120.0) -> LocalEngine:
-        runner = ModelRunner(self.model_path, dtype=self.dtype)
+        runner = ModelRunner(self.model_path, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version)
         self.scheduler.start()
         app = EngineApp(self.scheduler, self.model_path).app
@@ -237,7 +342,8 @@ class LocalEngine:
         return self
 
     def update_weights_from_tensors(self, named: dict[str, torch.Tensor], weight_version: str | None = None) -> int:
-        """In-process weight sync (trainer and engine in one process): copy HF-named tensors."""
+        """In-process weight sync (trainer and engine in one process): copy HF-named tensors, all or
+        nothing (a WeightUpdateError leaves the weights and the version as they were)."""
         return update_weights(self.scheduler, lambda: self.scheduler.runner.load_weights(named), weight_version)
 
     def stop(self) -> None:

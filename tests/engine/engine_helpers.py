@@ -23,3 +23,31 @@ def data_uri(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def eager_to_stop_model(src, out, eos: int, runner_up: int | None = None):
+    """A copy of the tiny (tied-embedding) Qwen2 model at ``src`` that wants to emit ``eos`` at every
+    step, and ``runner_up`` second: attention and MLP outputs are zeroed, so the last hidden state is
+    the normalised embedding of the current token; every token embeds near one direction u, ``eos``
+    as 4u and ``runner_up`` as 3u, so their logits dominate whatever the context."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight  # [V, H], tied with lm_head
+        u = torch.ones(embed.shape[1]) / embed.shape[1] ** 0.5
+        embed.copy_(u + 0.05 * torch.randn(embed.shape, generator=generator))
+        embed[eos] = 4 * u
+        if runner_up is not None:
+            embed[runner_up] = 3 * u
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -158,16 +158,18 @@ def test_weight_update_from_disk_changes_outputs_and_version(text_target, tmp_pa
     async def go():
         async with text_target.client() as client:
             before = await _greedy(client)
-            answers = await client.update_weights_from_disk(str(tmp_path / "new"))
+            unversioned = await client.update_weights_from_disk(str(tmp_path / "old"))  # SGLang: version kept
+            answers = await client.update_weights_from_disk(str(tmp_path / "new"), weight_version="1")
             after = await _greedy(client)
             await client.update_weights_from_disk(str(tmp_path / "old"), weight_version="restored")
             restored = await _greedy(client)
-            return before, answers, after, restored
+            return before, unversioned, answers, after, restored
 
-    before, answers, after, restored = run(go())
+    before, unversioned, answers, after, restored = run(go())
+    assert [a["weight_version"] for a in unversioned] == ["0"] * len(text_target.workers)
     assert all(a["success"] for a in answers) and len(answers) == len(text_target.workers)
     assert after["output_ids"] != before["output_ids"]
-    assert int(after["meta_info"]["weight_version"]) == int(before["meta_info"]["weight_version"]) + 1
+    assert before["meta_info"]["weight_version"] == "0" and after["meta_info"]["weight_version"] == "1"
     assert restored["output_ids"] == before["output_ids"]
     assert restored["meta_info"]["weight_version"] == "restored"
     for url in text_target.workers:  # leave the shared engines at version 0 for later tests

@@ -1,0 +1,456 @@
+"""One test per engine defect of issue 10: hostile input never hangs or 5xxs the embedded engine,
+failed weight updates change nothing, ``min_new_tokens`` blocks EOS, and the SGLang contract gaps."""
+
+import asyncio
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from engine_helpers import data_uri, diagram, eager_to_stop_model, run
+from slime_mt.engine.protocol import GenerateRequest, SamplingParams
+from slime_mt.engine.server import LocalEngine
+
+PROMPT = [9707, 1879, 11, 1128, 525, 498, 30]
+EOS = 151645
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_paths):
+    with LocalEngine(tiny_paths["qwen2"], max_batch_size=8) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def vl_engine(tiny_paths):
+    with LocalEngine(tiny_paths["qwen2.5-vl"], max_batch_size=8) as e:
+        yield e
+
+
+def post(url: str, path: str, body=None, content: bytes | None = None, timeout: float = TIMEOUT) -> httpx.Response:
+    if content is not None:
+        return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout)
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def greedy(url: str, n: int = 8) -> dict:
+    response = post(url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                       "sampling_params": {**GREEDY, "max_new_tokens": n}})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_idle(url: str) -> None:
+    """Nothing is left running or queued (every admitted request was answered)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+        if state["#running_req"] == 0 and state["#queue_req"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {state}")
+
+
+# ---------------------------------------------------------------- 1. one bad request, everyone answered
+
+def test_seed_beyond_64_bits_fails_alone(engine):
+    reference = greedy(engine.url, 30)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            valid = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 30}}
+            running = asyncio.create_task(http.post(engine.url + "/generate", json=valid))
+            await asyncio.sleep(0.2)
+            bad = await http.post(engine.url + "/generate",
+                                  json={"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2 ** 70}})
+            after = await http.post(engine.url + "/generate", json=valid)
+            return bad, await running, after
+
+    bad, running, after = run(asyncio.wait_for(go(), TIMEOUT))
+    assert bad.status_code == 400 and "sampling_seed" in bad.json()["error"]["message"]
+    assert running.status_code == 200 and running.json()["output_ids"] == reference["output_ids"]
+    assert after.status_code == 200 and after.json()["output_ids"] == reference["output_ids"]
+    assert_idle(engine.url)
+
+
+def test_batch_with_rejected_members_answers_and_leaks_nothing(engine):
+    too_long = "hello " * 5000  # more tokens than the context
+    response = post(engine.url, "/generate", {"text": [too_long, "Hello world", too_long],
+                                              "sampling_params": {"max_new_tokens": 20}})
+    assert response.status_code == 400
+    assert "context length" in response.json()["error"]["message"]
+    assert_idle(engine.url)
+    greedy(engine.url)
+
+
+def test_a_cancelled_future_rejected_at_admission_does_not_stop_the_loop(engine):
+    """The HTTP side may give up on a future (a client gone); settling it later must not break the loop
+    and the requests admitted with it are still answered."""
+    scheduler = engine.scheduler
+    scheduler.pause("in_place")
+    try:
+        bad = GenerateRequest(rid="bad", input_ids=[1] * 5000, text=None, images=[],
+                              sampling=SamplingParams(max_new_tokens=4))
+        good = GenerateRequest(rid="good", input_ids=PROMPT, text=None, images=[],
+                               sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+        bad_future = scheduler.submit(bad)
+        good_future = scheduler.submit(good)
+        assert bad_future.cancel()
+    finally:
+        scheduler.resume()
+    assert good_future.result(timeout=TIMEOUT)["output_ids"] == greedy(engine.url, 4)["output_ids"]
+    assert_idle(engine.url)
+
+
+def test_engine_faults_fail_only_their_request_with_a_named_500(engine, monkeypatch):
+    """Fault injection: a prefill that raises (one marked request) and a decode step that raises once."""
+    runner = engine.scheduler.runner
+    prefill, decode = runner.prefill, runner.decode
+    marker = 42
+    broken = {"decode": True}
+
+    def faulty_prefill(seq, *args, **kwargs):
+        if seq.prompt_ids[0] == marker:
+            raise RuntimeError("injected prefill fault")
+        return prefill(seq, *args, **kwargs)
+
+    def faulty_decode(batch):
+        if broken["decode"] and any(s.prompt_ids[0] == marker + 1 for s in batch.seqs):
+            broken["decode"] = False
+            raise RuntimeError("injected decode fault")
+        return decode(batch)
+
+    monkeypatch.setattr(runner, "prefill", faulty_prefill)
+    monkeypatch.setattr(runner, "decode", faulty_decode)
+    reference = greedy(engine.url)
+    first = post(engine.url, "/generate", {"input_ids": [marker, *PROMPT], "sampling_params": GREEDY})
+    assert first.status_code == 500
+    assert "injected prefill fault" in first.json()["error"]["message"]
+    second = post(engine.url, "/generate", {"input_ids": [marker + 1, *PROMPT], "sampling_params": GREEDY})
+    assert second.status_code == 500
+    assert "RuntimeError: injected decode fault" in second.json()["error"]["message"]
+    assert greedy(engine.url)["output_ids"] == reference["output_ids"]
+    assert_idle(engine.url)
+
+
+# ---------------------------------------------------------------- 2. weight updates are all-or-nothing
+
+def _bad_checkpoints(root, good: dict[str, torch.Tensor]) -> dict[str, str]:
+    names = sorted(good)
+    cases = {}
+    folder = root / "bad_name_after_good"
+    folder.mkdir()
+    save_file({**{n: good[n] + 1.0 for n in names}, "model.layers.9.nonexistent.weight": torch.zeros(2)},
+              str(folder / "model.safetensors"))
+    cases["bad_name_after_good"] = str(folder)
+    folder = root / "bad_shape"
+    folder.mkdir()
+    shapes = {n: good[n] + 1.0 for n in names}
+    shapes[names[-1]] = torch.zeros(3, 3)
+    save_file(shapes, str(folder / "model.safetensors"))
+    cases["bad_shape"] = str(folder)
+    folder = root / "bad_dtype"
+    folder.mkdir()
+    save_file({**{n: good[n] + 1.0 for n in names[:-1]}, names[-1]: torch.ones(good[names[-1]].shape, dtype=torch.int64)},
+              str(folder / "model.safetensors"))
+    cases["bad_dtype"] = str(folder)
+    folder = root / "corrupt"
+    folder.mkdir()
+    save_file({n: good[n] + 1.0 for n in names[:2]}, str(folder / "a.safetensors"))
+    (folder / "b.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}garbage")
+    cases["corrupt"] = str(folder)
+    folder = root / "empty_file"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    cases["empty_file"] = str(folder)
+    folder = root / "bad_index"
+    folder.mkdir()
+    save_file({n: good[n] + 1.0 for n in names}, str(folder / "model-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    cases["bad_index"] = str(folder)
+    cases["missing_path"] = str(root / "does-not-exist")
+    cases["a_file_not_a_folder"] = str(root / "bad_shape" / "model.safetensors")
+    return cases
+
+
+def test_failed_updates_leave_weights_and_version_then_a_good_one_works(tiny_paths, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]))
+    good = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    cases = _bad_checkpoints(tmp_path, good)
+    with LocalEngine(tiny_paths["qwen2"]) as engine:
+        before = greedy(engine.url)
+        for label, path in cases.items():
+            response = post(engine.url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
+            assert response.status_code == 400, (label, response.status_code, response.text)
+            message = response.json()["error"]["message"]
+            assert path in message or os.path.basename(path) in message or "model.safetensors" in message, (label, message)
+            now = greedy(engine.url)
+            assert now["output_ids"] == before["output_ids"], label
+            assert [x[0] for x in now["meta_info"]["output_token_logprobs"]] == \
+                [x[0] for x in before["meta_info"]["output_token_logprobs"]], label
+            assert now["meta_info"]["weight_version"] == "0", label
+        torch.manual_seed(3)
+        perturbed = tmp_path / "perturbed"
+        perturbed.mkdir()
+        save_file({k: v + 0.5 * torch.randn_like(v) for k, v in good.items()}, str(perturbed / "model.safetensors"))
+        ok = post(engine.url, "/update_weights_from_disk", {"model_path": str(perturbed), "weight_version": "7"})
+        assert ok.status_code == 200 and ok.json()["weight_version"] == "7"
+        after = greedy(engine.url)
+        assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"
+
+
+def test_failed_in_process_update_changes_nothing(tiny_paths):
+    from slime_mt.engine.runner import WeightUpdateError
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]))
+    named = {k: v + 1.0 for k, v in model.state_dict().items()}
+    named["model.norm.weight"] = torch.zeros(5)
+    with LocalEngine(tiny_paths["qwen2"]) as engine:
+        before = greedy(engine.url)
+        with pytest.raises(WeightUpdateError, match=r"model.norm.weight.*shape \(5,\)"):
+            engine.update_weights_from_tensors(named, weight_version="1")
+        assert greedy(engine.url)["output_ids"] == before["output_ids"]
+        assert engine.weight_version == "0"
+
+
+# ---------------------------------------------------------------- 3. malformed input is a 400, never a 5xx
+
+@pytest.mark.parametrize("raw,needle", [
+    (b'{"input_ids": [1, 2], "return_logprob": true, "sampling_params": {"temperature": NaN}}', "temperature"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": Infinity}}', "temperature"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": 1e999}}', "temperature"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"top_p": NaN}}', "top_p"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"min_p": -Infinity}}', "min_p"),
+    (b'{"input_ids": [1, 2], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    (b"[" * 5000 + b"]" * 5000, "nested"),
+    (b'{"input_ids": [' + b"9" * 5000 + b"]}", "JSON"),
+    (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": ' + b"9" * 400 + b"}}", "max_new_tokens"),
+])
+def test_malformed_numbers_and_nesting_are_400(engine, raw, needle):
+    response = post(engine.url, "/generate", content=raw)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+    greedy(engine.url)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width x height`` 1-bit pixels with almost no data (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("width,height,needle", [(100_000, 100_000, "pixels"), (9_000, 9_000, "pixels"),
+                                                 (64, 64, "cannot read image")])
+def test_image_bombs_and_truncated_images_are_400(vl_engine, width, height, needle):
+    import base64
+
+    uri = "data:image/png;base64," + base64.b64encode(_png_header_only(width, height)).decode()
+    response = post(vl_engine.url, "/generate", {"input_ids": [1, 151655], "image_data": [uri]})
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_image_files_must_be_small_regular_files_read_off_the_event_loop(vl_engine, tmp_path):
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.png"
+    with open(big, "wb") as f:
+        f.truncate(200 * 1024 * 1024)  # sparse: no disk used
+    for path, needle in [("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
+                         (f"file://{fifo}", "not a regular file"), (str(big), "larger than"),
+                         (str(tmp_path), "not a regular file")]:
+        started = time.perf_counter()
+        response = post(vl_engine.url, "/generate", {"input_ids": [1, 151655], "image_data": [path]}, timeout=20)
+        assert response.status_code == 400, (path, response.text)
+        assert needle in response.json()["error"]["message"], (path, response.text)
+        assert time.perf_counter() - started < 10, path
+    image = tmp_path / "ok.png"
+    diagram(1).save(image)
+    ok = post(vl_engine.url, "/generate", {"input_ids": [1, 151655], "image_data": [str(image)],
+                                           "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200, ok.text
+
+
+# ---------------------------------------------------------------- 4. min_new_tokens blocks every stop token
+
+@pytest.fixture(scope="module")
+def stopper(tiny_paths, tmp_path_factory):
+    """An engine on a model that wants to emit EOS (and, second, token 100) at every step."""
+    path = eager_to_stop_model(tiny_paths["qwen2"], tmp_path_factory.mktemp("stopper"), EOS, runner_up=100)
+    with LocalEngine(path) as e:
+        yield e
+
+
+def test_the_stopper_model_stops_at_once(stopper):
+    out = post(stopper.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}).json()
+    assert out["output_ids"] == [EOS]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "sampling_seed": 5},
+                                      {"temperature": 1.5, "top_p": 0.9, "sampling_seed": 6}])
+def test_min_new_tokens_blocks_eos_and_stop_token_ids(stopper, sampling):
+    body = {"input_ids": [PROMPT] * 4, "return_logprob": True,
+            "sampling_params": [{**sampling, "max_new_tokens": 12, "min_new_tokens": m,
+                                 "stop_token_ids": [100]} for m in (1, 3, 6, 10)]}
+    outs = post(stopper.url, "/generate", body).json()
+    for m, out in zip((1, 3, 6, 10), outs):
+        ids = out["output_ids"]
+        assert not {EOS, 100} & set(ids[:m]), (m, ids)
+        assert len(ids) == m + 1 and ids[m] in (EOS, 100), (m, ids)  # it stops as soon as it may
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[m]}
+
+
+def test_min_new_tokens_logprobs_are_under_the_masked_distribution(stopper, tiny_paths):
+    """As SGLang reports them: the blocked tokens get -inf before log_softmax(logits / T)."""
+    out = post(stopper.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params":
+                                          {"temperature": 0.0, "max_new_tokens": 6, "min_new_tokens": 4}}).json()
+    ids = out["output_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(stopper.model_path)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1].float()  # [n, V]
+    logits[:4, EOS] = float("-inf")
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+
+
+# ---------------------------------------------------------------- 5. contract gaps with SGLang's /generate
+
+def test_null_sampling_params_mean_their_defaults(engine):
+    nulls = {k: None for k in ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+                               "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
+                               "sampling_seed", "n", "frequency_penalty", "stream_interval")}
+    nulls.update(temperature=0.0, max_new_tokens=8)
+    response = post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": nulls,
+                                              "return_logprob": None, "logprob_start_len": None, "rid": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["output_ids"] == greedy(engine.url)["output_ids"]
+    unlimited = post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params":
+                                               {"max_new_tokens": None, "temperature": 0.0, "stop_token_ids": [
+                                                   greedy(engine.url, 3)["output_ids"][2]]}})
+    assert unlimited.status_code == 200, unlimited.text
+
+
+def test_input_token_logprobs_with_the_default_start(engine):
+    out = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params": GREEDY}).json()
+    assert out["meta_info"]["input_token_logprobs"] == [[None, PROMPT[-1], None]]
+    full = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": GREEDY}).json()["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in full] == PROMPT and full[0][0] is None and all(lp < 0 for lp, _, _ in full[1:])
+    part = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 3,
+                                          "sampling_params": GREEDY}).json()["meta_info"]["input_token_logprobs"]
+    assert part[0] == [None, PROMPT[3], None] and part[1:] == full[4:]
+    too_far = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                             "logprob_start_len": len(PROMPT), "sampling_params": GREEDY})
+    assert too_far.status_code == 400 and "logprob_start_len" in too_far.json()["error"]["message"]
+
+
+def test_batch_rid_string_is_a_prefix_and_abort_hits_one(engine):
+    body = {"input_ids": [PROMPT, PROMPT[:4]], "rid": "job",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            task = asyncio.create_task(http.post(engine.url + "/generate", json=body))
+            await asyncio.sleep(0.5)
+            aborted = await http.post(engine.url + "/abort_request", json={"rid": "job_1"})
+            return aborted, await task
+
+    aborted, response = run(asyncio.wait_for(go(), TIMEOUT))
+    assert aborted.json()["aborted"] == 1
+    first, second = response.json()
+    assert [first["meta_info"]["id"], second["meta_info"]["id"]] == ["job_0", "job_1"]
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert second["meta_info"]["finish_reason"]["type"] == "abort"
+    duplicate = post(engine.url, "/generate", {"input_ids": [PROMPT, PROMPT], "rid": ["a", "a"]})
+    assert duplicate.status_code == 400 and "Duplicate request IDs" in duplicate.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("flag,aborts", [("false", False), ("0", False), (False, False), ("true", True), (1, True)])
+def test_abort_all_is_read_as_a_boolean(engine, flag, aborts):
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            task = asyncio.create_task(http.post(engine.url + "/generate", json={
+                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            answer = await http.post(engine.url + "/abort_request", json={"rid": "", "abort_all": flag})
+            return answer, await task
+
+    answer, response = run(asyncio.wait_for(go(), TIMEOUT))
+    assert answer.status_code == 200
+    assert (response.json()["meta_info"]["finish_reason"]["type"] == "abort") == aborts
+    bad = post(engine.url, "/abort_request", {"rid": "x", "abort_all": "maybe"})
+    assert bad.status_code == 400 and "abort_all" in bad.json()["error"]["message"]
+
+
+def test_update_without_weight_version_keeps_the_version(tiny_paths, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    with LocalEngine(tiny_paths["qwen2"], weight_version="3") as engine:
+        answer = post(engine.url, "/update_weights_from_disk", {"model_path": str(tmp_path)}).json()
+        assert answer["success"] and answer["weight_version"] == "3"
+        assert greedy(engine.url)["meta_info"]["weight_version"] == "3"
+        engine.update_weights_from_tensors({"model.norm.weight": model.model.norm.weight.detach()})
+        assert engine.weight_version == "3"
+        bad = post(engine.url, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": 4})
+        assert bad.status_code == 400 and "weight_version" in bad.json()["error"]["message"]
+
+
+def test_image_reads_do_not_block_the_event_loop(vl_engine, tmp_path, monkeypatch):
+    """A slow image read (a file on a slow disk) runs off the event loop: /health answers meanwhile."""
+    import slime_mt.engine.images as images
+
+    slow = threading.Event()
+    real = images._read_image_file
+
+    def slow_read(path, limit):
+        slow.set()
+        time.sleep(2.0)
+        return real(path, limit)
+
+    monkeypatch.setattr(images, "_read_image_file", slow_read)
+    image = tmp_path / "ok.png"
+    diagram(2).save(image)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            task = asyncio.create_task(http.post(vl_engine.url + "/generate", json={
+                "input_ids": [1, 151655], "image_data": [str(image)], "sampling_params": {"max_new_tokens": 1}}))
+            while not slow.is_set():
+                await asyncio.sleep(0.01)
+            started = time.perf_counter()
+            health = await http.get(vl_engine.url + "/health")
+            return time.perf_counter() - started, health, await task
+
+    waited, health, response = run(asyncio.wait_for(go(), TIMEOUT))
+    assert health.status_code == 200 and waited < 1.0
+    assert response.status_code == 200
+
+
+def test_health_reports_a_dead_scheduler(tiny_paths):
+    engine = LocalEngine(tiny_paths["qwen2"]).start()
+    try:
+        assert httpx.get(engine.url + "/health", timeout=10).status_code == 200
+        engine.scheduler.stop()
+        response = httpx.get(engine.url + "/health", timeout=10)
+        assert response.status_code == 503
+        generate = post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=10)
+        assert generate.status_code == 503
+    finally:
+        engine.stop()
+
