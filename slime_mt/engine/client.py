@@ -1,10 +1,15 @@
 """One async client for every engine that speaks SGLang's native HTTP API (embedded, SGLang, router).
 
-``generate`` posts to ``url`` (an engine or a router) with a per-request timeout and bounded
-retries with exponential backoff on connection errors and HTTP 5xx; a 4xx is never retried and
-raises ``EngineRequestError`` with the server's message. Each request carries an ``rid`` so it can
-be aborted. Control calls (abort, pause, continue, weight updates, flush) go to every worker URL,
-because a router does not forward them (sglang-router answers 404 on ``/abort_request``).
+``generate`` posts to ``url`` (an engine or a router) with bounded retries and exponential backoff
+on connection errors and HTTP 5xx; a 4xx is never retried and raises ``EngineRequestError`` with the
+server's message. Each request carries an ``rid`` so it can be aborted. Control calls (abort, pause,
+continue, weight updates, flush) go to every worker URL, because a router does not forward them
+(sglang-router answers 404 on ``/abort_request``).
+
+No call outlives its timeout (retries and backoff included): ``generate`` raises
+``EngineTimeoutError`` after ``timeout`` seconds plus at most ``ABORT_GRACE`` seconds spent
+aborting the request on the engine. Every error names the engine URL that failed; a broadcast names
+each worker that failed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                     httpx.RemoteProtocolError, httpx.PoolTimeout)
+ABORT_GRACE = 2.0  # seconds an abort after a timeout may take, on all workers together
 
 
 class EngineError(RuntimeError):
@@ -36,7 +42,7 @@ class EngineRequestError(EngineError):
 
 
 class EngineTimeoutError(EngineError):
-    """A request that took longer than the per-request timeout (it was aborted on the engine)."""
+    """A request that took longer than its timeout (a generate is aborted on the engine)."""
 
 
 class EngineClient:
@@ -85,21 +91,37 @@ class EngineClient:
         if image_data:
             body["image_data"] = image_data
         body.update(extra)
-        try:
-            return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), timeout or self.timeout)
-        except asyncio.TimeoutError:
-            await self.abort(rid)
-            raise EngineTimeoutError(f"{self.url}/generate: request {rid} exceeded {timeout or self.timeout:.1f}s; "
-                                     "aborted on the engine") from None
+        return await self._generate(body, [rid], timeout)
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | None = None,
-                             return_logprob: bool = True, **extra: Any) -> list[dict]:
-        """POST /generate with a batch of prompts -> a list of responses (SGLang's batch form)."""
+                             return_logprob: bool = True, timeout: float | None = None, **extra: Any) -> list[dict]:
+        """POST /generate with a batch of prompts -> a list of responses (SGLang's batch form). The
+        batch's ``rid`` is a prefix: item i is ``{rid}_{i}`` (a list of rids is not accepted by
+        sglang-router)."""
+        rid = extra.pop("rid", None) or uuid.uuid4().hex
         body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
-                **extra}
-        return await self._post_with_retries(self.url, "/generate", body)
+                "rid": rid, **extra}
+        return await self._generate(body, [f"{rid}_{i}" for i in range(len(input_ids))], timeout)
+
+    async def _generate(self, body: dict, rids: list[str], timeout: float | None) -> Any:
+        limit = timeout or self.timeout
+        try:
+            return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), limit)
+        except asyncio.TimeoutError:
+            await self._abort_within_grace(rids)
+            raise EngineTimeoutError(f"{self.url}/generate: request {', '.join(rids)} exceeded {limit:.1f}s; "
+                                     "aborted on the engine") from None
+
+    async def _abort_within_grace(self, rids: list[str]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self.abort(rid) for rid in rids)), ABORT_GRACE)
+        except asyncio.TimeoutError:
+            logger.warning("aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls,
+                           ABORT_GRACE)
 
     async def _post_with_retries(self, base: str, path: str, body: dict) -> Any:
+        """POST with retries on connection errors and 5xx. Raises EngineRequestError (4xx) or
+        EngineError naming ``base + path``; the caller bounds the total time."""
         last = "no attempt"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -110,68 +132,106 @@ class EngineClient:
                 last = f"{type(e).__name__}: {e}"
                 logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
                 continue
+            except httpx.TimeoutException as e:
+                raise EngineTimeoutError(f"engine {base}{path} did not answer: {type(e).__name__}: {e}") from None
+            except httpx.HTTPError as e:
+                raise EngineError(f"engine {base}{path} cannot be reached: {type(e).__name__}: {e}") from None
             if response.status_code >= 500:
                 last = f"HTTP {response.status_code}: {_message(response)}"
                 logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
                 continue
             if response.status_code >= 400:
                 raise EngineRequestError(base + path, response.status_code, _message(response))
-            return response.json() if response.content else {}
+            return _json_of(response, base + path)
         raise EngineError(f"engine {base}{path} failed after {self.max_retries + 1} attempts; last failure: {last}")
 
     # ------------------------------------------------------------------ control endpoints
 
-    async def _broadcast(self, path: str, body: dict | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._post_with_retries(u, path, body or {}) for u in self.worker_urls)))
+    async def _broadcast(self, path: str, body: dict | None = None, timeout: float | None = None) -> list[Any]:
+        """POST to every worker (concurrently, each bounded by ``timeout``); an error names every
+        worker that failed and why."""
+        limit = timeout or self.timeout
+
+        async def one(url: str) -> Any:
+            try:
+                return await asyncio.wait_for(self._post_with_retries(url, path, body or {}), limit)
+            except asyncio.TimeoutError:
+                raise EngineTimeoutError(f"engine {url}{path} did not answer within {limit:.1f}s") from None
+
+        results = await asyncio.gather(*(one(u) for u in self.worker_urls), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            if len(failures) == 1 and len(results) == 1:
+                raise failures[0]
+            raise EngineError(f"{path} failed on {len(failures)} of {len(results)} engines: "
+                              + "; ".join(str(f) for f in failures))
+        return list(results)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (``rid``) or everything on every worker; errors are logged, not raised."""
         body = {"rid": rid or "", "abort_all": abort_all}
-        for url in self.worker_urls:
+
+        async def one(url: str) -> None:
             try:
                 await self.http.post(url + "/abort_request", json=body, timeout=10.0)
             except httpx.HTTPError as e:
                 logger.warning("abort on %s failed: %s", url, e)
 
-    async def pause(self, mode: str = "in_place") -> None:
-        await self._broadcast("/pause_generation", {"mode": mode})
+        await asyncio.gather(*(one(u) for u in self.worker_urls))
 
-    async def resume(self) -> None:
-        await self._broadcast("/continue_generation")
+    async def pause(self, mode: str = "in_place", timeout: float | None = None) -> None:
+        await self._broadcast("/pause_generation", {"mode": mode}, timeout)
 
-    async def flush_cache(self) -> None:
-        await self._broadcast("/flush_cache")
+    async def resume(self, timeout: float | None = None) -> None:
+        await self._broadcast("/continue_generation", timeout=timeout)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> list[dict]:
+    async def flush_cache(self, timeout: float | None = None) -> None:
+        await self._broadcast("/flush_cache", timeout=timeout)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       timeout: float | None = None) -> list[dict]:
+        """Every worker loads ``model_path`` (all or nothing on each); sets ``weight_version`` when given."""
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        return await self._broadcast("/update_weights_from_disk", body)
+        return await self._broadcast("/update_weights_from_disk", body, timeout)
 
-    async def _get(self, url: str, path: str) -> httpx.Response:
+    async def _get(self, url: str, path: str) -> Any:
         try:
-            return await self.http.get(url + path, timeout=30.0)
+            response = await self.http.get(url + path, timeout=30.0)
         except httpx.HTTPError as e:
             raise EngineError(f"engine {url}{path} did not answer: {type(e).__name__}: {e}") from None
+        if response.status_code >= 400:
+            raise EngineError(f"engine {url}{path}: HTTP {response.status_code}: {_message(response)}")
+        return _json_of(response, url + path)
 
     async def health(self) -> bool:
-        try:
-            return all([(await self.http.get(u + "/health", timeout=5.0)).status_code == 200 for u in self.worker_urls])
-        except httpx.HTTPError:
-            return False
+        return all(await asyncio.gather(*(self._answers(u + "/health", 5.0) for u in self.worker_urls)))
 
     async def health_generate(self) -> bool:
+        return all(await asyncio.gather(*(self._answers(u + "/health_generate", 60.0) for u in self.worker_urls)))
+
+    async def _answers(self, url: str, timeout: float) -> bool:
         try:
-            return all([(await self.http.get(u + "/health_generate", timeout=60.0)).status_code == 200
-                        for u in self.worker_urls])
+            return (await self.http.get(url, timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 
     async def model_info(self) -> dict:
-        return (await self._get(self.worker_urls[0], "/model_info")).json()
+        return await self._get(self.worker_urls[0], "/model_info")
 
     async def server_info(self) -> list[dict]:
-        return [(await self._get(u, "/server_info")).json() for u in self.worker_urls]
+        return [await self._get(u, "/server_info") for u in self.worker_urls]
+
+
+def _json_of(response: httpx.Response, where: str) -> Any:
+    if not response.content:
+        return {}
+    try:
+        return response.json()
+    except ValueError:
+        raise EngineError(f"engine {where} answered HTTP {response.status_code} with a body that is not JSON: "
+                          f"{response.text[:200]!r}") from None
 
 
 def _message(response: httpx.Response) -> str:

@@ -141,3 +141,83 @@ def test_timeout_aborts_the_request_on_the_engine(farm, tiny_paths):
 async def _generate(url, retries, backoff=0.5):
     async with EngineClient(url, max_retries=retries, backoff=backoff) as client:
         return await client.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
+
+
+class BlackHole:
+    """A TCP listener that accepts connections and never answers (a wedged engine)."""
+
+    def __enter__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+def test_no_client_call_outlives_its_timeout_and_errors_name_the_engine():
+    from slime_mt.engine.client import ABORT_GRACE
+
+    async def go(url):
+        async with EngineClient(url, timeout=30.0) as client:
+            timings = {}
+            for name, call in [
+                ("generate", client.generate(PROMPT, {"max_new_tokens": 2}, timeout=0.5)),
+                ("generate_batch", client.generate_batch([PROMPT, PROMPT], {"max_new_tokens": 2}, timeout=0.5)),
+                ("update_weights", client.update_weights_from_disk("/tmp/x", "1", timeout=0.5)),
+                ("pause", client.pause(timeout=0.5)),
+            ]:
+                started = time.perf_counter()
+                with pytest.raises(EngineTimeoutError, match=url) as raised:
+                    await call
+                timings[name] = (time.perf_counter() - started, str(raised.value))
+            return timings
+
+    with BlackHole() as hole:
+        timings = run(go(hole.url))
+    for name, (seconds, message) in timings.items():
+        assert seconds < 0.5 + ABORT_GRACE + 0.5, (name, seconds)
+    assert "aborted on the engine" in timings["generate"][1]
+
+
+def test_broadcast_names_each_failed_worker(farm, tiny_paths):
+    target = farm.target("text-direct", tiny_paths["qwen2"])
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def go():
+        async with EngineClient(target.url, worker_urls=[target.url, dead], max_retries=1, backoff=0.05) as client:
+            with pytest.raises(EngineError) as raised:
+                await client.resume()
+            return str(raised.value)
+
+    message = run(go())
+    assert f"failed on 1 of 2 engines: engine {dead}/continue_generation failed after 2 attempts" in message
+    assert target.url not in message
+
+
+def test_a_200_that_is_not_json_names_the_engine():
+    import http.server
+
+    class NotJson(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>a proxy page</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotJson)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(EngineError, match=rf"engine {url}/generate answered HTTP 200 with a body that is not JSON"):
+            run(_generate(url, retries=0))
+    finally:
+        server.shutdown()
