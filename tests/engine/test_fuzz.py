@@ -219,58 +219,42 @@ def _exercised(seen: collections.Counter, path: str) -> None:
     assert 200 in statuses and any(400 <= s < 500 for s in statuses), (path, dict(seen))
 
 
-def test_generate_fuzz_text(engines):
-    url = engines["text"].url
-    reference = _reference(url, VALID)
+def _fuzz(url: str, requests, valid: dict, examples: int, exercised: tuple[str, ...]) -> None:
+    """Run the property on ``url``: lists of ``requests`` sent with ``valid``; then the fuzz must have
+    reached both sides of each ``exercised`` path, and the engine serves ``valid`` as before, idle."""
+    reference = _reference(url, valid)
     seen = collections.Counter()
 
-    @settings(max_examples=EXAMPLES * 3, **FUZZ_SETTINGS)
-    @given(st.lists(generate_requests(VALID), min_size=1, max_size=4))
+    @settings(max_examples=examples, **FUZZ_SETTINGS)
+    @given(requests)
     def prop(fuzz):
-        run(asyncio.wait_for(_round(url, fuzz, VALID, reference, seen), 4 * BOUND))
+        run(asyncio.wait_for(_round(url, fuzz, valid, reference, seen), 4 * BOUND))
 
     prop()
-    _exercised(seen, "/generate")
-    assert _reference(url, VALID) == reference
+    for path in exercised:
+        _exercised(seen, path)
+    assert _reference(url, valid) == reference
     _assert_idle(url)
+
+
+def test_generate_fuzz_text(engines):
+    _fuzz(engines["text"].url, st.lists(generate_requests(VALID), min_size=1, max_size=4), VALID, EXAMPLES * 3,
+          ("/generate",))
 
 
 def test_generate_fuzz_vl(engines):
-    url = engines["vl"].url
     image_body = {"input_ids": [151652, PAD, 151653, *PROMPT], "image_data": [data_uri(diagram(2))],
                   "return_logprob": True, "sampling_params": {"temperature": 0.0, "max_new_tokens": 3}}
-    reference = _reference(url, image_body)
-    seen = collections.Counter()
-
-    @settings(max_examples=EXAMPLES, **FUZZ_SETTINGS)
-    @given(st.lists(generate_requests(image_body), min_size=1, max_size=3))
-    def prop(fuzz):
-        run(asyncio.wait_for(_round(url, fuzz, image_body, reference, seen), 4 * BOUND))
-
-    prop()
-    _exercised(seen, "/generate")
-    assert _reference(url, image_body) == reference
-    _assert_idle(url)
+    _fuzz(engines["vl"].url, st.lists(generate_requests(image_body), min_size=1, max_size=3), image_body, EXAMPLES,
+          ("/generate",))
 
 
 def test_control_fuzz(engines, tmp_path_factory):
     engine = engines["text"]
-    url = engine.url
-    reference = _reference(url, VALID)
     root = tmp_path_factory.mktemp("fuzz-weights")
     (root / "empty").mkdir()
     (root / "corrupt").mkdir()
     (root / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 16)
     paths = [str(engine.model_path), str(root / "empty"), str(root / "corrupt"), "/dev", "/no/such/folder", ""]
-    seen = collections.Counter()
-
-    @settings(max_examples=EXAMPLES * 2, **FUZZ_SETTINGS)
-    @given(st.lists(control_request(paths), min_size=1, max_size=4))
-    def prop(fuzz):
-        run(asyncio.wait_for(_round(url, fuzz, VALID, reference, seen), 4 * BOUND))
-
-    prop()
-    for path in ("/abort_request", "/pause_generation", "/update_weights_from_disk"):
-        _exercised(seen, path)
-    assert _reference(url, VALID) == reference
-    _assert_idle(url)
+    _fuzz(engine.url, st.lists(control_request(paths), min_size=1, max_size=4), VALID, EXAMPLES * 2,
+          ("/abort_request", "/pause_generation", "/update_weights_from_disk"))
