@@ -37,7 +37,7 @@ class LossInputs:
 
 def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """``values [T]`` summed per sequence -> ``[S]``."""
-    return torch.zeros(num_seqs, dtype=values.dtype).index_add(0, seq_ids, values)
+    return values.new_zeros(num_seqs).index_add(0, seq_ids, values)
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

@@ -1,35 +1,132 @@
 """Hugging Face <-> Megatron weights for the decoder (Llama, Qwen2/2.5, Qwen3; the text part of VLMs).
 
-HF -> Megatron, per TP rank: fused ``linear_qkv`` in Megatron's grouped layout (for each key/value
-group: its query heads, then k, then v; groups split across ranks), fused ``linear_fc1`` = [gate; up]
-of this rank's shard, row-parallel ``linear_proj``/``linear_fc2`` split on the input dim, vocabulary
-rows padded to a TP multiple and split. Megatron -> HF gathers the shards over the TP group and
-undoes each layout; rank 0 gets the full tensors. Checkpoint names keep the source's prefix
-(``model.`` or ``model.language_model.``).
+HF -> Megatron, per TP rank, reading only this rank's slices from disk (``CheckpointReader``):
+fused ``linear_qkv`` in Megatron's grouped layout (for each key/value group: its query heads, then k,
+then v; groups split across ranks), fused ``linear_fc1`` = [gate; up] of this rank's shard,
+row-parallel ``linear_proj``/``linear_fc2`` split on the input dim, vocabulary rows padded to a TP
+multiple and split. With the Transformer Engine spec the two pre-norms are fused into the
+following linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); which names a
+rank uses is data (``decoder_names``), so the TE mapping is tested without TE.
+
+Megatron -> HF (``iter_megatron_to_hf``) gathers each tensor's shards to one rank of the TP group
+and undoes its layout, tensor by tensor: the destination holds one full tensor at a time, the other
+ranks none. Checkpoint names keep the source's prefix (``model.`` or ``model.language_model.``).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from slime_mt.backends.megatron.models import DecoderSpec, padded_vocab
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _SafetensorsFile:
+    """Positional reads of one safetensors file: only the bytes of the requested rows are read (no
+    mmap, so a rank's memory holds what it asked for and nothing of the rest of the file)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self.base = 8 + size
+        self.entries = header
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 (the whole tensor for a 0-d or when the range covers it)."""
+        entry = self.entries[name]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        begin, _ = entry["data_offsets"]
+        row = (torch.Size(shape[1:]).numel() if shape else 1) * torch.empty(0, dtype=dtype).element_size()
+        count = (stop - start) * row if shape else row
+        buffer = bytearray(count)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + begin + start * row)
+            if f.readinto(buffer) != count:
+                raise ValueError(f"{self.path}: tensor {name} is truncated")
+        if count == 0:
+            return torch.empty([stop - start, *shape[1:]], dtype=dtype)
+        tensor = torch.frombuffer(buffer, dtype=dtype)
+        return tensor.reshape([stop - start, *shape[1:]] if shape else [])
+
+
+class CheckpointReader:
+    """Lazy, sliceable access to the tensors of an HF safetensors folder (or of an in-memory dict):
+    ``get`` reads a whole tensor, ``rows``/``cols`` only a slice, so a TP rank reads its shard."""
+
+    def __init__(self, path: str | Path | None = None, tensors: Mapping[str, torch.Tensor] | None = None,
+                 block_bytes: int = 64 * 1024 * 1024):
+        self._tensors = dict(tensors) if tensors is not None else None
+        self._where: dict[str, _SafetensorsFile] = {}
+        self.block_bytes = block_bytes
+        if path is not None:
+            folder = Path(path)
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {path}")
+            index = folder / "model.safetensors.index.json"
+            if index.is_file():
+                files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+            for file in files:
+                handle = _SafetensorsFile(file)
+                for name in handle.entries:
+                    self._where[name] = handle
+
+    def names(self) -> set[str]:
+        return set(self._tensors) if self._tensors is not None else set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def _file(self, name: str) -> _SafetensorsFile:
+        if name not in self._where:
+            raise KeyError(f"{name} is not in the checkpoint")
+        return self._where[name]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._tensors[name].shape) if self._tensors is not None else self._file(name).shape(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._tensors is not None:
+            return self._tensors[name].clone()
+        shape = self.shape(name)
+        return self._file(name).rows(name, 0, shape[0] if shape else 1)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if self._tensors is not None:
+            return self._tensors[name][start:stop].clone()
+        return self._file(name).rows(name, start, stop)
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of a 2-D tensor, read a block of rows at a time."""
+        if self._tensors is not None:
+            return self._tensors[name][:, start:stop].contiguous()
+        rows, width = self.shape(name)
+        file = self._file(name)
+        step = max(1, self.block_bytes // max(width * file.rows(name, 0, 0).element_size(), 1))
+        return torch.cat([file.rows(name, r, min(r + step, rows))[:, start:stop].clone()
+                          for r in range(0, rows, step)]) if rows else file.rows(name, 0, 0)[:, start:stop]
+
+
 def load_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for f in files:
-        with safe_open(str(f), "pt") as handle:
-            for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
-    return tensors
+    """Every tensor of an HF folder (tests and tools; training reads slices)."""
+    reader = CheckpointReader(path)
+    return {name: reader.get(name) for name in sorted(reader.names())}
 
 
 def text_prefix(names) -> str:
@@ -39,82 +136,136 @@ def text_prefix(names) -> str:
     raise KeyError("no decoder embedding (model.embed_tokens.weight or model.language_model.embed_tokens.weight)")
 
 
-def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
-    return t.chunk(tp, dim=dim)[rank].contiguous()
+def decoder_names(layer: int, te: bool) -> dict[str, str]:
+    """Megatron parameter names of one decoder layer: local spec, or TE's fused pre-norms."""
+    d = f"decoder.layers.{layer}."
+    return {
+        "input_norm": d + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
+        "mlp_norm": d + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"),
+        "qkv": d + "self_attention.linear_qkv.weight", "qkv_bias": d + "self_attention.linear_qkv.bias",
+        "q_norm": d + "self_attention.q_layernorm.weight", "k_norm": d + "self_attention.k_layernorm.weight",
+        "proj": d + "self_attention.linear_proj.weight",
+        "fc1": d + "mlp.linear_fc1.weight", "fc2": d + "mlp.linear_fc2.weight",
+    }
 
 
-def _pad_vocab(t: torch.Tensor, spec: DecoderSpec, tp: int) -> torch.Tensor:
-    rows = padded_vocab(spec.vocab_size, tp)
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, torch.zeros(rows - t.shape[0], *t.shape[1:], dtype=t.dtype)])
+def _span(size: int, rank: int, tp: int) -> tuple[int, int]:
+    per = size // tp
+    return rank * per, (rank + 1) * per
 
 
-def _qkv_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
-    """[q; k; v] (HF) -> this rank's grouped [q_g, k_g, v_g for each local group g] (rows first)."""
+def _vocab_shard(reader: CheckpointReader, name: str, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
+    """This rank's rows of the padded vocabulary (rows past the real vocabulary are zeros)."""
+    start, stop = _span(padded_vocab(spec.vocab_size, tp), rank, tp)
+    real = reader.rows(name, start, min(stop, spec.vocab_size)) if start < spec.vocab_size else None
+    width = reader.shape(name)[1]
+    if real is not None and real.shape[0] == stop - start:
+        return real
+    pad = torch.zeros(stop - start - (0 if real is None else real.shape[0]), width,
+                      dtype=real.dtype if real is not None else torch.float32, device="cpu")
+    return pad if real is None else torch.cat([real, pad])
+
+
+def _qkv_shard(reader: CheckpointReader, a: str, kind: str, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
+    """This rank's groups of q/k/v rows, fused as [q_g, k_g, v_g for each local group g]."""
     hd, groups = spec.head_dim, spec.num_kv_heads
     per_group = spec.num_heads // groups
-    q = q.reshape(groups, per_group * hd, *q.shape[1:])
-    k = k.reshape(groups, hd, *k.shape[1:])
-    v = v.reshape(groups, hd, *v.shape[1:])
-    fused = torch.cat([q, k, v], dim=1)  # [groups, (per_group + 2) * hd, ...]
-    local = fused.chunk(tp, dim=0)[rank]
-    return local.reshape(-1, *q.shape[2:]).contiguous()
+    g0, g1 = _span(groups, rank, tp)
+    q = reader.rows(f"{a}q_proj.{kind}", g0 * per_group * hd, g1 * per_group * hd)
+    k = reader.rows(f"{a}k_proj.{kind}", g0 * hd, g1 * hd)
+    v = reader.rows(f"{a}v_proj.{kind}", g0 * hd, g1 * hd)
+    local = g1 - g0
+    fused = torch.cat([q.reshape(local, per_group * hd, *q.shape[1:]), k.reshape(local, hd, *k.shape[1:]),
+                       v.reshape(local, hd, *v.shape[1:])], dim=1)
+    return fused.reshape(-1, *q.shape[1:]).contiguous()
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], spec: DecoderSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """This rank's Megatron decoder state dict from HF tensors."""
-    p = text_prefix(hf)
-    out = {"embedding.word_embeddings.weight": _shard(_pad_vocab(hf[f"{p}embed_tokens.weight"], spec, tp), 0, rank, tp),
-           "decoder.final_layernorm.weight": hf[f"{p}norm.weight"]}
+def iter_hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, tp: int,
+                        te: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's Megatron decoder tensors, one at a time, reading only its slices of the HF tensors."""
+    p = text_prefix(reader.names())
+    yield "embedding.word_embeddings.weight", _vocab_shard(reader, f"{p}embed_tokens.weight", spec, rank, tp)
+    yield "decoder.final_layernorm.weight", reader.get(f"{p}norm.weight")
     if not spec.tie_embeddings:
-        out["output_layer.weight"] = _shard(_pad_vocab(hf["lm_head.weight"], spec, tp), 0, rank, tp)
+        yield "output_layer.weight", _vocab_shard(reader, "lm_head.weight", spec, rank, tp)
     for i in range(spec.num_layers):
-        src, dst = f"{p}layers.{i}.", f"decoder.layers.{i}."
-        a = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "self_attention.linear_qkv.weight"] = _qkv_layout(
-            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec, rank, tp)
+        src, names = f"{p}layers.{i}.", decoder_names(i, te)
+        a, m = src + "self_attn.", src + "mlp."
+        yield names["input_norm"], reader.get(src + "input_layernorm.weight")
+        yield names["mlp_norm"], reader.get(src + "post_attention_layernorm.weight")
+        yield names["qkv"], _qkv_shard(reader, a, "weight", spec, rank, tp)
         if spec.qkv_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = _qkv_layout(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], spec, rank, tp)
+            yield names["qkv_bias"], _qkv_shard(reader, a, "bias", spec, rank, tp)
         if spec.qk_norm:
-            out[dst + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-            out[dst + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
-        out[dst + "self_attention.linear_proj.weight"] = _shard(hf[a + "o_proj.weight"], 1, rank, tp)
-        m = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [_shard(hf[m + "gate_proj.weight"], 0, rank, tp), _shard(hf[m + "up_proj.weight"], 0, rank, tp)])
-        out[dst + "mlp.linear_fc2.weight"] = _shard(hf[m + "down_proj.weight"], 1, rank, tp)
-    return out
+            yield names["q_norm"], reader.get(a + "q_norm.weight")
+            yield names["k_norm"], reader.get(a + "k_norm.weight")
+        yield names["proj"], reader.cols(a + "o_proj.weight", *_span(spec.num_heads * spec.head_dim, rank, tp))
+        f0, f1 = _span(spec.ffn_hidden_size, rank, tp)
+        yield names["fc1"], torch.cat([reader.rows(m + "gate_proj.weight", f0, f1),
+                                       reader.rows(m + "up_proj.weight", f0, f1)])
+        yield names["fc2"], reader.cols(m + "down_proj.weight", f0, f1)
 
 
-def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``module``'s parameters; every decoder parameter must be covered."""
+def hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, tp: int,
+                   te: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's whole Megatron decoder state dict (tests, small models)."""
+    return dict(iter_hf_to_megatron(reader, spec, rank, tp, te))
+
+
+def load_into(module: torch.nn.Module, tensors) -> None:
+    """Copy (name, tensor) pairs (a dict or an iterator) into ``module``'s parameters, one at a time
+    (cast to their dtype, on their device); every parameter must be covered exactly once."""
     params = dict(module.named_parameters())
-    missing = sorted(set(params) - set(state))
-    unknown = sorted(set(state) - set(params))
-    if missing or unknown:
-        raise KeyError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unknown[:5]}")
+    seen: set[str] = set()
+    unknown: list[str] = []
     with torch.no_grad():
-        for name, tensor in state.items():
+        for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
+            if name not in params:
+                unknown.append(name)
+                continue
             if params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: converted shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
             params[name].copy_(tensor)
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing or unknown:
+        raise KeyError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unknown[:5]}")
 
 
-def _gather_parts(t: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
-    """Every TP rank's shard of ``t``, in rank order."""
-    if tp == 1:
-        return [t.detach().clone()]
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
-    return parts
+class TPGather:
+    """Gathers TP shards to one rank of the group (``dst``, a global rank), tensor by tensor."""
 
+    def __init__(self, tp: int, group=None, dst: int = 0, here: bool | None = None):
+        self.tp, self.group, self.dst = tp, group, dst
+        self.here = (tp == 1 or torch.distributed.get_rank() == dst) if here is None else here
 
-def _gather(t: torch.Tensor, dim: int, tp: int, group) -> torch.Tensor:
-    return torch.cat(_gather_parts(t, tp, group), dim=dim)
+    def _gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``[tp, *t.shape]``: every rank's shard, gathered into one buffer on ``dst`` (None elsewhere)."""
+        t = t.detach()
+        if self.tp == 1:
+            return t[None]
+        buffer = torch.empty(self.tp, *t.shape, dtype=t.dtype, device=t.device) if self.here else None
+        torch.distributed.gather(t.contiguous(), list(buffer.unbind(0)) if self.here else None, dst=self.dst,
+                                 group=self.group)
+        return buffer
+
+    def parts(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's shard of ``t`` in TP order on ``dst`` (None elsewhere); views, do not keep."""
+        buffer = self._gather(t)
+        return None if buffer is None else list(buffer.unbind(0))
+
+    def cat(self, t: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """The full tensor, the shards joined along ``dim`` (a new tensor: one copy at most)."""
+        buffer = self._gather(t)
+        if buffer is None:
+            return None
+        if dim == 0:
+            whole = buffer.reshape(-1, *t.shape[1:])
+            return whole.clone() if self.tp == 1 else whole
+        return torch.cat(buffer.unbind(0), dim=dim)
+
+    def replicated(self, t: torch.Tensor) -> torch.Tensor | None:
+        return t.detach().clone() if self.here else None
 
 
 def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Tensor, ...]:
@@ -125,31 +276,94 @@ def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Te
     return tuple(x.reshape(-1, *x.shape[2:]).contiguous() for x in (q, k, v))
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], spec: DecoderSpec, tp: int, group=None,
-                   prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """Full HF tensors from this rank's Megatron decoder state (collective over the TP group)."""
+def iter_megatron_to_hf(state: Mapping[str, torch.Tensor], spec: DecoderSpec, gather: TPGather,
+                        prefix: str = "model.", te: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(HF name, full tensor) from this rank's Megatron decoder state, one tensor at a time; the
+    tensor is None on ranks other than the gather's destination. Collective over the TP group:
+    every rank of the group must iterate to the end."""
     p = prefix
-    out = {f"{p}embed_tokens.weight": _gather(state["embedding.word_embeddings.weight"], 0, tp, group)[: spec.vocab_size],
-           f"{p}norm.weight": state["decoder.final_layernorm.weight"].detach().clone()}
+    embed = gather.cat(state["embedding.word_embeddings.weight"], 0)
+    yield f"{p}embed_tokens.weight", None if embed is None else embed[: spec.vocab_size]
+    yield f"{p}norm.weight", gather.replicated(state["decoder.final_layernorm.weight"])
     if not spec.tie_embeddings:  # tied checkpoints store no lm_head
-        out["lm_head.weight"] = _gather(state["output_layer.weight"], 0, tp, group)[: spec.vocab_size]
+        head = gather.cat(state["output_layer.weight"], 0)
+        yield "lm_head.weight", None if head is None else head[: spec.vocab_size]
     for i in range(spec.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"{p}layers.{i}."
+        names, dst = decoder_names(i, te), f"{p}layers.{i}."
         a = dst + "self_attn."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"].detach().clone()
-        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"].detach().clone()
-        q, k, v = _unqkv(_gather_parts(state[src + "self_attention.linear_qkv.weight"], tp, group), spec)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        yield dst + "input_layernorm.weight", gather.replicated(state[names["input_norm"]])
+        yield dst + "post_attention_layernorm.weight", gather.replicated(state[names["mlp_norm"]])
+        parts = gather.parts(state[names["qkv"]])
+        q, k, v = _unqkv(parts, spec) if parts is not None else (None,) * 3
+        yield from ((a + "q_proj.weight", q), (a + "k_proj.weight", k), (a + "v_proj.weight", v))
         if spec.qkv_bias:
-            qb, kb, vb = _unqkv(_gather_parts(state[src + "self_attention.linear_qkv.bias"], tp, group), spec)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
+            parts = gather.parts(state[names["qkv_bias"]])
+            qb, kb, vb = _unqkv(parts, spec) if parts is not None else (None,) * 3
+            yield from ((a + "q_proj.bias", qb), (a + "k_proj.bias", kb), (a + "v_proj.bias", vb))
         if spec.qk_norm:
-            out[a + "q_norm.weight"] = state[src + "self_attention.q_layernorm.weight"].detach().clone()
-            out[a + "k_norm.weight"] = state[src + "self_attention.k_layernorm.weight"].detach().clone()
-        out[a + "o_proj.weight"] = _gather(state[src + "self_attention.linear_proj.weight"], 1, tp, group)
-        fc1 = _gather_parts(state[src + "mlp.linear_fc1.weight"], tp, group)
-        gates, ups = zip(*(part.chunk(2, dim=0) for part in fc1))
-        out[dst + "mlp.gate_proj.weight"] = torch.cat(gates).contiguous()
-        out[dst + "mlp.up_proj.weight"] = torch.cat(ups).contiguous()
-        out[dst + "mlp.down_proj.weight"] = _gather(state[src + "mlp.linear_fc2.weight"], 1, tp, group)
-    return out
+            yield a + "q_norm.weight", gather.replicated(state[names["q_norm"]])
+            yield a + "k_norm.weight", gather.replicated(state[names["k_norm"]])
+        yield a + "o_proj.weight", gather.cat(state[names["proj"]], 1)
+        parts = gather.parts(state[names["fc1"]])
+        if parts is None:
+            yield from ((dst + "mlp.gate_proj.weight", None), (dst + "mlp.up_proj.weight", None))
+        else:
+            gates, ups = zip(*(part.chunk(2, dim=0) for part in parts))
+            yield dst + "mlp.gate_proj.weight", torch.cat(gates).contiguous()
+            yield dst + "mlp.up_proj.weight", torch.cat(ups).contiguous()
+        yield dst + "mlp.down_proj.weight", gather.cat(state[names["fc2"]], 1)
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: DecoderSpec, tp: int, group=None,
+                   prefix: str = "model.", te: bool = False, dst: int = 0) -> dict[str, torch.Tensor]:
+    """All HF tensors on ``dst`` ({} elsewhere); collective over the TP group."""
+    gather = TPGather(tp, group, dst)
+    out = {name: t for name, t in iter_megatron_to_hf(state, spec, gather, prefix, te)}
+    return out if gather.here else {}
+
+
+class ShardWriter:
+    """Writes (name, tensor) pairs as HF safetensors shards of at most ``max_bytes`` each:
+    ``{prefix}.safetensors`` when one shard suffices, else ``{prefix}-0000i-of-0000n.safetensors`` and
+    ``{prefix}.safetensors.index.json``. Holds at most one shard in memory."""
+
+    def __init__(self, folder: str | Path, prefix: str = "model", max_bytes: int = 2 * 1024 ** 3):
+        self.folder, self.prefix, self.max_bytes = Path(folder), prefix, max_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._size + size > self.max_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._size += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f".{self.prefix}-part{len(self._shards):05d}.safetensors"
+        save_file(self._pending, str(path))
+        self._shards.append((path, list(self._pending)))
+        self._pending, self._size = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard and the index; -> the shard files."""
+        if self._pending or not self._shards:
+            self._flush()
+        if len(self._shards) == 1:
+            final = self.folder / f"{self.prefix}.safetensors"
+            self._shards[0][0].rename(final)
+            return [final]
+        n = len(self._shards)
+        weight_map, files = {}, []
+        for i, (path, names) in enumerate(self._shards):
+            final = self.folder / f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            files.append(final)
+            weight_map.update({name: final.name for name in names})
+        (self.folder / f"{self.prefix}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        return files

@@ -5,8 +5,12 @@ with ``logZ`` from a max-shifted sum of exponentials reduced over the TP group; 
 ``-sum p log p`` reduced the same way. The reductions use megatron's
 ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), so every rank
 computes the same loss and back-propagates into its own slice. Temperature divides the logits first,
-as the engine does. Positions are processed in chunks to bound the temporary ``[chunk, V/tp]`` tensors.
-The entropy has its own autograd function (see ``_VocabParallelEntropy``).
+as the engine does. The softmax is always computed in float32, whatever the model's dtype.
+
+``hidden_logprobs`` starts from the decoder's hidden rows and projects one chunk of rows at a time;
+with gradients each chunk is checkpointed (its logits are recomputed in backward), so no more than
+one ``[chunk, V/tp]`` block of float32 logits exists at any time. The entropy has its own autograd
+function (see ``_VocabParallelEntropy``).
 """
 
 from __future__ import annotations
@@ -90,5 +94,27 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
         if with_entropy:
             entropy_chunks.append(_VocabParallelEntropy.apply(shifted, log_z.detach()))
     logprobs = torch.cat(logprob_chunks) if logprob_chunks else logits.new_zeros(0)
+    entropy = torch.cat(entropy_chunks) if with_entropy and entropy_chunks else None
+    return logprobs, entropy
+
+
+def hidden_logprobs(hidden: torch.Tensor, project, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                    with_entropy: bool = False, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden [T, H]`` (the rows whose next token is scored), ``project(hidden) -> [C, V/tp]``
+    (this rank's logits), ``targets [T]`` -> (log-probs ``[T]``, entropy ``[T]`` or None)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def score(h, t):
+        lp, ent = token_logprobs(project(h), t, vocab_size, temperature, with_entropy, chunk=h.shape[0] or 1)
+        return (lp, ent) if ent is not None else (lp,)
+
+    logprob_chunks, entropy_chunks = [], []
+    for begin in range(0, hidden.shape[0], chunk):
+        h, t = hidden[begin:begin + chunk], targets[begin:begin + chunk]
+        out = checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t)
+        logprob_chunks.append(out[0])
+        if with_entropy:
+            entropy_chunks.append(out[1])
+    logprobs = torch.cat(logprob_chunks) if logprob_chunks else hidden.new_zeros(0, dtype=torch.float32)
     entropy = torch.cat(entropy_chunks) if with_entropy and entropy_chunks else None
     return logprobs, entropy

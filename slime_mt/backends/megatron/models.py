@@ -1,8 +1,17 @@
 """Megatron-core models built from a Hugging Face checkpoint folder's config.
 
 Text families: Llama (SmolLM2), Qwen2/Qwen2.5 (qkv bias), Qwen3 (q/k RMSNorm) -> ``GPTModel`` with the
-local layer spec on CPU (the Transformer Engine spec when ``transformer_engine`` imports), RMSNorm,
-SwiGLU, rotary embeddings with the checkpoint's base. VLMs wrap such a decoder (``vlm.py``).
+local layer spec on CPU (the Transformer Engine spec when ``transformer_engine`` imports and CUDA is
+present), RMSNorm, SwiGLU, and rotary embeddings from the checkpoint's rope configuration
+(``rope.py``: default, linear, llama3, yarn; the others are refused at start-up). VLMs wrap such a
+decoder (``vlm.py``).
+
+Device and dtype policy: parameters are created on ``parallel.current_device()`` in ``dtype``
+(bf16 with ``--bf16``); nothing else differs between CPU and GPU.
+
+``TextPolicy`` runs the decoder to its final hidden states and leaves the vocabulary projection to
+the caller (``output_logits``), so log-probs can be computed one chunk of rows at a time
+(``logprobs.py``) instead of materialising ``[L, V/tp]`` logits.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from slime_mt.backends.megatron.rope import PositionRotary, RopeConfigError, rope_frequencies
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
@@ -44,6 +55,8 @@ class DecoderSpec:
     qk_norm: bool
     tie_embeddings: bool
     max_positions: int
+    inv_freq: torch.Tensor  # [head_dim / 2] rotary inverse frequencies (scaling applied)
+    attention_factor: float = 1.0  # YaRN: cos/sin scale, i.e. attention logits x factor**2
     mrope_section: list[int] | None = None
     mrope_interleaved: bool = False
 
@@ -70,6 +83,13 @@ def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
     heads = text["num_attention_heads"]
     rope = _rope(text)
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    text_type = text.get("model_type", model_type)
+    try:
+        inv_freq, attention_factor = rope_frequencies(text, text_type, where)
+    except RopeConfigError as e:
+        raise ModelConfigError(str(e)) from None
+    if rope.get("mrope_section") and attention_factor != 1.0:
+        raise ModelConfigError(f"{where}: a rope attention factor with M-RoPE is not supported")
     return DecoderSpec(
         family=family, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
         ffn_hidden_size=text["intermediate_size"], num_layers=text["num_hidden_layers"], num_heads=heads,
@@ -78,37 +98,49 @@ def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
         rms_eps=text.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
         qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or bool(text.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_vl"), tie_embeddings=bool(tie),
-        max_positions=text.get("max_position_embeddings", 4096),
-        mrope_section=rope.get("mrope_section"), mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        max_positions=text.get("max_position_embeddings", 4096), inv_freq=inv_freq,
+        attention_factor=attention_factor, mrope_section=rope.get("mrope_section"),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
     )
 
 
 def have_transformer_engine() -> bool:
+    """The Transformer Engine layer spec is used when TE imports and CUDA is present."""
+    if not torch.cuda.is_available():
+        return False
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def check_tp(spec: DecoderSpec, tp: int) -> None:
+    if spec.num_heads % tp or spec.num_kv_heads % tp:
+        raise ModelConfigError(f"--tensor-model-parallel-size {tp} must divide the {spec.num_heads} attention heads "
+                               f"and {spec.num_kv_heads} key/value heads of this {spec.family} model")
 
 
 def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32):
     """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    if spec.num_heads % tp or spec.num_kv_heads % tp:
-        raise ModelConfigError(f"--tensor-model-parallel-size {tp} must divide the {spec.num_heads} attention heads "
-                               f"and {spec.num_kv_heads} key/value heads of this {spec.family} model")
+    check_tp(spec, tp)
     gpu = torch.cuda.is_available()
+    # rope's attention factor scales q and k, so the logits by its square (YaRN's mscale)
+    softmax_scale = spec.attention_factor ** 2 / spec.head_dim ** 0.5 if spec.attention_factor != 1.0 else None
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=False,
-        use_cpu_initialization=not gpu, perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not gpu, perform_initialization=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True, mrope_section=list(spec.mrope_section) if spec.mrope_section else None,
+        attention_softmax_in_fp32=True, softmax_scale=softmax_scale,
+        mrope_section=list(spec.mrope_section) if spec.mrope_section else [spec.head_dim // 2],
     )
 
 
@@ -117,20 +149,110 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, pre_process: bool = True):
-    """The Megatron decoder (``GPTModel``) for ``spec`` on this rank."""
+def mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Set Megatron's ``tensor_model_parallel``/``partition_dim`` attributes on the sharded weights.
+
+    Megatron sets them while initialising weights; models built without initialisation (weights
+    come from the checkpoint) lack them, and the grad norm then counts each shard as a replicated
+    parameter of TP rank 0 only. Column-parallel weights and biases split dim 0, row-parallel
+    weights dim 1, the vocabulary embedding dim 0; norms stay replicated."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    column, row = [ColumnParallelLinear], [RowParallelLinear]
+    if have_transformer_engine():
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TELayerNormColumnParallelLinear,
+            TERowParallelLinear,
+        )
+
+        column += [TEColumnParallelLinear, TELayerNormColumnParallelLinear]
+        row.append(TERowParallelLinear)
+    for module in model.modules():
+        if isinstance(module, (VocabParallelEmbedding, *column)):
+            sharded = [(module.weight, 0)] + ([(module.bias, 0)] if getattr(module, "bias", None) is not None else [])
+        elif isinstance(module, tuple(row)):
+            sharded = [(module.weight, 1)]
+        else:
+            continue
+        for param, dim in sharded:
+            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
+                for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                    if hasattr(param, attribute):
+                        delattr(param, attribute)
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+def layer_spec(spec: DecoderSpec, te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+              te: bool | None = None):
+    """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
+    ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set."""
     from megatron.core.models.gpt import GPTModel
 
+    from slime_mt.backends.megatron.parallel import current_device
+
+    device = device or current_device()
+    te = have_transformer_engine() if te is None else te
     config = transformer_config(spec, tp, dtype)
-    if have_transformer_engine():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    with torch.device(device):
+        model = GPTModel(config, layer_spec(spec, te), vocab_size=padded_vocab(spec.vocab_size, tp),
+                         max_sequence_length=spec.max_positions, pre_process=True, post_process=True,
+                         share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="mrope")
+    model.rotary_pos_emb = PositionRotary(spec.inv_freq, spec.mrope_section, spec.mrope_interleaved, device=device)
+    model.to(device=device)
+    # The local spec builds its norms in fp32 whatever params_dtype says (megatron casts whole models
+    # with Float16Module); cast parameters only, so the rotary frequencies stay fp32 as in transformers.
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    mark_tensor_parallel(model)
+    return model
 
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    return GPTModel(config, layer_spec, vocab_size=padded_vocab(spec.vocab_size, tp),
-                    max_sequence_length=spec.max_positions, pre_process=pre_process, post_process=True,
-                    share_embeddings_and_output_weights=spec.tie_embeddings, rotary_base=int(spec.rope_theta),
-                    position_embedding_type="mrope" if spec.mrope_section else "rope")
+class TextPolicy(torch.nn.Module):
+    """A decoder run to its final (normed) hidden states; ``output_logits`` projects rows to this
+    rank's vocabulary slice."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    @property
+    def config(self):
+        return self.gpt.config
+
+    def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               packed_seq_params=None, decoder_input: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens [1, L]``, ``position_ids [1, L]`` (``[3, 1, L]`` M-RoPE) -> hidden ``[L, 1, H]``."""
+        if decoder_input is None:
+            decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
+        rotary = self.gpt.rotary_pos_emb(position_ids)
+        return self.gpt.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary,
+                                packed_seq_params=packed_seq_params)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [C, H]`` -> this rank's logits ``[C, V/tp]`` (in the parameters' dtype)."""
+        weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
+        logits, _ = self.gpt.output_layer(hidden.unsqueeze(1), weight=weight)
+        return logits[:, 0]
+
+    def forward(self, tokens, position_ids, attention_mask, packed_seq_params=None):
+        """Full logits ``[1, L, V/tp]`` (parity checks; training uses ``hidden`` + chunked projection)."""
+        hidden = self.hidden(tokens, position_ids, attention_mask, packed_seq_params)
+        return self.output_logits(hidden[:, 0])[None]
+
+    def decoder_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.gpt.state_dict()

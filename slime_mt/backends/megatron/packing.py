@@ -1,15 +1,20 @@
-"""Pack several training sequences into one row with a block-diagonal causal mask (the CPU path;
-with Transformer Engine on GPU the same sequences could use THD packing instead).
+"""Pack several training sequences into one row.
 
 For a row of sequences s_1..s_n laid end to end (``L = sum len(s_i)``): ``tokens [1, L]``,
-``position_ids [1, L]`` restarting at 0 per sequence (``[3, 1, L]`` M-RoPE positions for VLMs),
-``attention_mask [1, 1, L, L]`` True where attention is NOT allowed (Megatron's convention), and
+``position_ids [1, L]`` restarting at 0 per sequence (``[3, 1, L]`` M-RoPE positions for VLMs), and
 for the response tokens: the row positions whose logits predict them (``logit_index [T]``), the
 targets (``targets [T]``) and the sequence each belongs to (``seq_ids [T]``).
+
+Sequences are isolated in one of two ways: with Transformer Engine, THD packing
+(``packed_seq_params``: cumulative lengths, the attention kernel restarts causality per sequence);
+otherwise a dense block-diagonal causal mask ``attention_mask [1, 1, L, L]`` (True where attention is
+NOT allowed, Megatron's convention), whose cost grows with L^2 while only
+``useful_attention_fraction`` of its entries are inside a sequence.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +26,7 @@ from slime_mt.types import TrainingSample
 class PackedRow:
     tokens: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L] or [3, 1, L]
-    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked
+    attention_mask: torch.Tensor | None  # [1, 1, L, L] bool, True = masked (None with THD packing)
     logit_index: torch.Tensor  # [T] row position whose logits predict each response token
     targets: torch.Tensor  # [T]
     seq_ids: torch.Tensor  # [T] index into the packed sequences
@@ -29,15 +34,39 @@ class PackedRow:
     lengths: list[int]  # tokens per packed sequence
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    packed_seq_params: object | None = None  # megatron PackedSeqParams (THD) with Transformer Engine
 
     @property
     def num_real_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
+    def to(self, device: torch.device) -> PackedRow:
+        """The row's tensors on ``device`` (the trainer's one device); index bookkeeping stays."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
 
-def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None) -> PackedRow:
-    """Pack ``samples[i] for i in indices`` into one row. ``mrope_positions(sample) -> [3, len]``
-    gives M-RoPE positions for VLM sequences (None for text models)."""
+        params = self.packed_seq_params
+        if params is not None:
+            params = _thd_params(self.lengths, device)
+        return PackedRow(move(self.tokens), move(self.position_ids), move(self.attention_mask),
+                         move(self.logit_index), move(self.targets), move(self.seq_ids), self.sample_index,
+                         self.lengths, move(self.pixel_values), move(self.image_grid_thw), params)
+
+
+def _thd_params(lengths: list[int], device: torch.device | None = None):
+    """Megatron's PackedSeqParams for THD packing of sequences of ``lengths``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    longest = max(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None, thd: bool = False) -> PackedRow:
+    """Pack ``samples[i] for i in indices`` into one row (on the CPU; ``PackedRow.to`` moves it).
+    ``mrope_positions(sample) -> [3, len]`` gives M-RoPE positions for VLM sequences (None for text
+    models). ``thd``: isolate sequences with THD packing instead of a dense mask."""
     tokens, positions, logit_index, targets, seq_ids, lengths = [], [], [], [], [], []
     pixels, grids = [], []
     offset = 0
@@ -48,7 +77,7 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
         if p == 0:
             raise ValueError(f"sample {s.trajectory_id}: empty prompt; the first response token has no context")
         tokens.extend(seq)
-        positions.append(mrope_positions(s) if mrope_positions else torch.arange(n).unsqueeze(0))
+        positions.append(mrope_positions(s) if mrope_positions else torch.arange(n, device="cpu").unsqueeze(0))
         logit_index.extend(range(offset + p - 1, offset + p - 1 + r))
         targets.extend(s.response_ids)
         seq_ids.extend([k] * r)
@@ -57,20 +86,38 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
             pixels.append(s.multimodal_train_inputs["pixel_values"])
             grids.append(s.multimodal_train_inputs["image_grid_thw"])
         offset += n
-    mask = torch.ones(offset, offset, dtype=torch.bool)
-    start = 0
-    for n in lengths:
-        mask[start:start + n, start:start + n] = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
-        start += n
+    mask = None if thd else block_causal_mask(lengths)[None, None]
     position_ids = torch.cat(positions, dim=-1)  # [1, L] or [3, L]
     position_ids = position_ids.unsqueeze(1) if mrope_positions else position_ids
     return PackedRow(
-        tokens=torch.tensor([tokens]), position_ids=position_ids, attention_mask=mask[None, None],
-        logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.long), sample_index=list(indices), lengths=lengths,
-        pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None)
+        tokens=torch.tensor([tokens], device="cpu"), position_ids=position_ids, attention_mask=mask,
+        logit_index=torch.tensor(logit_index, dtype=torch.long, device="cpu"),
+        targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices), lengths=lengths,
+        pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
+        packed_seq_params=_thd_params(lengths) if thd else None)
+
+
+def block_causal_mask(lengths: list[int]) -> torch.Tensor:
+    """``[L, L]`` bool, True where attention is not allowed: causal inside each sequence, nothing across."""
+    total = sum(lengths)
+    mask = torch.ones(total, total, dtype=torch.bool, device="cpu")
+    start = 0
+    for n in lengths:
+        mask[start:start + n, start:start + n] = torch.triu(torch.ones(n, n, dtype=torch.bool, device="cpu"), diagonal=1)
+        start += n
+    return mask
 
 
 def padding_efficiency(lengths: list[int], rows: list[list[int]], row_capacity: int) -> float:
     """Real tokens / processed tokens when each row is processed at ``row_capacity`` tokens."""
     return sum(lengths) / max(len(rows) * row_capacity, 1)
+
+
+def useful_attention_fraction(lengths: list[int], rows: list[list[int]]) -> float:
+    """Of the ``L x L`` score entries a dense block-diagonal mask makes each row compute, the fraction
+    inside a sequence (``sum n_i^2 / L^2`` per row; a causal kernel needs about half of those). THD
+    packing computes only those."""
+    inside = sum(lengths[i] ** 2 for row in rows for i in row)
+    computed = sum(sum(lengths[i] for i in row) ** 2 for row in rows)
+    return inside / max(computed, 1)

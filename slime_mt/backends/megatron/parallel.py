@@ -1,7 +1,8 @@
-"""Process setup: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's TP/DP groups, seeds.
+"""Process setup: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's TP/DP groups, seeds,
+and the one device policy (``current_device``).
 
 Launched by ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) or as a single process
-(world size 1, a local TCP store on 127.0.0.1). DP = world / TP.
+(world size 1, a local TCP store on 127.0.0.1). DP = world / TP; ranks r and r+1 share a TP group.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class ParallelInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def current_device() -> torch.device:
+    """Where every tensor of the trainer lives: this process's CUDA device when there is one (set
+    from LOCAL_RANK by ``init_parallel``), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _free_port() -> int:

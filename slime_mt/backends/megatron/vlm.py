@@ -1,60 +1,57 @@
 """Qwen2.5-VL / Qwen3-VL policies: the transformers vision tower (replicated on every TP rank) under
-a Megatron ``GPTModel`` decoder with multimodal rotary positions.
+a Megatron decoder with multimodal rotary positions.
 
-Image embeddings replace the image-pad token embeddings and enter the decoder through
-``decoder_input``. Positions are the HF model's 3-D M-RoPE positions (``get_rope_index``).
-Qwen2.5-VL uses megatron's sectioned M-RoPE; Qwen3-VL interleaves the t/h/w frequencies
-(``InterleavedMRoPE``) and adds its deepstack features to the hidden states after the first decoder
-layers at image positions (forward hooks), as the HF model does.
+Only the vision tower is built from transformers (not the whole VLM): its weights are read from the
+checkpoint, on the trainer's device. Image embeddings replace the image-pad token embeddings and
+enter the decoder as its input. Positions are transformers' own 3-D M-RoPE positions
+(``get_rope_index``, called on a config-only stand-in so the language model is never built).
+Qwen2.5-VL uses contiguous t/h/w frequency sections; Qwen3-VL interleaves them (``rope.py``) and adds
+its deepstack features to the hidden states after the first decoder layers at image positions
+(forward hooks), as the HF model does.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 
-from slime_mt.backends.megatron.convert import hf_to_megatron, load_into
-from slime_mt.backends.megatron.models import DecoderSpec, build_gpt
+from slime_mt.backends.megatron.convert import CheckpointReader, iter_hf_to_megatron, load_into
+from slime_mt.backends.megatron.models import DecoderSpec, TextPolicy, build_gpt
 from slime_mt.types import TrainingSample
 
 
-class InterleavedMRoPE(torch.nn.Module):
-    """Qwen3-VL's rotary embedding: frequency j uses the t axis, except j = 1, 4, 7, ... (< 3 * h
-    section) the h axis and j = 2, 5, 8, ... (< 3 * w section) the w axis."""
+def _classes(model_type: str):
+    """(the HF VLM model class that owns get_rope_index, the vision tower class)."""
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
 
-    def __init__(self, head_dim: int, base: float, mrope_section: list[int]):
-        super().__init__()
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.mrope_section = list(mrope_section)
+        return m.Qwen2_5_VLModel, m.Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as m
 
-    def forward(self, position_ids: torch.Tensor, mrope_section=None, cp_group=None) -> torch.Tensor:
-        """``position_ids [3, B, S]`` -> rotary angles ``[S, B, 1, head_dim]`` as megatron expects."""
-        freqs = position_ids.float()[..., None] * self.inv_freq  # [3, B, S, D/2]
-        out = freqs[0].clone()
-        for axis, offset in ((1, 1), (2, 2)):
-            idx = slice(offset, self.mrope_section[axis] * 3, 3)
-            out[..., idx] = freqs[axis, ..., idx]
-        emb = torch.cat((out, out), dim=-1)  # [B, S, D]
-        return emb[..., None, :].transpose(0, 1).contiguous()
+    return m.Qwen3VLModel, m.Qwen3VLVisionModel
 
 
-class VLMPolicy(torch.nn.Module):
-    def __init__(self, hf_model, gpt, spec: DecoderSpec, image_token_id: int, vision_prefix: str):
-        super().__init__()
-        self.visual = hf_model.model.visual
-        self.gpt = gpt
+def rope_index_function(hf_config, model_type: str):
+    """transformers' ``get_rope_index`` bound to an object holding only the config."""
+    model_cls, _ = _classes(model_type)
+    stand_in = types.SimpleNamespace(config=hf_config)
+    stand_in.get_vision_position_ids = types.MethodType(model_cls.get_vision_position_ids, stand_in)
+    return types.MethodType(model_cls.get_rope_index, stand_in)
+
+
+class VLMPolicy(TextPolicy):
+    def __init__(self, visual, gpt, spec: DecoderSpec, image_token_id: int, vision_prefix: str, rope_index):
+        super().__init__(gpt)
+        self.visual = visual
         self.spec = spec
         self.image_token_id = image_token_id
         self.vision_prefix = vision_prefix
-        self._rope_index = hf_model.model.get_rope_index  # the HF model keeps only this role
+        self._rope_index = rope_index
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         if spec.mrope_interleaved:
-            gpt.rotary_pos_emb = InterleavedMRoPE(spec.head_dim, spec.rope_theta, spec.mrope_section)
             for k, layer in enumerate(gpt.decoder.layers):
                 layer.register_forward_hook(self._deepstack_hook(k))
-
-    @property
-    def config(self):
-        return self.gpt.config
 
     def _deepstack_hook(self, k: int):
         def hook(module, args, output):
@@ -69,16 +66,17 @@ class VLMPolicy(torch.nn.Module):
         return hook
 
     def mrope_positions(self, sample: TrainingSample) -> torch.Tensor:
-        """3-D positions ``[3, len]`` of a sequence, computed like the HF model does."""
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        """3-D positions ``[3, len]`` of a sequence, computed like the HF model does (on the CPU)."""
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids], device="cpu")
         grid = (sample.multimodal_train_inputs or {}).get("image_grid_thw")
         if grid is None:
-            return torch.arange(ids.shape[1]).expand(3, -1)
+            return torch.arange(ids.shape[1], device="cpu").expand(3, -1)
         positions, _ = self._rope_index(ids, (ids == self.image_token_id).long(), image_grid_thw=grid,
                                         attention_mask=torch.ones_like(ids))
         return positions[:, 0]
 
-    def forward(self, tokens, position_ids, attention_mask, pixel_values=None, image_grid_thw=None):
+    def hidden(self, tokens, position_ids, attention_mask, packed_seq_params=None, decoder_input=None,
+               pixel_values=None, image_grid_thw=None):
         embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
         self._deepstack = None
         if pixel_values is not None:
@@ -93,34 +91,42 @@ class VLMPolicy(torch.nn.Module):
             if features:
                 self._deepstack = (mask, list(features))
         try:
-            return self.gpt(tokens, position_ids, attention_mask, decoder_input=embeds)
+            return super().hidden(tokens, position_ids, attention_mask, packed_seq_params, decoder_input=embeds)
         finally:
             self._deepstack = None
 
-    def decoder_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.gpt.state_dict()
+    def forward(self, tokens, position_ids, attention_mask, packed_seq_params=None, pixel_values=None,
+                image_grid_thw=None):
+        hidden = self.hidden(tokens, position_ids, attention_mask, packed_seq_params,
+                             pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+        return self.output_logits(hidden[:, 0])[None]
 
     def vision_state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.vision_prefix + k: v.detach().clone() for k, v in self.visual.state_dict().items()}
+        """HF-named vision tower tensors (replicated: every rank holds them)."""
+        return {self.vision_prefix + k: v.detach() for k, v in self.visual.state_dict().items()}
 
 
-def build_vlm(hf_config: dict, spec: DecoderSpec, hf_state: dict, tp: int, rank: int,
-              freeze_vision: bool = True) -> VLMPolicy:
-    """The VLM policy on this rank: HF vision tower (loaded from the checkpoint) + Megatron decoder."""
+def build_vlm(hf_config: dict, spec: DecoderSpec, reader: CheckpointReader, tp: int, rank: int,
+              dtype: torch.dtype, device: torch.device, te: bool, freeze_vision: bool = True) -> VLMPolicy:
+    """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
+    rank's Megatron decoder."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**hf_config)
-    hf_model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    vision_prefix = "model.visual." if any(k.startswith("model.visual.") for k in hf_state) else "visual."
-    vision_state = {k[len(vision_prefix):]: v for k, v in hf_state.items() if k.startswith(vision_prefix)}
-    missing, unexpected = hf_model.model.visual.load_state_dict(vision_state, strict=False)
+    _, vision_cls = _classes(hf_config["model_type"])
+    names = reader.names()
+    vision_prefix = "model.visual." if any(k.startswith("model.visual.") for k in names) else "visual."
+    with torch.device(device):
+        visual = vision_cls._from_config(config.vision_config, dtype=dtype)
+    vision_state = {k[len(vision_prefix):]: reader.get(k) for k in names if k.startswith(vision_prefix)}
+    missing, unexpected = visual.load_state_dict(vision_state, strict=False)
     if missing or unexpected:
         raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    hf_model.lm_head = None  # only the vision tower and the rope index are kept
-    hf_model.model.language_model = torch.nn.Module()
-    gpt = build_gpt(spec, tp)
-    load_into(gpt, hf_to_megatron(hf_state, spec, rank, tp))
-    policy = VLMPolicy(hf_model, gpt, spec, int(hf_config["image_token_id"]), vision_prefix)
+    visual.to(device=device)
+    gpt = build_gpt(spec, tp, dtype, device, te)
+    load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te))
+    policy = VLMPolicy(visual, gpt, spec, int(hf_config["image_token_id"]), vision_prefix,
+                       rope_index_function(config, hf_config["model_type"]))
     if freeze_vision:
         for p in policy.visual.parameters():
             p.requires_grad_(False)
