@@ -68,7 +68,7 @@ def resolved_yaml(cfg) -> str:
 def _user_errors() -> tuple[type, ...]:
     """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback)."""
     from slime_mt.assets.qwen_tokenizer import AssetError
-    from slime_mt.backends.megatron.actor import CheckpointError
+    from slime_mt.backends.megatron.checkpoint import CheckpointError
     from slime_mt.backends.megatron.models import ModelConfigError
     from slime_mt.data import DatasetError
     from slime_mt.engine.launch import LaunchError

@@ -159,7 +159,7 @@ class TrainConfig:
     seed: int = _opt(1234, "Seed of model init, dropout and Megatron RNG.")
     freeze_vision_tower: bool = _opt(True, "VLMs: keep the vision tower frozen.")
     sft: bool = _opt(False, "Train with the supervised loss on loss-masked tokens.")
-    bf16: bool = _opt(False, "Train in bfloat16 (GPU).")
+    bf16: bool = _opt(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
 
 
 @dataclass

@@ -4,7 +4,8 @@ Launched with ``torchrun`` (one process per TP rank) or as one process. Rank 0 o
 data and the rollout; every rank owns its Megatron shard. Per step:
 
   rollout (rank 0) -> finalize (--sample-format, --merge-step-wise) -> advantages -> broadcast
-  -> Megatron train step(s) -> HF weights to the engine (bumps weight_version) -> metrics
+  -> Megatron train step(s) (each DP rank takes its prompt groups) -> HF weights to the engine
+  (weight_version = the step) -> metrics
   -> checkpoint every --save-interval and at the end.
 
 ``--async``: the rollout of step k+1 runs (engine thread + rollout loop) while step k trains, one
@@ -18,15 +19,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.config import Config, ConfigError
@@ -58,7 +58,7 @@ class RolloutSide:
 
 def preflight(cfg: Config) -> None:
     """Check every input before anything is launched or written; one clear error per problem."""
-    from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
+    from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
     from slime_mt.data import load_rows
     from slime_mt.plugins import load_function, load_module
 
@@ -67,7 +67,8 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
     if not Path(t.hf_checkpoint).is_dir():
         raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
-    decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json")
+    check_tp(decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"),
+             t.tensor_model_parallel_size)
     if not cfg.data.prompt_data:
         raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
     load_rows(cfg.data.prompt_data, cfg.data)
@@ -124,17 +125,30 @@ def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
     return train_samples, advantages, merge_metrics
 
 
-def _push_weights(cfg: Config, side: RolloutSide, named: dict[str, torch.Tensor], version: str) -> None:
-    """New weights to every engine: in-process for embedded engines, a safetensors folder otherwise."""
+def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
+    """New weights to every engine (collective: every rank streams its shards to global rank 0, which
+    pushes them): in-process for embedded engines, a safetensors folder otherwise."""
+    from slime_mt.backends.megatron.convert import ShardWriter
+
+    stream = actor.iter_hf_weights()
+    if side is None:
+        for _ in stream:
+            pass
+        return
     engines = side.engines
     if engines.local_engines:
+        named = dict(stream)
         for engine in engines.local_engines:
             engine.update_weights_from_tensors(named, weight_version=version)
         return
     folder = side.weights_dir / f"v{version}"
     tmp = side.weights_dir / f".tmp_v{version}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / "model.safetensors"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = ShardWriter(tmp, "model")
+    for name, tensor in stream:
+        writer.add(name, tensor)
+    writer.close()
+    shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=version))
 
@@ -155,14 +169,6 @@ def _broadcast(obj, info):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _dp_share(train_samples, advantages, info):
-    """This DP rank's prompt groups (whole groups, round robin)."""
-    if info.dp_size == 1:
-        return train_samples, advantages
-    keep = [i for i, s in enumerate(train_samples) if s.group_id % info.dp_size == info.dp_rank]
-    return [train_samples[i] for i in keep], [advantages[i] for i in keep]
 
 
 def train(cfg: Config) -> None:
@@ -192,9 +198,8 @@ def train(cfg: Config) -> None:
             if side is not None:
                 side.data.load_state_dict(extra["data"])
                 side.metrics.truncate_after(start)
-        named = actor.export_hf()
-        if side is not None and cfg.checkpoint.load:
-            _push_weights(cfg, side, named, str(start))
+        if cfg.checkpoint.load:
+            _sync_weights(actor, side, str(start))
         pool = concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout") if cfg.rollout.async_mode and side \
             else None
         pending = None
@@ -217,15 +222,12 @@ def train(cfg: Config) -> None:
                            rollout_started, _version_metrics(groups, step))
             train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = \
                 _broadcast(payload, info)
-            mine, my_adv = _dp_share(train_samples, advantages, info)
             train_started = time.time()
-            t_metrics = actor.train(mine, my_adv, prompts_per_step=max(prompts_per_step // info.dp_size, 1),
+            t_metrics = actor.train(train_samples, advantages, prompts_per_step=prompts_per_step,
                                     on_policy=not cfg.rollout.async_mode)
             train_finished = time.time()
             t_sync = time.perf_counter()
-            named = actor.export_hf()
-            if side is not None:
-                _push_weights(cfg, side, named, str(step + 1))
+            _sync_weights(actor, side, str(step + 1))
             sync_seconds = time.perf_counter() - t_sync
             if side is not None:
                 metrics = {**r_metrics, **t_metrics, **merge_metrics, **versions,

@@ -1,19 +1,28 @@
 """The policy in Megatron: forward/backward of RL losses on packed rows, optimizer steps, reference
-model, checkpoints, HF weight export for the engine.
+model, HF weight export for the engine, checkpoints (``checkpoint.py``).
 
-``train(samples, advantages)`` runs, per mini-batch of whole prompt groups (one optimizer step):
-reduction weights computed once over the mini-batch -> micro-batches (packed rows within the token
-budget) -> forward, TP log-probs, loss, backward -> grad sync, clipping and Adam step (megatron's
-DDP and optimizer) -> LR schedule step. Old log-probs are recomputed before the first step unless
-the data is on-policy and there is a single optimizer step (then ratio = 1 exactly).
+``train(samples, advantages, prompts_per_step)`` takes the GLOBAL batch (every rank has it) and runs,
+per mini-batch of whole prompt groups (one optimizer step):
+
+  reduction weights over the whole mini-batch -> this DP rank's groups (dealt round robin)
+  -> micro-batches (packed rows within the token budget) -> forward, TP log-probs, loss, backward
+  -> ``finalize_model_grads`` (DP all-reduce, and the TP all-reduce of parameters replicated across
+  TP ranks that see only their shard of the activations: Qwen3's q/k norms) -> clip + Adam step
+  -> LR schedule step.
+
+Because the weights are normalised over the global mini-batch, the gradient and its norm are the
+same at any DP size (DDP averages over DP ranks, so each rank's loss is scaled by the DP size).
+Old log-probs are recomputed (for this rank's share) before the first step unless the data is
+on-policy and there is a single optimizer step (then ratio = 1 exactly). Under ``--bf16`` the
+parameters and activations are bf16, the optimizer keeps fp32 main parameters and fp32 gradients,
+and log-softmax is computed in fp32. Every tensor lives on ``parallel.current_device()``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import collections
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,17 +31,18 @@ import torch.distributed as dist
 from slime_mt.algo.batching import micro_batches_by_count, micro_batches_by_tokens, mini_batches_by_groups, \
     reduction_weights
 from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
-from slime_mt.backends.megatron.convert import hf_to_megatron, load_hf_state, load_into, megatron_to_hf, text_prefix
-from slime_mt.backends.megatron.logprobs import token_logprobs
-from slime_mt.backends.megatron.models import build_gpt, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.convert import CheckpointReader, TPGather, iter_hf_to_megatron, \
+    iter_megatron_to_hf, load_into, text_prefix
+from slime_mt.backends.megatron.logprobs import hidden_logprobs
+from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, have_transformer_engine, \
+    padded_vocab, read_hf_config
 from slime_mt.backends.megatron.packing import PackedRow, pack_row
-from slime_mt.backends.megatron.parallel import ParallelInfo
+from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint folder that cannot be loaded; names the folder and what is missing."""
+LOGIT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class MegatronActor:
@@ -44,17 +54,20 @@ class MegatronActor:
 
         self.hf_path, self.train_cfg, self.algo, self.info = str(hf_path), train, algo, info
         self.temperature, self.norm_max_len = temperature, norm_max_len
+        self.device = current_device()
+        self.dtype = torch.bfloat16 if train.bf16 else torch.float32
+        self.te = have_transformer_engine()
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
-        hf_state = load_hf_state(hf_path)
-        self.prefix = text_prefix(hf_state)
-        self.policy = self._build(hf_state)
+        reader = CheckpointReader(hf_path)
+        self.prefix = text_prefix(reader.names())
+        self.policy = self._build(reader)
         self.model = DistributedDataParallel(
             self.policy.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
             self.policy)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-                            clip_grad=train.clip_grad, bf16=train.bf16, params_dtype=torch.float32,
+                            clip_grad=train.clip_grad, bf16=train.bf16, params_dtype=self.dtype,
                             adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8), [self.model])
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if train.lr_warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
@@ -62,20 +75,24 @@ class MegatronActor:
             lr_decay_style="cosine" if 0 < train.min_lr < train.lr else "constant",
             start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant")
-        self.reference = self._build(hf_state, frozen=True) if algo.use_kl_loss and algo.kl_loss_coef > 0 else None
+        self.reference = self._build(reader, frozen=True) if algo.use_kl_loss and algo.kl_loss_coef > 0 else None
+        # rows of fp32 logits [rows, V/tp] alive at once in the log-prob path: LOGIT_CHUNK_BYTES worth
+        local_vocab = padded_vocab(self.spec.vocab_size, info.tp_size) // info.tp_size
+        self.logit_chunk_rows = max(16, LOGIT_CHUNK_BYTES // (4 * local_vocab))
         self.step = 0
 
     # ------------------------------------------------------------------ model
 
-    def _build(self, hf_state: dict, frozen: bool = False) -> torch.nn.Module:
+    def _build(self, reader: CheckpointReader, frozen: bool = False) -> torch.nn.Module:
         if self.spec.mrope_section is not None:
             from slime_mt.backends.megatron.vlm import build_vlm
 
-            model = build_vlm(self.hf_config, self.spec, hf_state, self.info.tp_size, self.info.tp_rank,
-                              freeze_vision=frozen or self.train_cfg.freeze_vision_tower)
+            model = build_vlm(self.hf_config, self.spec, reader, self.info.tp_size, self.info.tp_rank, self.dtype,
+                              self.device, self.te, freeze_vision=frozen or self.train_cfg.freeze_vision_tower)
         else:
-            model = build_gpt(self.spec, self.info.tp_size)
-            load_into(model, hf_to_megatron(hf_state, self.spec, self.info.tp_rank, self.info.tp_size))
+            gpt = build_gpt(self.spec, self.info.tp_size, self.dtype, self.device, self.te)
+            load_into(gpt, iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te))
+            model = TextPolicy(gpt)
         if frozen:
             model.eval()
             for p in model.parameters():
@@ -87,14 +104,17 @@ class MegatronActor:
         """M-RoPE position function of a VLM policy (None for text models)."""
         return getattr(self.policy, "mrope_positions", None)
 
-    def _forward(self, module, row: PackedRow, with_entropy: bool):
-        if self._mrope is not None:
-            logits = module(row.tokens, row.position_ids, row.attention_mask,
-                            pixel_values=row.pixel_values, image_grid_thw=row.image_grid_thw)
-        else:
-            logits = module(row.tokens, row.position_ids, row.attention_mask)
-        logits = logits[0].index_select(0, row.logit_index)  # [T, V/tp]
-        return token_logprobs(logits, row.targets, self.spec.vocab_size, self.temperature, with_entropy)
+    def pack(self, samples: list[TrainingSample], indices: list[int]) -> PackedRow:
+        """A packed row of ``samples[indices]`` on the trainer's device (THD with Transformer Engine)."""
+        return pack_row(samples, indices, self._mrope, thd=self.te).to(self.device)
+
+    def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
+        """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens."""
+        extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw} if self._mrope else {}
+        hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
+        rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
+        return hidden_logprobs(rows, module.output_logits, row.targets, self.spec.vocab_size, temperature,
+                               with_entropy, chunk=self.logit_chunk_rows)
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
@@ -106,152 +126,151 @@ class MegatronActor:
     # ------------------------------------------------------------------ log-probs
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[TrainingSample], reference: bool = False,
-                         with_entropy: bool = False) -> list[torch.Tensor]:
-        """Per-sample response log-probs ``[len(response)]`` (and nothing is trained)."""
-        module = self.reference if reference else self.model
+    def compute_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
+                         reference: bool = False) -> list[torch.Tensor | None]:
+        """Response log-probs ``[len(response)]`` of ``samples[indices]`` (all by default; None for the
+        others), at the rollout temperature; nothing is trained."""
+        module = self.reference if reference else self.policy
+        was_training = module.training
         module.eval()
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for row_indices in self._rows(samples, list(range(len(samples)))):
-            row = pack_row(samples, row_indices, self._mrope)
-            lp, _ = self._forward(module, row, with_entropy)
+        indices = list(range(len(samples))) if indices is None else indices
+        for row_indices in self._rows(samples, indices):
+            row = self.pack(samples, row_indices)
+            lp, _ = self._logprobs(module, row, False, self.temperature)
             for k, i in enumerate(row.sample_index):
                 out[i] = lp[row.seq_ids == k]
-        module.train()
+        module.train(was_training)
         return out
 
     # ------------------------------------------------------------------ training
 
+    def dp_share(self, samples: list[TrainingSample], indices: list[int]) -> list[int]:
+        """This DP rank's part of ``indices``: whole prompt groups dealt round robin in order."""
+        order: dict[int, int] = {}
+        for i in indices:
+            order.setdefault(samples[i].group_id, len(order))
+        return [i for i in indices if order[samples[i].group_id] % self.info.dp_size == self.info.dp_rank]
+
     def train(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int,
               on_policy: bool = True) -> dict[str, float]:
-        """One pass over ``samples`` (this DP rank's share), one optimizer step per mini-batch."""
+        """One pass over the global ``samples``, one optimizer step per mini-batch of
+        ``prompts_per_step`` prompt groups (all DP ranks together)."""
         started = time.perf_counter()
         mini_batches = mini_batches_by_groups(samples, prompts_per_step)
+        mine = self.dp_share(samples, list(range(len(samples))))
         need_old = not self.train_cfg.sft and (not on_policy or len(mini_batches) > 1)
-        old = self.compute_logprobs(samples) if need_old else None
-        ref = self.compute_logprobs(samples, reference=True) if self.reference is not None else None
-        totals: dict[str, float] = {}
+        old = self.compute_logprobs(samples, mine) if need_old else None
+        ref = self.compute_logprobs(samples, mine, reference=True) if self.reference is not None else None
+        totals: dict[str, float] = collections.defaultdict(float)
         for mb in mini_batches:
-            metrics = self._optimizer_step(samples, mb, advantages, old, ref)
+            sums = self.accumulate_gradients(samples, mb, advantages, old, ref)
+            metrics = {f"train/{k}": v for k, v in sums.items()}
+            metrics.update(self.apply_gradients())
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / len(mini_batches)
+                totals[k] += v / len(mini_batches)
         totals["train/seconds"] = time.perf_counter() - started
         totals["train/optimizer_steps"] = len(mini_batches)
-        return totals
+        return dict(totals)
 
-    def _optimizer_step(self, samples, mb, advantages, old, ref) -> dict[str, float]:
+    def accumulate_gradients(self, samples: list[TrainingSample], mb: list[int], advantages: list[float],
+                             old: list | None = None, ref: list | None = None) -> dict[str, float]:
+        """Forward/backward of this rank's share of mini-batch ``mb`` into the (zeroed) gradient
+        buffers, then ``finalize_model_grads``. -> metric sums over the global mini-batch."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
         batch = [samples[i] for i in mb]
-        weights = reduction_weights(batch, self.algo.loss_reduction, self.norm_max_len)
-        weight_of = dict(zip(mb, weights))
+        weight_of = dict(zip(mb, reduction_weights(batch, self.algo.loss_reduction, self.norm_max_len)))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums: dict[str, float] = {}
-        tokens = 0
-        for row_indices in self._rows(samples, mb):
-            row = pack_row(samples, row_indices, self._mrope)
-            lp, entropy = self._forward(self.model, row, with_entropy=True)
-            cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
-            old_lp = cat([old[i] for i in row.sample_index]) if old is not None else lp.detach()
+        sums: dict[str, float] = collections.defaultdict(float)
+        temperature = 1.0 if self.train_cfg.sft else self.temperature
+        for row_indices in self._rows(samples, self.dp_share(samples, mb)):
+            row = self.pack(samples, row_indices)
+            lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft,
+                                         temperature=temperature)
             inputs = LossInputs(
-                log_probs=lp, old_log_probs=old_lp,
-                rollout_log_probs=cat([samples[i].rollout_log_probs for i in row.sample_index]),
-                advantages=cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
-                weights=cat([weight_of[i] for i in row.sample_index]) * self.info.dp_size,
+                log_probs=lp, old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
+                rollout_log_probs=self._cat([samples[i].rollout_log_probs for i in row.sample_index]),
+                advantages=self._cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
+                weights=self._cat([weight_of[i] for i in row.sample_index]),
                 seq_ids=row.seq_ids, entropy=entropy,
-                ref_log_probs=cat([ref[i] for i in row.sample_index]) if ref is not None else None)
+                ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None)
             loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
-            loss.backward()
+            (loss * self.info.dp_size).backward()  # DDP averages over DP ranks; the weights are global
             metrics["loss"] = float(loss.detach())
+            metrics["tokens"] = sum(len(samples[i].response_ids) for i in row.sample_index)
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            tokens += int(sum(len(samples[i].response_ids) for i in row.sample_index))
-        self.model.finish_grad_sync()
+                sums[k] += v
+        finalize_model_grads([self.model])
+        return self._dp_sum(sums)
+
+    def apply_gradients(self) -> dict[str, float]:
+        """Clip, Adam step and LR schedule step on the finalized gradients."""
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(1)
         self.step += 1
-        out = {f"train/{k}": v / self.info.dp_size for k, v in sums.items()}
-        out.update({"train/grad_norm": float(grad_norm or 0.0), "train/lr": self.optimizer.param_groups[0]["lr"],
-                    "train/step_ok": float(bool(ok)), "train/tokens": tokens})
-        return out
+        return {"train/grad_norm": float(grad_norm or 0.0), "train/lr": self.optimizer.param_groups[0]["lr"],
+                "train/step_ok": float(bool(ok))}
+
+    def _cat(self, values) -> torch.Tensor:
+        """Per-sample lists or tensors -> one float32 tensor on the trainer's device."""
+        return torch.cat([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in values])
+
+    def _dp_sum(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.info.dp_size == 1:
+            return dict(sums)
+        from megatron.core import parallel_state
+
+        keys = sorted(sums)
+        gathered: list[dict] = [None] * self.info.dp_size  # keys can differ (a rank with no rows has none)
+        dist.all_gather_object(gathered, {k: sums[k] for k in keys}, group=parallel_state.get_data_parallel_group())
+        out: dict[str, float] = collections.defaultdict(float)
+        for part in gathered:
+            for k, v in part.items():
+                out[k] += v
+        return dict(out)
 
     # ------------------------------------------------------------------ weights for the engine
-
-    def export_hf(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors (collective over the TP group; every rank gets them)."""
-        state = self.policy.decoder_state_dict() if hasattr(self.policy, "decoder_state_dict") else \
-            self.policy.state_dict()
-        tp_group = self._tp_group()
-        out = megatron_to_hf(state, self.spec, self.info.tp_size, tp_group, prefix=self.prefix)
-        if hasattr(self.policy, "vision_state_dict"):
-            out.update(self.policy.vision_state_dict())
-        return out
 
     def _tp_group(self):
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_group()
 
+    def _tp_gather(self) -> TPGather:
+        """Gathers to global rank 0 (the rank that pushes weights); DP replicas other than 0 take no part."""
+        from megatron.core import parallel_state
+
+        return TPGather(self.info.tp_size, self._tp_group(), parallel_state.get_tensor_model_parallel_src_rank())
+
+    def iter_hf_weights(self, tensors: dict[str, torch.Tensor] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, full tensor on global rank 0 / None elsewhere), one tensor at a time. Collective
+        over the TP group of DP rank 0; other DP ranks yield nothing. ``tensors``: megatron-named
+        decoder tensors to export instead of the weights (gradients, optimizer states)."""
+        if self.info.dp_rank != 0:
+            return
+        state = tensors if tensors is not None else self.policy.decoder_state_dict()
+        yield from iter_megatron_to_hf(state, self.spec, self._tp_gather(), self.prefix, self.te)
+        if tensors is None and hasattr(self.policy, "vision_state_dict"):
+            here = self.info.rank == 0
+            for name, t in self.policy.vision_state_dict().items():
+                yield name, t.clone() if here else None
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        """Every HF-named tensor on global rank 0 ({} on other ranks); collective."""
+        named = {name: t for name, t in self.iter_hf_weights()}
+        return named if self.info.rank == 0 else {}
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, root: str | Path, extra: dict) -> Path:
-        """``root/iter_{step:07d}`` with one file per rank (model, optimizer, scheduler, RNG) and
-        ``extra.json``; written to a temp folder and renamed, then ``latest`` is updated atomically."""
-        root = Path(root)
-        name = f"iter_{self.step:07d}"
-        tmp = root / f".tmp_{name}"
-        if self.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        from megatron.core.tensor_parallel import random as mp_random
+        from slime_mt.backends.megatron.checkpoint import save_checkpoint
 
-        state = {
-            "model": {k: v for k, v in self.policy.state_dict().items() if isinstance(v, torch.Tensor)},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "tracker": mp_random.get_cuda_rng_tracker().get_states()},
-            "step": self.step,
-        }
-        torch.save(state, tmp / f"rank_{self.info.rank:03d}.pt")
-        dist.barrier()
-        if self.info.is_main:
-            (tmp / "extra.json").write_text(json.dumps(extra))
-            final = root / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            latest_tmp = root / ".latest.tmp"
-            latest_tmp.write_text(name)
-            os.replace(latest_tmp, root / "latest")
-        dist.barrier()
-        return root / name
+        return save_checkpoint(self, root, extra)
 
     def load(self, root: str | Path) -> dict:
-        """Restore from ``root/latest`` (or an ``iter_*`` folder) -> the saved ``extra`` dict."""
-        root = Path(root)
-        folder = root if root.name.startswith("iter_") else root / _read_latest(root)
-        file = folder / f"rank_{self.info.rank:03d}.pt"
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {folder} has no {file.name} (saved with another world size?)")
-        state = torch.load(file, weights_only=True)
-        from megatron.core.tensor_parallel import random as mp_random
+        from slime_mt.backends.megatron.checkpoint import load_checkpoint
 
-        params = dict(self.policy.state_dict())
-        with torch.no_grad():
-            for k, v in state["model"].items():
-                params[k].copy_(v)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        mp_random.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
-        self.step = int(state["step"])
-        return json.loads((folder / "extra.json").read_text())
-
-
-def _read_latest(root: Path) -> str:
-    latest = root / "latest"
-    if not latest.is_file():
-        raise CheckpointError(f"--load {root}: no 'latest' file (no completed checkpoint there)")
-    name = latest.read_text().strip()
-    if not (root / name).is_dir():
-        raise CheckpointError(f"--load {root}: 'latest' names {name}, which does not exist")
-    return name
+        return load_checkpoint(self, root)

@@ -137,6 +137,30 @@ def _allocating_on_cpu(init):
     return wrapped
 
 
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    """``Tensor.type()`` answering a CPU tensor's type with the CUDA name (torch.cuda.BFloat16Tensor)."""
+    name = _tensor_type(self, *args, **kwargs)
+    if not args and not kwargs and name.startswith("torch.") and not name.startswith("torch.cuda."):
+        return "torch.cuda." + name[len("torch."):]
+    return name
+
+
+def _cuda_type_names(init):
+    """Wrap an ``__init__`` that sorts parameters by ``param.type()`` against CUDA type names only."""
+
+    def wrapped(self, *args, **kwargs):
+        torch.Tensor.type = _cuda_type_name
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = _tensor_type
+
+    return wrapped
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU when CUDA is absent; returns True when patches were applied."""
     global _APPLIED
@@ -162,6 +186,9 @@ def apply_cpu_patches() -> bool:
     # torch.tensor(..., device='cuda') in __init__.
     optimizer.FP32Optimizer.__init__ = _allocating_on_cpu(optimizer.FP32Optimizer.__init__)
     optimizer.MixedPrecisionOptimizer.__init__ = _allocating_on_cpu(optimizer.MixedPrecisionOptimizer.__init__)
+    # Float16OptimizerWithFloat16Params (bf16 training) accepts only 'torch.cuda.*Tensor' parameters.
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__)
     optimizer.get_grad_norm_fp32 = _cpu_grad_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
     _APPLIED = True

@@ -1,0 +1,205 @@
+"""Checkpoints in the Hugging Face layout, so a run saved at one TP size resumes at another.
+
+    root/iter_0000004/                  an HF model folder (config and tokenizer files copied)
+      model.safetensors (or shards + index)   weights, float32 (the optimizer's main copies under bf16)
+      optimizer/exp_avg/, optimizer/exp_avg_sq/   per-parameter optimizer tensors, HF names and layout
+      trainer_state.json                  step, LR schedule, optimizer scalars, the saving layout, extra
+      rng/rank_000.pt ...                 RNG states, restored when the layout (TP, DP) is the same
+    root/latest                           the newest complete checkpoint's folder name
+
+Saving gathers each tensor to global rank 0 (tensor by tensor; it writes shards of at most 2 GB);
+loading reads only this rank's slices through the same conversion as the initial weights. Written to
+a temp folder and renamed, then ``latest`` is replaced atomically: a save that dies midway leaves
+the previous checkpoint loadable. At the same layout a resume is bitwise exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime_mt.backends.megatron.convert import CheckpointReader, ShardWriter, iter_hf_to_megatron
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be loaded; names the folder and what is missing."""
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor the optimizer updates for ``param`` (its fp32 main copy under bf16)."""
+    return getattr(param, "main_param", param)
+
+
+def _split_names(actor) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
+    """(decoder params by megatron state name, vision params by HF name)."""
+    decoder, vision = {}, {}
+    for name, param in actor.policy.named_parameters():
+        if name.startswith("gpt."):
+            decoder[name[len("gpt."):]] = param
+        elif name.startswith("visual."):
+            vision[actor.policy.vision_prefix + name[len("visual."):]] = param
+        else:
+            raise CheckpointError(f"parameter {name} belongs to neither the decoder nor the vision tower")
+    return decoder, vision
+
+
+def _optimizer_state(actor) -> dict[int, dict]:
+    """id(main tensor) -> its torch optimizer state."""
+    states = {}
+    for inner in _inner_optimizers(actor.optimizer):
+        for main, state in inner.optimizer.state.items():
+            states[id(main)] = state
+    return states
+
+
+def _hf_tensors(actor, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """HF-named ``pick(param)`` for every parameter (None where pick returns None), full tensors on
+    global rank 0 only; collective over the TP group of DP rank 0."""
+    decoder, vision = _split_names(actor)
+    picked = {name: pick(p) for name, p in decoder.items()}
+    if all(t is not None for t in picked.values()):
+        yield from actor.iter_hf_weights(tensors=picked)
+    here = actor.info.rank == 0
+    for name, param in vision.items():
+        t = pick(param)
+        if t is not None:
+            yield name, t.detach().clone() if here else None
+
+
+def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
+    root = Path(root)
+    name = f"iter_{actor.step:07d}"
+    tmp = root / f".tmp_{name}"
+    main = actor.info.rank == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    writer = ShardWriter(tmp, "model") if main else None
+    for hf_name, t in _hf_tensors(actor, lambda p: _main(p).detach()):
+        if writer:
+            writer.add(hf_name, t.float())
+    if writer:
+        writer.close()
+    states = _optimizer_state(actor)
+    keys = sorted({k for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+    for key in keys:
+        writer = ShardWriter(tmp / "optimizer" / key, "model") if main else None
+        for hf_name, t in _hf_tensors(actor, lambda p, k=key: states.get(id(_main(p)), {}).get(k)):
+            if writer:
+                writer.add(hf_name, t.float())
+        if writer:
+            writer.close()
+    from megatron.core.tensor_parallel import random as mp_random
+
+    rng = {"torch": torch.get_rng_state(), "tracker": mp_random.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / "rng" / f"rank_{actor.info.rank:03d}.pt")
+    dist.barrier()
+    if main:
+        scalars = {k: float(v) for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 0}
+        groups = [[{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
+                   for g in inner.optimizer.param_groups] for inner in _inner_optimizers(actor.optimizer)]
+        (tmp / "trainer_state.json").write_text(json.dumps({
+            "step": actor.step, "scheduler": actor.scheduler.state_dict(), "optimizer_keys": keys,
+            "optimizer_scalars": scalars, "param_groups": groups,
+            "layout": {"tp": actor.info.tp_size, "dp": actor.info.dp_size}, "extra": extra}, indent=1))
+        for file in Path(actor.hf_path).iterdir():  # config, tokenizer, processor: an HF model folder
+            if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(file, tmp / file.name)
+        final = root / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name)
+        os.replace(latest_tmp, root / "latest")
+    dist.barrier()
+    return root / name
+
+
+def _read_latest(root: Path) -> Path:
+    if root.name.startswith("iter_"):
+        return root
+    latest = root / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"--load {root}: no 'latest' file (no completed checkpoint there)")
+    name = latest.read_text().strip()
+    if not (root / name).is_dir():
+        raise CheckpointError(f"--load {root}: 'latest' names {name}, which does not exist")
+    return root / name
+
+
+def _load_params(actor, reader: CheckpointReader, target) -> None:
+    """Copy this rank's slices of the checkpoint tensors into ``target(param)`` for every parameter."""
+    decoder, vision = _split_names(actor)
+    info = actor.info
+    names = reader.names()
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in iter_hf_to_megatron(reader, actor.spec, info.tp_rank, info.tp_size, actor.te):
+            if name not in decoder:
+                raise CheckpointError(f"checkpoint tensor {name} has no parameter in this model")
+            target(decoder[name], tensor)
+            seen.add(name)
+        if seen != set(decoder):
+            raise CheckpointError(f"parameters without a tensor in the checkpoint: {sorted(set(decoder) - seen)[:5]}")
+        for hf_name, param in vision.items():
+            if hf_name in names:
+                target(param, reader.get(hf_name))
+
+
+def load_checkpoint(actor, root: str | Path) -> dict:
+    """Restore weights, optimizer state, LR schedule, step (and RNG at the same layout) from
+    ``root/latest`` or an ``iter_*`` folder -> the saved ``extra`` dict."""
+    folder = _read_latest(Path(root))
+    state_file = folder / "trainer_state.json"
+    if not state_file.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")
+    saved = json.loads(state_file.read_text())
+
+    def set_weight(param, tensor):
+        param.copy_(tensor)
+        if _main(param) is not param:
+            _main(param).copy_(tensor)
+
+    _load_params(actor, CheckpointReader(folder), set_weight)
+    states = {}
+    for inner in _inner_optimizers(actor.optimizer):
+        for group in inner.optimizer.param_groups:
+            for main in group["params"]:
+                states[id(main)] = (inner.optimizer, main)
+    for key in saved["optimizer_keys"]:
+        def set_state(param, tensor, key=key):
+            owner, main = states[id(_main(param))]
+            entry = owner.state[main]
+            entry[key] = tensor.to(device=main.device, dtype=main.dtype).clone()
+            for scalar, value in saved["optimizer_scalars"].items():
+                entry.setdefault(scalar, torch.tensor(value, dtype=torch.float32))
+
+        _load_params(actor, CheckpointReader(folder / "optimizer" / key), set_state)
+    for inner, groups in zip(_inner_optimizers(actor.optimizer), saved["param_groups"]):
+        for group, values in zip(inner.optimizer.param_groups, groups):
+            group.update(values)
+    actor.scheduler.load_state_dict(saved["scheduler"])
+    actor.step = int(saved["step"])
+    rng_file = folder / "rng" / f"rank_{actor.info.rank:03d}.pt"
+    if saved["layout"] == {"tp": actor.info.tp_size, "dp": actor.info.dp_size} and rng_file.is_file():
+        from megatron.core.tensor_parallel import random as mp_random
+
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        mp_random.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return saved["extra"]
