@@ -1,24 +1,34 @@
-"""Megatron checks run in their own processes (one process per TP rank, launched by the tests with
-``torchrun`` or plain python for TP=1). Each check writes its numbers to ``--out`` as JSON / .pt;
-the pytest side asserts on them. One launch runs many checks: importing megatron + transformers
-costs ~10 s per process, so tests share launches.
+"""Megatron checks run in their own processes (one process per rank, launched by the tests with
+``torchrun`` or plain python for world size 1). Each check writes its numbers to ``--out`` as JSON /
+.pt; the pytest side asserts on them. One launch runs many checks: importing megatron +
+transformers costs ~10 s per process, so tests share launches.
 
-    python megatron_worker.py --tp 1 --checks families,train --out DIR
+    python megatron_worker.py --tp 1 --checks families,matrix --out DIR
+
+Every check drives the actor through its own code paths (``accumulate_gradients`` /
+``apply_gradients`` / ``train``), never a copy of them.
 """
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from slime_mt.algo.batching import reduction_weights
+from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron.actor import MegatronActor
-from slime_mt.backends.megatron.convert import load_hf_state, megatron_to_hf
-from slime_mt.backends.megatron.packing import pack_row
+from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.backends.megatron.parallel import init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")  # every supported family, tiny
+ALGO = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, use_tis=True, tis_clip=2.0)
+TEMPERATURE = 0.8
 
 
 def images():
@@ -51,115 +61,326 @@ def sequences(path: Path, kind: str) -> list[TrainingSample]:
     return out
 
 
-def hf_logits(path: Path, sample: TrainingSample) -> torch.Tensor:
+def hf_model(path: Path, dtype=torch.float32, attn="eager"):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    if sample.multimodal_train_inputs:
-        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
-        extra = dict(sample.multimodal_train_inputs, mm_token_type_ids=(ids == model.config.image_token_id).long())
-    else:
-        cls = AutoModelForImageTextToText if "vl" in path.name else AutoModelForCausalLM
-        model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-        extra = {}
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]
+    cls = AutoModelForImageTextToText if "vl" in Path(path).name else AutoModelForCausalLM
+    return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn).eval()
 
+
+def hf_logits(model, sample: TrainingSample) -> torch.Tensor:
+    """``[len, V]`` logits of transformers on one sequence (on the model's device)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=device)
+    extra = {}
+    if sample.multimodal_train_inputs:
+        extra = {k: v.to(device) for k, v in sample.multimodal_train_inputs.items()}
+        extra["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]
+
+
+def megatron_logits(actor, sample: TrainingSample) -> torch.Tensor:
+    row = actor.pack([sample], [0])
+    extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw} if actor._mrope else {}
+    with torch.no_grad():
+        return actor.policy(row.tokens, row.position_ids, row.attention_mask, **extra)[0][:, :actor.spec.vocab_size]
+
+
+def is_main(info) -> bool:
+    return info.rank == 0
+
+
+# ---------------------------------------------------------------- HF parity per family
 
 def check_families(args, info, out):
-    """Megatron logits vs transformers, and Megatron -> HF export equal to the checkpoint."""
-    paths = {"smollm2": smollm2_dir(), **{k: tiny_model_dir(k) for k in ("qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")}}
+    """Megatron logits vs transformers (eager attention: the same fp32 arithmetic; and an fp64
+    reference, against which transformers' own fp32 error is the bound), and Megatron -> HF export
+    equal to the checkpoint."""
+    paths = {"smollm2": smollm2_dir(), **{k: tiny_model_dir(k) for k in FAMILIES}}
     result = {}
     for kind, path in paths.items():
         actor = MegatronActor(str(path), TrainConfig(lr=1e-5), AlgoConfig(), info)
-        diffs = []
+        eager, sdpa, fp64 = hf_model(path), hf_model(path, attn="sdpa"), hf_model(path, torch.float64)
+        rows = []
         for sample in sequences(path, kind):
-            row = pack_row([sample], [0], actor.policy.mrope_positions if hasattr(actor.policy, "mrope_positions") else None)
             with torch.no_grad():
-                if hasattr(actor.policy, "mrope_positions"):
-                    logits = actor.policy(row.tokens, row.position_ids, row.attention_mask,
-                                          pixel_values=row.pixel_values, image_grid_thw=row.image_grid_thw)[0]
-                else:
-                    logits = actor.policy(row.tokens, row.position_ids, row.attention_mask)[0]
-            diffs.append(float((logits[:, :actor.spec.vocab_size] - hf_logits(path, sample)).abs().max()))
+                mg, e, s, r = megatron_logits(actor, sample), hf_logits(eager, sample), hf_logits(sdpa, sample), \
+                    hf_logits(fp64, sample)
+            rows.append({"vs_eager": float((mg - e).abs().max()), "vs_fp64": float((mg.double() - r).abs().max()),
+                         "hf_fp32_vs_fp64": float((e.double() - r).abs().max()),
+                         "hf_eager_vs_sdpa": float((e - s).abs().max()), "max_abs_logit": float(r.abs().max())})
         exported = actor.export_hf()
         source = load_hf_state(path)
         mismatched = [k for k in source if k not in exported or not torch.equal(source[k], exported[k])]
         extra = sorted(set(exported) - set(source))
-        result[kind] = {"logit_max_abs_diff": diffs, "export_mismatched": mismatched, "export_extra": extra}
+        result[kind] = {"sequences": rows, "export_mismatched": mismatched, "export_extra": extra}
     out["families"] = result
 
 
-def tp_batch(path) -> list[TrainingSample]:
+# ---------------------------------------------------------------- the TP matrix
+
+def matrix_batch(path: Path, kind: str) -> list[TrainingSample]:
+    """Four random text sequences of two prompt groups (+ the image sequence for VLMs)."""
+    vocab = json.loads((Path(path) / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(4):
-        prompt = torch.randint(100, 150000, (6 + i,), generator=g).tolist()
-        response = torch.randint(100, 150000, (5,), generator=g).tolist()
+        prompt = torch.randint(100, vocab - 100, (6 + 3 * i,), generator=g).tolist()
+        response = torch.randint(100, vocab - 100, (5,), generator=g).tolist()
         mask = [1, 1, 0, 1, 1]
         samples.append(TrainingSample(prompt, response, mask, [-11.9] * 5, float(i % 2), f"{i // 2}/{i}", i // 2, True))
+    if kind.endswith("-vl"):
+        image = [s for s in sequences(path, kind) if s.multimodal_train_inputs][0]
+        image.group_id, image.trajectory_id = 1, "1/9"
+        samples = samples[:3] + [image]
     return samples
 
 
-def check_tp(args, info, out):
-    """Log-probs, entropies, loss and gradients (gathered, HF layout) and weights after one Adam step,
-    saved so the test can compare TP=1 with TP=2."""
-    from megatron.core import parallel_state
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 
-    for kind in ("qwen2", "qwen2.5-vl"):
+
+def replicated_spread(actor) -> float:
+    """Largest difference between the TP ranks' copies of parameters that are replicated (norms)."""
+    if actor.info.tp_size == 1:
+        return 0.0
+    spread = 0.0
+    group = actor._tp_group()
+    for name, p in actor.policy.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        copies = [torch.empty_like(p) for _ in range(actor.info.tp_size)]
+        dist.all_gather(copies, p.detach().contiguous(), group=group)
+        spread = max(spread, max(float((c - copies[0]).abs().max()) for c in copies))
+    return spread
+
+
+def check_matrix(args, info, out):
+    """Per family: log-probs, entropies, loss, gradients (HF layout), grad norm, replicated copies
+    after a step and the weights after a step, for TP=1 vs TP=2 vs transformers."""
+    for kind in FAMILIES:
         path = tiny_model_dir(kind)
-        algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, use_tis=True, tis_clip=2.0)
         # lr 1e-5 (RL scale): Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order
         # noise in them shows up in the weights in proportion to lr
-        actor = MegatronActor(str(path), TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2), algo, info,
-                              temperature=0.8)
-        samples = tp_batch(path)
-        if kind.endswith("-vl"):
-            samples = samples[:2] + [s for s in sequences(path, kind) if s.multimodal_train_inputs]
-            samples[-1].group_id, samples[-1].trajectory_id = 1, "1/9"
-        lp = actor.compute_logprobs(samples, with_entropy=True)
-        advantages = [1.0, -1.0, 0.5, -0.5][: len(samples)]
-        # gradients of one step: run the loss by hand to keep the grads before the optimizer applies them
-        from slime_mt.algo.batching import reduction_weights
-        from slime_mt.algo.losses import LossInputs, policy_loss
+        actor = MegatronActor(str(path), TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2), ALGO, info,
+                              temperature=TEMPERATURE)
+        samples = matrix_batch(path, kind)
+        logprobs, entropies = [], []
+        with torch.no_grad():
+            for i in range(len(samples)):
+                lp, ent = actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE)
+                logprobs.append(lp.tolist())
+                entropies.append(ent.tolist())
+        sums = actor.accumulate_gradients(samples, list(range(len(samples))), ADVANTAGES)
+        decoder = {n[len("gpt."):]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+        grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
+        step = actor.apply_gradients()
+        spread = replicated_spread(actor)
+        weights = actor.export_hf()
+        if is_main(info):
+            torch.save({"logprobs": logprobs, "entropy": entropies, "loss": sums["loss"], "grads": grads,
+                        "grad_norm": step["train/grad_norm"], "replicated_spread": spread, "weights": weights},
+                       Path(args.out) / f"matrix_tp{info.tp_size}_{kind}.pt")
+    out["matrix"] = "saved"
 
+
+def check_hf_reference(args, info, out):
+    """transformers on the matrix batch: the same loss (policy_loss on the same inputs), its
+    gradients and their norm (the frozen vision tower excluded, as in the actor)."""
+    for kind in FAMILIES:
+        path = tiny_model_dir(kind)
+        model = hf_model(path)
+        model.train()
+        if hasattr(model.model, "visual"):
+            for p in model.model.visual.parameters():
+                p.requires_grad_(False)
+        samples = matrix_batch(path, kind)
         weights = reduction_weights(samples, "token_mean")
-        actor.model.zero_grad_buffer()
-        loss_total, entropies = 0.0, []
-        for row_indices in actor._rows(samples, list(range(len(samples)))):
-            row = pack_row(samples, row_indices, actor.policy.mrope_positions if hasattr(actor.policy, "mrope_positions") else None)
-            logp, entropy = actor._forward(actor.model, row, with_entropy=True)
-            entropies.extend(entropy.tolist())
-            cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
-            x = LossInputs(logp, logp.detach() + 0.01, cat([samples[i].rollout_log_probs for i in row.sample_index]),
-                           cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
-                           cat([weights[i] for i in row.sample_index]), row.seq_ids, entropy=entropy)
-            loss, _ = policy_loss(x, algo)
-            loss.backward()
-            loss_total += float(loss.detach())
-        actor.model.finish_grad_sync()
-        grads = {n: p.main_grad.clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
-        hf_grads = megatron_to_hf(grads_as_state(actor, grads), actor.spec, info.tp_size,
-                                  parallel_state.get_tensor_model_parallel_group(), prefix=actor.prefix)
-        actor.optimizer.step()
-        weights_after = actor.export_hf()
-        if info.rank == 0:
-            torch.save({"logprobs": [x.tolist() for x in lp], "entropy": entropies, "loss": loss_total,
-                        "grads": hf_grads, "weights": weights_after}, Path(args.out) / f"tp{info.tp_size}_{kind}.pt")
-    out["tp"] = "saved"
+        lps, ents = [], []
+        for s in samples:
+            logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1:-1] / TEMPERATURE
+            logp = torch.log_softmax(logits, -1)
+            lps.append(logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
+            ents.append(-(logp.exp() * logp).sum(-1))
+        lp = torch.cat(lps)
+        cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
+        inputs = LossInputs(lp, lp.detach(), cat([s.rollout_log_probs for s in samples]),
+                            cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]), cat(weights),
+                            torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
+                            entropy=torch.cat(ents))
+        loss, _ = policy_loss(inputs, ALGO)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        torch.save({"logprobs": [x.tolist() for x in lps], "entropy": [x.tolist() for x in ents],
+                    "loss": float(loss.detach()), "grads": _checkpoint_names(grads, path), "grad_norm": norm},
+                   Path(args.out) / f"matrix_hf_{kind}.pt")
+    out["hf_reference"] = "saved"
 
 
-def grads_as_state(actor, grads):
-    """Gradients laid out like the decoder state dict (the VLM's decoder params are under gpt.)."""
-    prefix = "gpt." if hasattr(actor.policy, "gpt") else ""
-    return {k[len(prefix):]: v for k, v in grads.items() if k.startswith(prefix)}
+def _checkpoint_names(named: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """transformers' module names -> the checkpoint's names (VLMs keep ``model.language_model.``)."""
+    names = set(load_hf_state(path))
+    out = {}
+    for name, t in named.items():
+        candidates = [name, name.replace("model.language_model.", "model.", 1),
+                      name.replace("model.", "model.language_model.", 1)]
+        out[next((c for c in candidates if c in names), name)] = t
+    return out
 
+
+# ---------------------------------------------------------------- data parallel
+
+def dp_batch() -> list[TrainingSample]:
+    """Four prompt groups of very different lengths and loss-mask counts (per-rank normalisation
+    would weigh them differently from the global one)."""
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for group, (prompt, response) in enumerate([(5, 3), (40, 30), (8, 12), (25, 4)]):
+        for k in range(2):
+            mask = [1] * response if group % 2 else [1, 0] * (response // 2) + [1] * (response % 2)
+            samples.append(TrainingSample(torch.randint(100, 150000, (prompt + k,), generator=g).tolist(),
+                                          torch.randint(100, 150000, (response,), generator=g).tolist(), mask,
+                                          [-11.0] * response, float(k), f"{group}/{k}", group, True))
+    return samples
+
+
+def check_dp(args, info, out):
+    """One optimizer step on the whole batch, then ``train`` with two mini-batches off-policy; the
+    grad norm, loss and weights must not depend on the DP (or TP) layout."""
+    for reduction in ("token_mean", "seq_mean_token_mean"):
+        algo = AlgoConfig(eps_clip=0.2, use_tis=True, tis_clip=2.0, loss_reduction=reduction)
+        actor = MegatronActor(str(tiny_model_dir("qwen3")), TrainConfig(lr=1e-5, clip_grad=100.0,
+                                                                          max_tokens_per_micro_batch=64), algo, info)
+        samples = dp_batch()
+        advantages = [0.5 * (-1) ** i * (1 + i % 3) for i in range(len(samples))]
+        sums = actor.accumulate_gradients(samples, list(range(len(samples))), advantages)
+        step = actor.apply_gradients()
+        trained = actor.train(samples, advantages, prompts_per_step=2, on_policy=False)
+        weights = actor.export_hf()
+        if is_main(info):
+            torch.save({"loss": sums["loss"], "tokens": sums["tokens"], "grad_norm": step["train/grad_norm"],
+                        "train": trained, "weights": weights},
+                       Path(args.out) / f"dp_{reduction}_tp{info.tp_size}_dp{info.dp_size}.pt")
+    out[f"dp_tp{info.tp_size}_dp{info.dp_size}"] = "saved"
+
+
+# ---------------------------------------------------------------- bf16
+
+def check_bf16(args, info, out):
+    """bf16 parameters and activations with fp32 main parameters and gradients; the fp32 vs bf16
+    log-prob difference per family; three training steps stay finite and move the weights."""
+    result = {}
+    for kind in FAMILIES:
+        path = tiny_model_dir(kind)
+        samples = matrix_batch(path, kind)
+        fp32 = MegatronActor(str(path), TrainConfig(lr=1e-4), ALGO, info, temperature=TEMPERATURE)
+        ref = torch.cat(fp32.compute_logprobs(samples))
+        del fp32
+        actor = MegatronActor(str(path), TrainConfig(lr=1e-4, bf16=True), ALGO, info, temperature=TEMPERATURE)
+        lp = torch.cat(actor.compute_logprobs(samples))
+        decoder = [p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")]
+        before = [p.main_param.clone() for p in decoder]
+        steps = [actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False) for _ in range(3)]
+        moved = sum(int(not torch.equal(b, p.main_param)) for b, p in zip(before, decoder))
+        result[kind] = {
+            "param_dtypes": sorted({str(p.dtype) for p in decoder}),
+            "main_param_dtypes": sorted({str(p.main_param.dtype) for p in decoder}),
+            "main_grad_dtypes": sorted({str(p.main_grad.dtype) for p in decoder}),
+            "logprob_dtype": str(lp.dtype),
+            "logprob_mean_abs_diff": float((lp - ref).abs().mean()), "logprob_max_abs_diff": float((lp - ref).abs().max()),
+            "losses": [s["train/loss"] for s in steps], "grad_norms": [s["train/grad_norm"] for s in steps],
+            "main_params_moved": moved, "main_params": len(decoder),
+        }
+    out["bf16"] = result
+
+
+# ---------------------------------------------------------------- RoPE scaling
+
+ROPE_CASES = {
+    "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+    "llama-llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}),
+    "llama-yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0}),
+}
+REFUSED_ROPE = {"llama-dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+                "llama-longrope": ("llama", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                             "original_max_position_embeddings": 64})}
+
+
+def rope_model(root: Path, name: str, kind: str, rope: dict) -> Path:
+    """A copy of a tiny model whose config declares ``rope`` (the weights do not depend on it)."""
+    folder = root / name
+    shutil.copytree(tiny_model_dir(kind), folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
+    config["rope_parameters"] = {**rope, "rope_theta": theta}
+    config["max_position_embeddings"] = 512
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def check_rope(args, info, out):
+    """Megatron vs transformers on a 300-token sequence, past the original 64-token context, per
+    supported rope type; the refused types raise naming the key."""
+    from slime_mt.backends.megatron.models import ModelConfigError
+
+    root = Path(args.out) / "rope"
+    result = {}
+    for name, (kind, rope) in ROPE_CASES.items():
+        path = rope_model(root, name, kind, rope)
+        default = rope_model(root, name + "-default", kind, {"rope_type": "default"})
+        vocab = 49152 if kind == "llama" else 151936
+        ids = torch.randint(100, vocab - 100, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+        sample = TrainingSample(ids[:-1], ids[-1:], [1], [0.0], 0.0, "0/0", 0, True)
+        actor = MegatronActor(str(path), TrainConfig(), AlgoConfig(), info)
+        with torch.no_grad():
+            mg = megatron_logits(actor, sample)
+            hf, unscaled = hf_logits(hf_model(path), sample), hf_logits(hf_model(default), sample)
+        result[name] = {"max_abs_diff": float((mg - hf).abs().max()),
+                        "scaling_effect": float((hf - unscaled).abs().max()), "attention_factor": actor.spec.attention_factor}
+    for name, (kind, rope) in REFUSED_ROPE.items():
+        path = rope_model(root, name, kind, rope)
+        try:
+            MegatronActor(str(path), TrainConfig(), AlgoConfig(), info)
+            result[name] = {"error": None}
+        except ModelConfigError as e:
+            result[name] = {"error": str(e)}
+    out["rope"] = result
+
+
+# ---------------------------------------------------------------- SFT
+
+def check_sft(args, info, out):
+    """The SFT loss is the NLL at temperature 1, whatever the rollout temperature."""
+    path = tiny_model_dir("qwen2")
+    samples = matrix_batch(path, "qwen2")
+    actor = MegatronActor(str(path), TrainConfig(lr=1e-5, sft=True), AlgoConfig(), info, temperature=0.5)
+    loss = actor.accumulate_gradients(samples, list(range(len(samples))), [0.0] * len(samples))["loss"]
+    model = hf_model(path)
+    weights = reduction_weights(samples, "token_mean")
+    expected = {}
+    for temperature in (1.0, 0.5):
+        total = 0.0
+        for s, w in zip(samples, weights):
+            with torch.no_grad():
+                logp = torch.log_softmax(hf_logits(model, s)[len(s.prompt_ids) - 1:-1] / temperature, -1)
+            total -= float((logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0] * torch.tensor(w)).sum())
+        expected[temperature] = total
+    out["sft"] = {"loss": loss, "nll_t1": expected[1.0], "nll_t05": expected[0.5]}
+
+
+# ---------------------------------------------------------------- engine fidelity
 
 def check_engine_fidelity(args, info, out):
     """Log-probs the embedded engine sampled vs Megatron's recomputation of the same tokens."""
     import asyncio
 
     from slime_mt.engine.client import EngineClient
+    from slime_mt.engine.images import encode_image
+    from slime_mt.engine.protocol import collapse_image_pads
     from slime_mt.engine.server import LocalEngine
     from slime_mt.processing import load_tokenizer_or_processor
 
@@ -170,9 +391,6 @@ def check_engine_fidelity(args, info, out):
         prompts, image_data, mm = [], [], []
         for q in ("Name three fruits.", "What is the capital of Italy?"):
             if kind.endswith("-vl"):
-                from slime_mt.engine.images import encode_image
-                from slime_mt.engine.protocol import collapse_image_pads
-
                 text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                       {"type": "text", "text": q}]}], add_generation_prompt=True)
                 inputs = processor(text=text, images=images()[:1])
@@ -180,9 +398,9 @@ def check_engine_fidelity(args, info, out):
                 image_data.append([encode_image(images()[0])])
                 mm.append({"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]})
             else:
-                prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                             add_generation_prompt=True))
-                prompts[-1] = tokenizer(prompts[-1], add_special_tokens=False)["input_ids"]
+                text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                     add_generation_prompt=True)
+                prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
                 image_data.append(None)
                 mm.append(None)
         with LocalEngine(path, seed=5) as engine:
@@ -202,16 +420,18 @@ def check_engine_fidelity(args, info, out):
                                   multimodal_train_inputs=m)
                    for i, (p, r, m) in enumerate(zip(prompts, responses, mm))]
         recomputed = actor.compute_logprobs(samples)
-        diffs = torch.cat([(lp - torch.tensor(s.rollout_log_probs)).abs() for lp, s in zip(recomputed, samples)])
+        diffs = torch.cat([(lp.cpu() - torch.tensor(s.rollout_log_probs)).abs() for lp, s in zip(recomputed, samples)])
         result[kind] = {"mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max())}
     out["engine_fidelity"] = result
 
+
+# ---------------------------------------------------------------- checkpoints
 
 def train_steps(actor, steps, start=0):
     from slime_mt.algo.advantages import compute_advantages
 
     for step in range(start, steps):
-        samples = tp_batch(None)
+        samples = matrix_batch(tiny_model_dir("qwen2"), "qwen2")
         for s in samples:
             s.reward = float((step + s.group_id) % 2)
         actor.train(samples, compute_advantages(samples, "grpo"), prompts_per_step=1, on_policy=False)
@@ -219,7 +439,7 @@ def train_steps(actor, steps, start=0):
 
 def check_checkpoint(args, info, out):
     """4 steps straight vs 2 steps + save + resume + 2 steps: bitwise-equal weights; a save that dies
-    midway leaves the previous checkpoint loadable."""
+    midway leaves the previous checkpoint loadable; the checkpoint folder is an HF model folder."""
     path = str(tiny_model_dir("qwen2"))
     cfg = TrainConfig(lr=1e-3, micro_batch_size=2)
     straight = MegatronActor(path, cfg, AlgoConfig(), info)
@@ -231,13 +451,18 @@ def check_checkpoint(args, info, out):
     first = MegatronActor(path, cfg, AlgoConfig(), info)
     torch.manual_seed(0)
     train_steps(first, 2)
-    first.save(save_dir, {"data_cursor": 2})
+    saved = first.save(save_dir, {"data_cursor": 2})
+    exported = first.export_hf()
     del first
     resumed = MegatronActor(path, cfg, AlgoConfig(), info)
     extra = resumed.load(save_dir)
     train_steps(resumed, 4, start=2)
     state = {k: v for k, v in resumed.policy.state_dict().items() if isinstance(v, torch.Tensor)}
     bitwise = all(torch.equal(reference[k], state[k]) for k in reference)
+    from transformers import AutoModelForCausalLM
+
+    as_hf = AutoModelForCausalLM.from_pretrained(str(saved))  # the checkpoint is an HF model folder
+    hf_equal = all(torch.equal(exported[k], v) for k, v in load_hf_state(saved).items())
     # a save that dies after writing part of its temp folder: latest still names iter 2 and loads
     original_save = torch.save
 
@@ -255,11 +480,157 @@ def check_checkpoint(args, info, out):
     again = MegatronActor(path, cfg, AlgoConfig(), info)
     again_extra = again.load(save_dir)
     out["checkpoint"] = {"bitwise_equal": bitwise, "extra": extra, "after_killed_save": again_extra,
-                         "latest": (save_dir / "latest").read_text(), "step": again.step}
+                         "latest": (save_dir / "latest").read_text(), "step": again.step,
+                         "hf_loadable": type(as_hf).__name__, "hf_weights_equal_export": hf_equal}
 
 
-CHECKS = {"families": check_families, "tp": check_tp, "engine_fidelity": check_engine_fidelity,
-          "checkpoint": check_checkpoint}
+def check_checkpoint_bf16(args, info, out):
+    """Under bf16 a checkpoint restores the fp32 main parameters and the optimizer state exactly (the
+    bf16 weights are their rounding), and training continues identically."""
+    path = str(tiny_model_dir("qwen3-vl"))
+    cfg = TrainConfig(lr=1e-3, bf16=True, freeze_vision_tower=False)
+    first = MegatronActor(path, cfg, AlgoConfig(), info)
+    samples = matrix_batch(tiny_model_dir("qwen3-vl"), "qwen3-vl")
+    first.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    first.save(Path(args.out) / "ckpt_bf16", {})
+    second = MegatronActor(path, cfg, AlgoConfig(), info)
+    second.load(Path(args.out) / "ckpt_bf16")
+    params = lambda a: dict(a.policy.named_parameters())  # noqa: E731
+    main_equal = all(torch.equal(p.main_param, params(second)[n].main_param) for n, p in params(first).items())
+    model_equal = all(torch.equal(p, params(second)[n]) for n, p in params(first).items())
+    state_equal = True
+    for inner_a, inner_b in zip(first.optimizer.chained_optimizers, second.optimizer.chained_optimizers):
+        for n, p in params(first).items():
+            a, b = inner_a.optimizer.state.get(p.main_param), inner_b.optimizer.state.get(params(second)[n].main_param)
+            if a is not None:
+                state_equal &= all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    for actor in (first, second):
+        actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    continued_equal = all(torch.equal(p.main_param, params(second)[n].main_param) for n, p in params(first).items())
+    out["checkpoint_bf16"] = {"main_params_equal": main_equal, "params_equal": model_equal,
+                              "optimizer_state_equal": state_equal, "continued_equal": continued_equal,
+                              "vision_trainable": any(p.requires_grad for p in first.policy.visual.parameters())}
+
+
+RESHARD_CFG = TrainConfig(lr=1e-3, micro_batch_size=2)
+
+
+def reshard_step(actor):
+    """One more optimizer step on a fixed batch after a resume, then the exported weights."""
+    samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
+    actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    return actor.export_hf()
+
+
+def check_reshard_save(args, info, out):
+    """TP=1: two steps on Qwen3 (replicated q/k norms), save; then one more step from there."""
+    path = str(tiny_model_dir("qwen3"))
+    actor = MegatronActor(path, RESHARD_CFG, AlgoConfig(), info)
+    samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
+    for _ in range(2):
+        actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    actor.save(Path(args.out) / "reshard" / "a", {"layout": "tp1"})
+    continued = reshard_step(actor)
+    if is_main(info):
+        torch.save(continued, Path(args.out) / f"reshard_continued_tp{info.tp_size}.pt")
+    out["reshard_save"] = "saved"
+
+
+def check_reshard_load(args, info, out):
+    """Load the checkpoint saved at the other layout, save it again at this one (folder b at TP=2,
+    c at TP=1), and (TP=2) take the same extra step."""
+    root = Path(args.out) / "reshard"
+    source, target = ("a", "b") if info.tp_size == 2 else ("b", "c")
+    actor = MegatronActor(str(tiny_model_dir("qwen3")), RESHARD_CFG, AlgoConfig(), info)
+    extra = actor.load(root / source)
+    actor.save(root / target, extra)
+    if info.tp_size == 2:
+        continued = reshard_step(actor)
+        if is_main(info):
+            torch.save(continued, Path(args.out) / f"reshard_continued_tp{info.tp_size}.pt")
+    out[f"reshard_load_tp{info.tp_size}"] = {"step": actor.step, "extra": extra}
+
+
+def check_export_ranks(args, info, out):
+    """Export gathers to global rank 0 only: the other ranks never hold a full tensor."""
+    actor = MegatronActor(str(tiny_model_dir("qwen2")), TrainConfig(), AlgoConfig(), info)
+    counts = {"full": 0, "none": 0}
+    for _, tensor in actor.iter_hf_weights():
+        counts["full" if tensor is not None else "none"] += 1
+    everyone = [None] * info.world_size
+    dist.all_gather_object(everyone, counts)
+    out["export_ranks"] = everyone
+
+
+def check_logprob_chunks(args, info, out):
+    """Chunked log-probs with recompute equal the one-block computation (values and gradients), and
+    autograd never keeps a logits-sized tensor: the largest saved tensor is one chunk's worth."""
+    from slime_mt.backends.megatron.logprobs import hidden_logprobs
+
+    actor = MegatronActor(str(tiny_model_dir("qwen2")), TrainConfig(), AlgoConfig(), info)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(300, actor.spec.hidden_size, generator=g).requires_grad_(True)
+    targets = torch.randint(0, actor.spec.vocab_size, (300,), generator=g)
+    local_vocab = actor.policy.output_logits(hidden[:1]).shape[-1]
+    results = {}
+    for chunk in (300, 64):
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        hidden.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = hidden_logprobs(hidden, actor.policy.output_logits, targets, actor.spec.vocab_size, 0.7, True,
+                                      chunk=chunk)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results[chunk] = (lp.detach(), ent.detach(), hidden.grad.clone(), max(saved))
+    (lp1, e1, g1, _), (lp2, e2, g2, biggest) = results[300], results[64]
+    out[f"logprob_chunks_tp{info.tp_size}"] = {
+        "logprob_diff": float((lp1 - lp2).abs().max()), "entropy_diff": float((e1 - e2).abs().max()),
+        "grad_diff": float((g1 - g2).abs().max()), "largest_saved": biggest, "chunk_logits": 64 * local_vocab,
+        "all_logits": 300 * local_vocab}
+
+
+def check_gpu(args, info, out):
+    """On CUDA (world size 1, NCCL): every parameter on the GPU, the CPU patches not applied, logits
+    vs transformers on the same GPU, one train step and a weight export, in fp32 and bf16."""
+    from slime_mt.backends.megatron import cpu_patches
+    from slime_mt.backends.megatron.parallel import current_device
+
+    result = {"cpu_patches_applied": cpu_patches._APPLIED, "device": str(current_device()),
+              "backend": dist.get_backend()}
+    for kind, path in (("smollm2", smollm2_dir()), *((k, tiny_model_dir(k)) for k in FAMILIES)):
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            actor = MegatronActor(str(path), TrainConfig(lr=1e-5, bf16=precision == "bf16"), ALGO, info,
+                                  temperature=TEMPERATURE)
+            model = hf_model(path, dtype, attn="sdpa").to(current_device())
+            diffs = []
+            for sample in sequences(path, kind):
+                with torch.no_grad():
+                    diffs.append(float((megatron_logits(actor, sample).float()
+                                        - hf_logits(model, sample).float()).abs().max()))
+            del model
+            samples = matrix_batch(path, kind)
+            metrics = actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+            exported = actor.export_hf()
+            result[f"{kind}-{precision}"] = {
+                "param_devices": sorted({str(p.device) for p in actor.policy.parameters()}),
+                "param_dtypes": sorted({str(p.dtype) for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}),
+                "logit_max_abs_diff": diffs, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+                "exported": len(exported), "exported_devices": sorted({str(t.device) for t in exported.values()}),
+            }
+            del actor
+            torch.cuda.empty_cache()
+    out["gpu"] = result
+
+
+CHECKS = {"families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
+          "matrix": check_matrix, "hf_reference": check_hf_reference, "dp": check_dp, "bf16": check_bf16,
+          "rope": check_rope, "sft": check_sft, "engine_fidelity": check_engine_fidelity,
+          "checkpoint": check_checkpoint, "checkpoint_bf16": check_checkpoint_bf16,
+          "reshard_save": check_reshard_save, "reshard_load": check_reshard_load, "export_ranks": check_export_ranks}
 
 
 def main():
@@ -272,8 +643,8 @@ def main():
     out = {}
     for name in args.checks.split(","):
         CHECKS[name](args, info, out)
-    if info.rank == 0:
-        (Path(args.out) / f"results_tp{args.tp}.json").write_text(json.dumps(out, indent=1))
+    if is_main(info):
+        (Path(args.out) / f"results_tp{args.tp}_world{info.world_size}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
