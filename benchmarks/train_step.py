@@ -1,25 +1,35 @@
-"""Megatron train-step throughput vs plain transformers, and packed-row padding efficiency.
+"""Megatron train-step throughput vs plain transformers, peak memory per rank, and packing figures.
 
-    .venv/bin/python benchmarks/train_step.py [--steps 3]
+    .venv/bin/python benchmarks/train_step.py [--steps 3]                       # TP=1, vs transformers
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 3 benchmarks/train_step.py   # TP=3
 
 Both sides run the same RL loss (PPO surrogate on the response tokens, token_mean) and an Adam step
-on SmolLM2-135M-Instruct in fp32, TP=1, on 8 sequences of a multi-turn length mix (packed into rows of
---row-tokens; the CPU attention materialises [L, L] scores, so rows stay short here); tokens/s counts
-forward+backward tokens. Padding efficiency: real tokens / (rows x row capacity) when a mix of 256
-trajectories is packed first-fit into rows of --pack-tokens (a GPU-sized token budget).
+on SmolLM2-135M-Instruct (fp32, or --bf16), on 8 sequences of a multi-turn length mix (packed into
+rows of --row-tokens; the CPU attention materialises [L, L] scores, so rows stay short here);
+tokens/s counts forward+backward tokens. Every rank prints its peak RSS after building the actor,
+after a weight export and after one train step (on CPU the step's peak is dominated by the dense
+[L, L] attention scores of packed rows).
+(SmolLM2-135M has 9 heads and 3 key/value heads: TP must divide both, so TP=3 is its smallest TP > 1.)
+
+Packing: a mix of 256 trajectories packed first-fit into rows of --pack-tokens (a GPU-sized budget):
+padding efficiency (real tokens / row capacity) and the useful-attention fraction (score entries
+inside a sequence / the dense L x L block-diagonal mask's entries; THD packing computes only those).
 """
 
 import argparse
+import os
 import random
+import resource
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from slime_mt.algo.batching import micro_batches_by_tokens
 from slime_mt.assets import smollm2_dir
 from slime_mt.backends.megatron.actor import MegatronActor
-from slime_mt.backends.megatron.packing import padding_efficiency
+from slime_mt.backends.megatron.packing import padding_efficiency, useful_attention_fraction
 from slime_mt.backends.megatron.parallel import init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
@@ -61,47 +71,71 @@ def hf_step(model, optimizer, samples, advantages):
     optimizer.step()
 
 
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--row-tokens", type=int, default=1024)
     parser.add_argument("--pack-tokens", type=int, default=4096)
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
-    info = init_parallel(1, seed=0)
-    torch.set_num_threads(2)
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    info = init_parallel(tp, seed=0)
+    if "LOCAL_RANK" not in os.environ:  # plain python: both cores (torchrun sets one thread per rank)
+        torch.set_num_threads(2)
     path = smollm2_dir()
     samples = batch(args.sequences)
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens),
+    actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens, bf16=args.bf16),
                           AlgoConfig(), info)
+    built = peak_rss_mb()
+    for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
+        pass
+    exported = peak_rss_mb()
     actor.train(samples, advantages, prompts_per_step=len(samples))  # warm-up
+    trained = peak_rss_mb()
     mega = []
     for _ in range(args.steps):
         start = time.perf_counter()
         actor.train(samples, advantages, prompts_per_step=len(samples))
         mega.append(time.perf_counter() - start)
+    for rank in range(info.world_size):
+        if rank == info.rank:
+            print(f"rank {rank}: peak RSS after build {built:.0f} MB, after a weight export {exported:.0f} MB "
+                  f"(+{exported - built:.0f}), after a train step {trained:.0f} MB", flush=True)
+        dist.barrier()
+    m = tokens / statistics.median(mega)
+    if info.rank == 0:
+        print(f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / {tokens} "
+              f"tokens: Megatron TP={tp} {m:.0f} tok/s", flush=True)
     del actor
-    from transformers import AutoModelForCausalLM
+    if tp == 1:
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0)
-    hf_step(model, optimizer, samples, advantages)
-    hf = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0)
         hf_step(model, optimizer, samples, advantages)
-        hf.append(time.perf_counter() - start)
-    m, h = tokens / statistics.median(mega), tokens / statistics.median(hf)
-    print(f"train step on SmolLM2-135M, {len(samples)} sequences / {tokens} tokens: Megatron TP=1 {m:.0f} tok/s, "
-          f"transformers {h:.0f} tok/s, ratio {m / h:.2f}x")
-    mix = length_mix(256)
-    lengths = [p + r for p, r in mix]
-    rows = micro_batches_by_tokens(lengths, args.pack_tokens)
-    efficiency = padding_efficiency(lengths, rows, args.pack_tokens)
-    print(f"packed rows of {args.pack_tokens} tokens for 256 multi-turn trajectories: {len(rows)} rows, "
-          f"padding efficiency {efficiency:.3f} (goal >= 0.95)")
+        hf = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            hf_step(model, optimizer, samples, advantages)
+            hf.append(time.perf_counter() - start)
+        h = tokens / statistics.median(hf)
+        print(f"transformers {h:.0f} tok/s, Megatron / transformers {m / h:.2f}x")
+    if info.rank == 0:
+        mix = length_mix(256)
+        lengths = [p + r for p, r in mix]
+        rows = micro_batches_by_tokens(lengths, args.pack_tokens)
+        print(f"packed rows of {args.pack_tokens} tokens for 256 multi-turn trajectories: {len(rows)} rows, "
+              f"padding efficiency {padding_efficiency(lengths, rows, args.pack_tokens):.3f} (goal >= 0.95), "
+              f"useful-attention fraction {useful_attention_fraction(lengths, rows):.3f} "
+              "(score entries inside a sequence / entries of the dense block-diagonal mask)")
 
 
 if __name__ == "__main__":
