@@ -12,7 +12,7 @@ from slime_mt.backends.megatron.convert import (
     ShardWriter,
     TPGather,
     decoder_names,
-    hf_to_megatron,
+    iter_hf_to_megatron,
     iter_megatron_to_hf,
     load_hf_state,
 )
@@ -36,7 +36,7 @@ def _round_trip(path, tp: int, te: bool) -> dict[str, torch.Tensor]:
     """HF -> every rank's Megatron shards -> HF, for a tiny checkpoint on disk."""
     spec = decoder_spec(read_hf_config(path))
     reader = CheckpointReader(path)
-    per_rank = [hf_to_megatron(reader, spec, rank, tp, te) for rank in range(tp)]
+    per_rank = [dict(iter_hf_to_megatron(reader, spec, rank, tp, te)) for rank in range(tp)]
     name_of = {id(t): name for name, t in per_rank[0].items()}
     prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in reader.names() else "model."
     return dict(iter_megatron_to_hf(per_rank[0], spec, _Shards(per_rank, name_of), prefix, te))
@@ -61,8 +61,8 @@ def test_te_names_are_megatron_own_local_to_te_map(tiny_paths):
 
     key_map = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules.sharded_state_dict_keys_map
     spec = decoder_spec(read_hf_config(tiny_paths["qwen3"]))
-    local = hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=False)
-    te = hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=True)
+    local = dict(iter_hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=False))
+    te = dict(iter_hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=True))
 
     def renamed(name):
         for old, new in key_map.items():

@@ -206,20 +206,14 @@ def iter_hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, 
         yield names["fc2"], reader.cols(m + "down_proj.weight", f0, f1)
 
 
-def hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, tp: int,
-                   te: bool = False) -> dict[str, torch.Tensor]:
-    """This rank's whole Megatron decoder state dict (tests, small models)."""
-    return dict(iter_hf_to_megatron(reader, spec, rank, tp, te))
-
-
-def load_into(module: torch.nn.Module, tensors) -> None:
-    """Copy (name, tensor) pairs (a dict or an iterator) into ``module``'s parameters, one at a time
-    (cast to their dtype, on their device); every parameter must be covered exactly once."""
+def load_into(module: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy (name, tensor) pairs into ``module``'s parameters, one at a time (cast to their dtype, on
+    their device); every parameter must be covered."""
     params = dict(module.named_parameters())
     seen: set[str] = set()
     unknown: list[str] = []
     with torch.no_grad():
-        for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        for name, tensor in tensors:
             if name not in params:
                 unknown.append(name)
                 continue
@@ -312,14 +306,6 @@ def iter_megatron_to_hf(state: Mapping[str, torch.Tensor], spec: DecoderSpec, ga
             yield dst + "mlp.gate_proj.weight", torch.cat(gates).contiguous()
             yield dst + "mlp.up_proj.weight", torch.cat(ups).contiguous()
         yield dst + "mlp.down_proj.weight", gather.cat(state[names["fc2"]], 1)
-
-
-def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: DecoderSpec, tp: int, group=None,
-                   prefix: str = "model.", te: bool = False, dst: int = 0) -> dict[str, torch.Tensor]:
-    """All HF tensors on ``dst`` ({} elsewhere); collective over the TP group."""
-    gather = TPGather(tp, group, dst)
-    out = {name: t for name, t in iter_megatron_to_hf(state, spec, gather, prefix, te)}
-    return out if gather.here else {}
 
 
 class ShardWriter:
