@@ -10,7 +10,10 @@
   previous step's prompt + response: the observation delta joins with mask 0, log-prob 0.0.
 
 FAILED samples keep no trainable token (mask all 0); with ``mask_truncated`` TRUNCATED and ABORTED
-samples neither.
+samples neither. In step-wise formats a sample without turns (FAILED before its first engine call,
+or TRUNCATED because its prompt already filled the context) has no step: it is counted in the
+metrics (``train/samples_without_turns``) and, having no last step, stays out of its group's
+advantage statistics.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def _stop_reason(sample: Sample) -> str | None:
 def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> list[TrainingSample]:
     out = []
     for s in samples:
+        rewritten = [k for k, t in enumerate(s.turns) if t.context_ids is not None]
+        if rewritten:
+            raise StepWiseError(f"sample {s.index}: the context of turn {rewritten[0]} was rewritten, so its "
+                                f"concatenated sequence is not what the model saw; use --sample-format step_wise")
         start = s.prompt_length
         mask = list(s.loss_mask) if _trainable(s, mask_truncated) else [0] * s.response_length
         out.append(TrainingSample(
@@ -66,12 +73,14 @@ def image_rows(multimodal: dict | None, image_indices: list[int]) -> dict | None
 
 
 def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) -> list[TrainingSample]:
+    """One sequence per turn; samples without turns give none (see the module docstring)."""
     out = []
     for s in samples:
         trainable = _trainable(s, mask_truncated)
         start = s.prompt_length
-        if not s.turns:
-            raise StepWiseError(f"sample {s.index}: no turn records; step-wise needs the rollout's Turn list")
+        if not s.turns and s.response_length:
+            raise StepWiseError(f"sample {s.index}: {s.response_length} response tokens but no turn records; "
+                                f"step-wise needs the rollout's Turn list")
         for k, turn in enumerate(s.turns):
             last = k == len(s.turns) - 1
             prompt = list(turn.context_ids) if turn.context_ids is not None else list(s.tokens[:turn.output_start])
@@ -147,8 +156,10 @@ def finalize(samples: list[Sample], sample_format: str, merge: bool, mask_trunca
         out = to_concat_samples(samples, mask_truncated)
         return out, sequence_metrics(out, out)
     steps = to_step_wise_samples(samples, mask_truncated)
+    without = [s for s in samples if not s.turns]
+    if not steps:
+        raise StepWiseError(f"no step-wise samples: all {len(samples)} samples ended before their first turn "
+                            f"(statuses {sorted({s.status.value for s in without})})")
     validate_step_wise(steps)
-    if not merge:
-        return steps, sequence_metrics(steps, steps)
-    merged = merge_step_wise(steps)
-    return merged, sequence_metrics(steps, merged)
+    merged = merge_step_wise(steps) if merge else steps
+    return merged, {**sequence_metrics(steps, merged), "train/samples_without_turns": len(without)}

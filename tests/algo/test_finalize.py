@@ -132,3 +132,25 @@ def ts(tid, last, n=1):
 def test_validation_failures(samples, message):
     with pytest.raises(StepWiseError, match=message):
         validate_step_wise(samples)
+
+
+def test_samples_without_turns_give_no_step_and_leave_their_groups_statistics():
+    from slime_mt.algo.advantages import compute_advantages, group_advantages
+
+    one = [([10], [-0.1], [])]
+    failed = make_sample(P, [], reward=0.0, group=0, index=2, status=Status.FAILED)  # env reset raised
+    exhausted = make_sample(P * 400, [], reward=0.0, group=1, index=3, status=Status.TRUNCATED)
+    exhausted.metadata["termination"] = "context_exhausted"
+    samples = [make_sample(P, one, reward=1.0, group=0, index=0), make_sample(P, one, reward=0.0, group=0, index=1),
+               failed, exhausted, make_sample(P, one, reward=2.0, group=1, index=4),
+               make_sample(P, one, reward=5.0, group=1, index=5)]
+    for merge in (False, True):
+        out, metrics = finalize(samples, "step_wise", merge)
+        assert [t.trajectory_id for t in out] == ["0/0", "0/1", "1/4", "1/5"]
+        assert metrics["train/samples_without_turns"] == 2
+        advantages = compute_advantages(out, "grpo")
+        expected = group_advantages(torch.tensor([1.0, 0.0, 2.0, 5.0]), [0, 0, 1, 1], "grpo")
+        assert advantages == pytest.approx(expected.tolist())
+        assert advantages[2] == pytest.approx(-advantages[3])  # the exhausted sample's reward 0 is not in group 1
+    with pytest.raises(StepWiseError, match="all 2 samples ended before their first turn"):
+        finalize([failed, exhausted], "step_wise", False)
