@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from slime_mt.rollout.context_policy import ContextPolicyError, rewrites_history
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,6 +94,11 @@ class RolloutConfig:
         "concat", "Training sample format: one per trajectory or one per turn.", choices=["concat", "step_wise"]
     )
     merge_step_wise: bool = _opt(False, "Merge step-wise samples whose context extends the previous one.")
+    context_policy: str = _opt(
+        "append", "What the model sees each turn: append, strip_thinking, keep_last_images:K or window:N "
+        "(any but append needs --sample-format step_wise).")
+    context_policy_path: str | None = _opt(
+        None, "A user context policy policy(args, sample, prompt, turns) -> messages: module.fn or file.py:fn.")
     mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
     async_mode: bool = _opt(False, "slime's train_async: roll out step k+1 while step k trains (one step "
                             "off-policy).", flag="--async", aliases=["async"])
@@ -472,6 +479,15 @@ def _validate(cfg: Config) -> None:
              "must be -1 (off) or positive")
     _require(r.rollout_max_response_len <= r.rollout_max_context_len, "rollout_max_response_len",
              r.rollout_max_response_len, f"exceeds --rollout-max-context-len={r.rollout_max_context_len}")
+    try:
+        rewrites = rewrites_history(r.context_policy, r.context_policy_path)
+    except ContextPolicyError as e:
+        raise ConfigError(str(e)) from None
+    if rewrites and r.sample_format == "concat":
+        policy = f"--context-policy-path={r.context_policy_path!r}" if r.context_policy_path else \
+            f"--context-policy={r.context_policy!r}"
+        raise ConfigError(f"{policy} rewrites what the model sees, so one concatenated sequence per trajectory "
+                          f"would train contexts the model never saw: use --sample-format step_wise")
     if r.over_sampling_batch_size is not None:
         _require(r.over_sampling_batch_size >= r.rollout_batch_size, "over_sampling_batch_size",
                  r.over_sampling_batch_size, f"must be >= --rollout-batch-size={r.rollout_batch_size}")

@@ -9,6 +9,11 @@ differently (Qwen3's think stripping) are handled, and glue after the end-of-tur
 ``\\n`` after ``<|im_end|>``) starts the delta, because the model stops AT ``<|im_end|>``. When the
 model's turn did not end with the end-of-turn token (a stop string matched), the delta starts with it.
 Images in observations go through the processor: pads expanded, tensors returned.
+
+``encode_context`` renders a whole conversation (a context a policy rewrote) with the template,
+keeping the generated ids of the assistant messages it is told to keep: each is rendered as a
+sentinel, and the text between sentinels is tokenized piecewise, as the turn loop tokenizes the
+text around model output.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from slime_mt.engine.images import load_image
 from slime_mt.processing import QwenVLProcessor, tokenizer_of
 
 _BASE_USER = "slime_mt base question"
+_KEPT = "\ue000slime_mt kept {}\ue001"  # private-use code points: no template or text contains them
 _BASE_ASSISTANT = "slime_mt base answer 7f3a"
 
 
@@ -39,7 +45,7 @@ class Encoded:
     text: str = ""
 
 
-def _image_parts(messages: list[dict]) -> list[Any]:
+def image_parts(messages: list[dict]) -> list[Any]:
     """Images of the messages' content parts, in order (``{"type": "image", "image": ...}``)."""
     images = []
     for message in messages:
@@ -102,7 +108,7 @@ class ObservationEncoder:
             return self._tokenize(messages, [])
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self._tokenize(self.render(messages, add_generation_prompt=True), _image_parts(messages))
+        return self._tokenize(self.render(messages, add_generation_prompt=True), image_parts(messages))
 
     def encode_observation(self, messages: dict | list[dict], model_ended_turn: bool = True) -> Encoded:
         """Delta tokens that follow the model's turn: template glue, the observation message(s), and
@@ -115,4 +121,49 @@ class ObservationEncoder:
         if anchor < 0 or eot_at < 0:
             raise EncodingError(f"base assistant turn not found in the rendered observation: {full[:300]!r}")
         cut = eot_at if not model_ended_turn else eot_at + len(self.eot_text)
-        return self._tokenize(full[cut:], _image_parts(messages))
+        return self._tokenize(full[cut:], image_parts(messages))
+
+    def encode_context(self, messages: list[dict], kept: dict[int, list[int]]) -> Encoded:
+        """``messages`` rendered with the generation prompt, where ``messages[i]`` for ``i`` in ``kept``
+        (assistant messages) is ``kept[i]``, its generated ids, verbatim: those end the turn themselves
+        when they end with the end-of-turn token; otherwise the template's end-of-turn follows."""
+        marked = [dict(m, content=_KEPT.format(i)) if i in kept else m for i, m in enumerate(messages)]
+        text = self.render(marked, add_generation_prompt=True)
+        images = image_parts(messages)
+        image_text = getattr(self.processor, "image_token", None)
+        pieces: list[Encoded | list[int]] = []
+        position, used = 0, 0
+
+        def add_text(segment: str) -> None:
+            nonlocal used
+            count = segment.count(image_text) if image_text else 0
+            pieces.append(self._tokenize(segment, images[used:used + count]))
+            used += count
+
+        for i in sorted(kept):
+            sentinel = _KEPT.format(i)
+            at = text.find(sentinel, position)
+            if at < 0 or text.find(sentinel, at + 1) >= 0:
+                raise EncodingError(f"the chat template did not render assistant message {i} exactly once as given; "
+                                    f"its generated ids cannot be kept: {text[:300]!r}")
+            add_text(text[position:at])
+            pieces.append(list(kept[i]))
+            position = at + len(sentinel)
+            if kept[i] and kept[i][-1] == self.eot_id:
+                if not text.startswith(self.eot_text, position):
+                    raise EncodingError(f"assistant message {i} ends with {self.eot_text!r} but the template renders "
+                                        f"{text[position:position + 40]!r} after it")
+                position += len(self.eot_text)
+        add_text(text[position:])
+        if used != len(images):
+            raise EncodingError(f"{len(images)} images in the messages but {used} image placeholders rendered")
+        ids, tensors = [], {}
+        for piece in pieces:
+            if isinstance(piece, Encoded):
+                ids.extend(piece.ids)
+                for key, value in piece.tensors.items():
+                    tensors.setdefault(key, []).append(value)
+            else:
+                ids.extend(piece)
+        joined = {key: torch.cat(parts) for key, parts in tensors.items()}
+        return Encoded(ids, [im for p in pieces if isinstance(p, Encoded) for im in p.images], joined, text)

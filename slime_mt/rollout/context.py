@@ -18,6 +18,7 @@ from typing import Any
 from slime_mt.config import Config, DataConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient
 from slime_mt.plugins import PluginError, load_module
+from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.tokenization import ObservationEncoder
 
@@ -32,6 +33,7 @@ class RolloutContext:
     env_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(64, "slime-mt-env"))
     _encoders: dict[str, ObservationEncoder] = field(default_factory=dict)
     _env_module: Any = None
+    _policy: Any = None
     _loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -52,6 +54,16 @@ class RolloutContext:
         if key not in self._encoders:
             self._encoders[key] = ObservationEncoder(self.processor, tools=tools)
         return self._encoders[key]
+
+    def context_policy(self) -> ContextPolicy | None:
+        """The ``--context-policy`` / ``--context-policy-path`` function; None for ``append``, whose
+        contexts are the running token sequence (token-in/token-out)."""
+        r = self.rollout
+        if not rewrites_history(r.context_policy, r.context_policy_path):
+            return None
+        if self._policy is None:
+            self._policy = load_policy(r.context_policy, r.context_policy_path)
+        return self._policy
 
     def build_env(self, sample) -> Any:
         """``build_env(sample=..., args=...)`` of ``--rollout-interaction-env-path`` (None if unset)."""

@@ -9,8 +9,10 @@ observation is delta-encoded and appended (loss mask 0). Stops and resulting sta
   context budget exhausted, or an observation cut to fit -> TRUNCATED
   env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
 
-``rollout_max_context_len`` bounds prompt + response; each turn's ``max_new_tokens`` is the smaller
-of ``rollout_max_response_len`` and what is left. The env is always closed.
+``rollout_max_context_len`` bounds the context a call sends plus its output (prompt + response
+under the append policy; the rewritten context under another ``--context-policy``, see
+``context_policy.py``); each turn's ``max_new_tokens`` is the smaller of ``rollout_max_response_len``
+and what is left. The env is always closed.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from envs.base import RetryableEnvError
 from slime_mt.engine.client import EngineError
+from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.tokenization import Encoded
+from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy
+from slime_mt.tokenization import Encoded, image_parts
 from slime_mt.types import Sample, Status, Turn
 
 logger = logging.getLogger(__name__)
@@ -84,31 +90,90 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
 
 
 class Trajectory:
-    """Mutable state of one episode: the sample, the engine view of its tokens, its images."""
+    """Mutable state of one episode: the sample, the engine view of its tokens, its images, and the
+    conversation as messages (prompt, then per turn the assistant message and the observation)."""
 
-    def __init__(self, ctx: RolloutContext, sample: Sample):
+    def __init__(self, ctx: RolloutContext, sample: Sample, encoder=None):
         self.ctx = ctx
         self.sample = sample
+        self.encoder = encoder
         self.buffer = MultimodalBuffer()
         self.engine_ids: list[int] = []  # context with ONE pad per image (kept in step with sample.tokens)
         self.image_token_id = getattr(ctx.processor, "image_token_id", None)
+        self.prompt_messages: list[dict] | None = None
+        self.turn_messages: list[list[dict]] = []
+        self.image_refs: list = []  # each image as the messages give it, in buffer order
 
     def _engine_view(self, ids: list[int]) -> list[int]:
         return collapse_image_pads(ids, self.image_token_id)[0] if self.image_token_id is not None else ids
 
-    def start(self, encoded) -> None:
+    def start(self, encoded, messages: list[dict] | None = None) -> None:
         self.sample.set_prompt_tokens(encoded.ids)
         self.engine_ids = self._engine_view(encoded.ids)
         self.buffer.append(encoded.tensors, encoded.images)
+        self.prompt_messages = messages
+        self.image_refs.extend(image_parts(messages or []))
 
     def add_output(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.sample.append_model_tokens(ids, logprobs, text)
         self.engine_ids.extend(ids)
+        if self.encoder is not None:
+            body = ids[:-1] if ids and ids[-1] == self.encoder.eot_id else ids
+            content = self.encoder.tokenizer.decode(body, skip_special_tokens=False)
+            self.turn_messages.append([{"role": "assistant", "content": content}])
 
-    def add_observation(self, encoded) -> None:
+    def add_observation(self, encoded, messages: list[dict] = ()) -> None:
         self.sample.append_observation_tokens(encoded.ids, encoded.text)
         self.engine_ids.extend(self._engine_view(encoded.ids))
         self.buffer.append(encoded.tensors, encoded.images)
+        if self.turn_messages:
+            self.turn_messages[-1].extend(messages)
+        self.image_refs.extend(image_parts(list(messages))[:len(encoded.images)])
+
+    def image_index(self, image) -> int:
+        """The trajectory's index of an image a context holds: the same object, else the same pixels."""
+        for k, ref in enumerate(self.image_refs):
+            if ref is image:
+                return k
+        encoded = encode_image(image)
+        for k, known in enumerate(self.buffer.image_data):
+            if known == encoded:
+                return k
+        raise ContextPolicyError(f"sample {self.sample.index}: the context policy returned an image that is not one "
+                                 f"of the trajectory's {self.buffer.num_images} images")
+
+    async def context(self, policy) -> tuple[list[int], list[str], list[int] | None, list[int] | None]:
+        """The next call's context -> (engine ids, image_data, context_ids, image_indices); the last two
+        are None when the context is the append-only one (token-in/token-out on ``sample.tokens``)."""
+        append_only = (self.engine_ids, self.buffer.image_data, None, None)
+        if policy is None or not self.turn_messages:
+            return append_only
+        if self.prompt_messages is None:
+            raise ContextPolicyError(f"sample {self.sample.index}: a context policy needs chat messages but the "
+                                     f"prompt is a raw string; pass --apply-chat-template or message prompts")
+        conversation = self.prompt_messages + [m for turn in self.turn_messages for m in turn]
+        messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages, self.turn_messages)
+        if messages == conversation:
+            return append_only
+        kept, next_turn = {}, 0
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant" or message.get("tool_calls"):
+                continue
+            for k in range(next_turn, len(self.turn_messages)):
+                if self.turn_messages[k][0]["content"] == message.get("content"):
+                    turn = self.sample.turns[k]
+                    kept[i], next_turn = self.sample.tokens[turn.output_start:turn.output_end], k + 1
+                    break
+        encoded = self.encoder.encode_context(messages, kept)
+        indices = [self.image_index(image) for image in image_parts(messages)]
+        if indices:
+            grid = self.buffer.finalize()["image_grid_thw"][indices]
+            if not torch.equal(encoded.tensors["image_grid_thw"], grid):
+                raise ContextPolicyError(f"sample {self.sample.index}: the rewritten context's image grids "
+                                         f"{encoded.tensors['image_grid_thw'].tolist()} differ from the trajectory's "
+                                         f"{grid.tolist()}")
+        image_data = self.buffer.image_data
+        return self._engine_view(encoded.ids), [image_data[k] for k in indices], encoded.ids, indices
 
 
 def fit_observation(encoded, room: int, image_token_id: int | None):
@@ -150,14 +215,18 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     sampling_params = dict(sampling_params or ctx.sampling_params())
     tools = (sample.metadata or {}).get("tools")
     encoder = ctx.encoder(tools)
-    traj = Trajectory(ctx, sample)
-    traj.start(encoder.encode_prompt(sample.prompt, ctx.data.apply_chat_template or not isinstance(sample.prompt, str)))
+    policy = ctx.context_policy()
+    traj = Trajectory(ctx, sample, encoder if policy is not None else None)
+    as_messages = ctx.data.apply_chat_template or not isinstance(sample.prompt, str)
+    messages = ([{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else
+                list(sample.prompt)) if as_messages else None
+    traj.start(encoder.encode_prompt(sample.prompt, as_messages), messages)
     try:
         if env is None:
             env = ctx.build_env(sample)
         if env is not None:
             await call_env(ctx, env.reset)
-        await _turn_loop(ctx, traj, encoder, env, sampling_params, r)
+        await _turn_loop(ctx, traj, encoder, env, sampling_params, r, policy)
     except EnvStepFailed as e:
         sample.status = Status.FAILED
         sample.metadata["error"] = str(e)
@@ -183,10 +252,11 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     return sample
 
 
-async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r) -> None:
+async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r, policy) -> None:
     sample = traj.sample
     for turn_index in range(r.max_turns):
-        room = r.rollout_max_context_len - len(sample.tokens)
+        engine_ids, image_data, context_ids, image_indices = await traj.context(policy)
+        room = r.rollout_max_context_len - (len(sample.tokens) if context_ids is None else len(context_ids))
         if room <= 0:
             sample.status = Status.TRUNCATED
             sample.metadata["termination"] = "context_exhausted"
@@ -197,7 +267,7 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             params["sampling_seed"] = turn_seed(ctx.data.rollout_seed, sample.metadata["rollout_id"],
                                                 sample.index or 0, turn_index)
         started = time.perf_counter()
-        response = await ctx.client.generate(traj.engine_ids, params, image_data=traj.buffer.image_data or None)
+        response = await ctx.client.generate(engine_ids, params, image_data=image_data or None)
         engine_seconds = time.perf_counter() - started
         meta = response["meta_info"]
         ids = list(response["output_ids"])
@@ -209,7 +279,8 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         finish = meta["finish_reason"]
         turn = Turn(output_start=start, output_end=len(sample.tokens), observation_end=len(sample.tokens),
                     finish_reason=finish["type"], weight_version=meta.get("weight_version"),
-                    engine_seconds=engine_seconds, num_images=traj.buffer.num_images)
+                    engine_seconds=engine_seconds, num_images=traj.buffer.num_images,
+                    context_ids=context_ids, image_indices=image_indices)
         sample.turns.append(turn)
         if finish["type"] == "abort":
             sample.status, sample.metadata["termination"] = Status.ABORTED, "engine_abort"
@@ -232,9 +303,13 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             sample.metadata["termination"] = "env_done" if done else "max_turns"
             return
         model_ended_turn = bool(ids) and ids[-1] == encoder.eot_id
-        encoded = encoder.encode_observation(env.format_observation(observation), model_ended_turn)
-        encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens), traj.image_token_id)
-        traj.add_observation(encoded)
+        formatted = env.format_observation(observation)
+        encoded = encoder.encode_observation(formatted, model_ended_turn)
+        cut = False
+        if policy is None:  # a rewritten context is measured when it is built, at the next turn
+            encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens),
+                                           traj.image_token_id)
+        traj.add_observation(encoded, [formatted] if isinstance(formatted, dict) else list(formatted))
         turn.observation_end = len(sample.tokens)
         if cut:
             sample.status, sample.metadata["termination"] = Status.TRUNCATED, "observation_cut"

@@ -633,11 +633,25 @@ CHECKS = {"families": check_families, "gpu": check_gpu, "logprob_chunks": check_
           "reshard_save": check_reshard_save, "reshard_load": check_reshard_load, "export_ranks": check_export_ranks}
 
 
+def check_train_file(args, info, out):
+    """One train step on samples a test saved (``--samples``: {"path", "samples", "advantages"})."""
+    saved = torch.load(args.samples, weights_only=False)
+    samples = saved["samples"]
+    actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), ALGO, info)
+    metrics = actor.train(samples, saved["advantages"], prompts_per_step=len({s.group_id for s in samples}))
+    out["train_file"] = {"sequences": len(samples), "grad_norm": metrics["train/grad_norm"],
+                         "finite": all(torch.isfinite(torch.tensor(v)) for v in metrics.values())}
+
+
+CHECKS["train_file"] = check_train_file
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--checks", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", help="train_file: a torch-saved dict of samples written by a test")
     args = parser.parse_args()
     info = init_parallel(args.tp, seed=1234)
     out = {}

@@ -71,3 +71,38 @@ class FlakyEnv(BaseInteractionEnv):
             raise RetryableEnvError(f"tool server busy (roll {roll:.2f})")
         self.count += 1
         return {"text": f"ok {self.count}"}, self.count >= self.turns, {"reward": 1.0}
+
+
+def chain_model(src, out, tokenizer_dir, transitions: dict[int, list[int]], logit: float = 40.0):
+    """A copy of the tiny Qwen3 model at ``src`` whose next token depends only on the current one:
+    ``transitions[a]`` lists the tokens that follow ``a`` (equally likely, each at ``logit`` against 0
+    for every other token, so a sampled turn follows the chain). Attention and MLP outputs are zeroed,
+    so the last hidden state is the normalised embedding of the current token; chain tokens embed as
+    orthogonal unit directions and the (untied) output row of ``b`` points at each token it follows.
+    The tokenizer files of ``tokenizer_dir`` are copied beside the weights."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    hidden = model.config.hidden_size
+    tokens = sorted({t for a, nxt in transitions.items() for t in [a, *nxt]})
+    assert len(tokens) <= hidden, f"{len(tokens)} chain tokens need a hidden size of at least that"
+    model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.model.embed_tokens.weight))
+        direction = {t: k for k, t in enumerate(tokens)}
+        for t in tokens:
+            model.model.embed_tokens.weight[t] = torch.nn.functional.one_hot(torch.tensor(direction[t]), hidden)
+        model.model.norm.weight.fill_(1.0)
+        for a, nxt in transitions.items():
+            for b in nxt:  # normalised one-hot: sqrt(hidden) on direction a
+                model.lm_head.weight[b, direction[a]] = logit / hidden ** 0.5
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", f"{out}/{name}")
+    return out

@@ -1,0 +1,134 @@
+"""Context policies: what the model sees at each turn, given the conversation so far.
+
+A policy is ``policy(args, sample, prompt, turns) -> messages`` (sync or ``async``): ``prompt`` is
+the sample's prompt messages, ``turns[k]`` the k-th turn's messages (the assistant message with the
+decoded output, then the observation messages the env answered with). It returns the messages the
+next engine call renders; it must not mutate its inputs. It runs before every engine call after the
+first. ``args`` is the slime-style namespace, so a policy may call the engine
+(``args.rollout_context.client``), e.g. to summarise.
+
+When the returned messages equal the append-only conversation, the turn is token-in/token-out on
+the running token sequence. Otherwise the context is rendered by the chat template, except that
+assistant messages the policy left unchanged keep their generated ids, and the turn records the
+exact ids sent (``Turn.context_ids``) and the images they hold (``Turn.image_indices``).
+
+Built-ins (``--context-policy``):
+  append              the whole conversation (default; token-in/token-out throughout)
+  strip_thinking      earlier assistant turns without their ``<think>...</think>`` block, as Qwen3's
+                      template renders turns before the last user query
+  keep_last_images:K  images older than the last K become the text ``[image omitted]``
+  window:N            the prompt (system + first user message) and the last N turns
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+from slime_mt.plugins import load_function
+
+IMAGE_PLACEHOLDER = {"type": "text", "text": "[image omitted]"}
+
+ContextPolicy = Callable[[Any, Any, list, list], Any]
+
+
+class ContextPolicyError(ValueError):
+    """A ``--context-policy`` spec or policy result that cannot be used; the message names it."""
+
+
+def append(args, sample, prompt: list[dict], turns: list[list[dict]]) -> list[dict]:
+    return list(prompt) + [m for turn in turns for m in turn]
+
+
+def strip_think(content: Any) -> Any:
+    """Assistant content without its reasoning, as Qwen3's template drops it: everything up to the
+    last ``</think>`` and the newlines after it."""
+    if isinstance(content, str) and "</think>" in content:
+        return content.split("</think>")[-1].lstrip("\n")
+    return content
+
+
+def strip_thinking(args, sample, prompt: list[dict], turns: list[list[dict]]) -> list[dict]:
+    out = list(prompt)
+    for assistant, *observations in turns:
+        stripped = strip_think(assistant.get("content"))
+        out.append(assistant if stripped == assistant.get("content") else dict(assistant, content=stripped))
+        out.extend(observations)
+    return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part)
+
+
+def keep_last_images(args, sample, prompt: list[dict], turns: list[list[dict]], k: int) -> list[dict]:
+    messages = append(args, sample, prompt, turns)
+    total = sum(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+    drop = total - k
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if drop <= 0 or not isinstance(content, list) or not any(_is_image(p) for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if _is_image(part) and drop > 0:
+                parts.append(dict(IMAGE_PLACEHOLDER))
+                drop -= 1
+            else:
+                parts.append(part)
+        out.append(dict(message, content=parts))
+    return out
+
+
+def window(args, sample, prompt: list[dict], turns: list[list[dict]], n: int) -> list[dict]:
+    return list(prompt) + [m for turn in (turns[-n:] if n else []) for m in turn]
+
+
+_BUILTINS: dict[str, tuple[Callable, str | None]] = {
+    "append": (append, None), "strip_thinking": (strip_thinking, None),
+    "keep_last_images": (keep_last_images, "k"), "window": (window, "n"),
+}
+
+
+def parse_policy(spec: str) -> tuple[str, int | None]:
+    """``"window:3"`` -> ("window", 3); raises ContextPolicyError naming the flag."""
+    name, _, value = spec.partition(":")
+    if name not in _BUILTINS:
+        raise ContextPolicyError(f"--context-policy {spec!r}: unknown policy; choose from append, strip_thinking, "
+                                 f"keep_last_images:K, window:N, or pass --context-policy-path module.fn")
+    needs = _BUILTINS[name][1]
+    if needs is None:
+        if value:
+            raise ContextPolicyError(f"--context-policy {spec!r}: {name} takes no argument")
+        return name, None
+    if not value.isdigit():
+        raise ContextPolicyError(f"--context-policy {spec!r}: {name} needs a count >= 0, e.g. {name}:2")
+    return name, int(value)
+
+
+def load_policy(spec: str = "append", path: str | None = None) -> ContextPolicy:
+    """The policy of ``--context-policy-path`` (a user function) or of ``--context-policy``."""
+    if path:
+        return load_function(path, append, "--context-policy-path")
+    name, value = parse_policy(spec)
+    fn, keyword = _BUILTINS[name]
+    return functools.partial(fn, **{keyword: value}) if keyword else fn
+
+
+def rewrites_history(spec: str = "append", path: str | None = None) -> bool:
+    """Whether the configured policy may show the model something other than the append-only context."""
+    return bool(path) or parse_policy(spec)[0] != "append"
+
+
+async def apply_policy(policy: ContextPolicy, args, sample, prompt: list[dict], turns: list[list[dict]]) -> list[dict]:
+    """Run a sync or async policy and check that it returned a list of messages."""
+    result = policy(args, sample, list(prompt), [list(t) for t in turns])
+    if inspect.isawaitable(result):
+        result = await result
+    if not isinstance(result, list) or not all(isinstance(m, dict) and "role" in m for m in result):
+        raise ContextPolicyError(f"context policy {getattr(policy, '__name__', policy)!r} must return a list of "
+                                 f"messages with a 'role', got {result!r:.200}")
+    return result
