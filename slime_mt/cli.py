@@ -16,6 +16,8 @@ COMMANDS = {
     "serve": "Serve a HF model folder with the embedded engine (SGLang's HTTP API) on 127.0.0.1.",
     "plot": "Write PNG curves (reward, turns, lengths, timings) of a run directory's metrics.",
     "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
+    "check-template": "Which tokenization path (append, strip_thinking, step-wise, retokenize) is exact for a "
+                      "model's chat template.",
 }
 
 
@@ -44,7 +46,11 @@ def build_cli() -> argparse.ArgumentParser:
     prep.add_argument("--synthetic", type=int, help="Draw N synthetic geo3k-style problems instead.")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--test-fraction", type=float, default=0.1)
-    parser.epilog = "Commands:\n" + "\n".join(f"  {k:<8} {v}" for k, v in COMMANDS.items()) + \
+    check = sub.add_parser("check-template", help=COMMANDS["check-template"], description=COMMANDS["check-template"])
+    check.add_argument("--hf-checkpoint", required=True, help="Model folder holding the tokenizer (and processor).")
+    check.add_argument("--chat-template", help="A Jinja chat template file to check instead of the folder's.")
+    check.add_argument("--tools", help="A JSON file with a list of tool schemas for the tool scenarios.")
+    parser.epilog = "Commands:\n" + "\n".join(f"  {k:<14} {v}" for k, v in COMMANDS.items()) + \
         "\n\nFlags of 'train', grouped by concern:\n" + _indent(_flag_sections(train.format_help()))
     return parser
 
@@ -88,6 +94,27 @@ def run_train(cfg) -> int:
     return 0
 
 
+def run_check_template(ns) -> int:
+    """Print one line per scenario and path, then the verdict; exit 0 (the check informs, it does not fail)."""
+    from pathlib import Path
+
+    from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+    from slime_mt.template_check import check_template, load_tools, report
+
+    try:
+        if not Path(ns.hf_checkpoint).is_dir():
+            raise ValueError(f"--hf-checkpoint {ns.hf_checkpoint}: not a folder")
+        processor = load_tokenizer_or_processor(ns.hf_checkpoint)
+        if ns.chat_template:
+            tokenizer_of(processor).chat_template = Path(ns.chat_template).read_text()
+        tools = load_tools(ns.tools)
+    except (OSError, ValueError) as e:
+        print(f"slime-mt check-template: error: {e}", file=sys.stderr)
+        return 2
+    print(report(check_template(processor, tools)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "megatron", "uvicorn"):  # one line per request / per layer otherwise
@@ -122,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"slime-mt prepare-data: error: {e}", file=sys.stderr)
             return 2
         return 0
+    if ns.command == "check-template":
+        return run_check_template(ns)
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:

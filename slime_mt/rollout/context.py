@@ -20,6 +20,7 @@ from slime_mt.engine.client import EngineClient
 from slime_mt.plugins import PluginError, load_module
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+from slime_mt.template_check import path_of, warn_if_inexact
 from slime_mt.tokenization import ObservationEncoder
 
 
@@ -42,6 +43,7 @@ class RolloutContext:
                               max_retries=cfg.engine.engine_max_retries)
         ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
+        warn_if_inexact(ctx.processor, path_of(cfg.rollout.context_policy, cfg.rollout.context_policy_path))
         return ctx
 
     @property
