@@ -382,17 +382,22 @@ def test_batch_rid_string_is_a_prefix_and_abort_hits_one(engine):
 
 @pytest.mark.parametrize("flag,aborts", [("false", False), ("0", False), (False, False), ("true", True), (1, True)])
 def test_abort_all_is_read_as_a_boolean(engine, flag, aborts):
+    """A long request, then ``abort_all: flag``, then an abort by its rid: the finish message says
+    which of the two ended it (a fixed-length request could finish first on a fast machine)."""
     async def go():
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
             task = asyncio.create_task(http.post(engine.url + "/generate", json={
-                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}))
+                "input_ids": PROMPT, "rid": "long", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
             await asyncio.sleep(0.3)
             answer = await http.post(engine.url + "/abort_request", json={"rid": "", "abort_all": flag})
+            await asyncio.sleep(0.1)
+            await http.post(engine.url + "/abort_request", json={"rid": "long"})
             return answer, await task
 
     answer, response = run(asyncio.wait_for(go(), TIMEOUT))
     assert answer.status_code == 200
-    assert (response.json()["meta_info"]["finish_reason"]["type"] == "abort") == aborts
+    finish = response.json()["meta_info"]["finish_reason"]
+    assert finish == {"type": "abort", "message": "Abort requested" if aborts else "Abort requested for rid long"}
     bad = post(engine.url, "/abort_request", {"rid": "x", "abort_all": "maybe"})
     assert bad.status_code == 400 and "abort_all" in bad.json()["error"]["message"]
 
