@@ -42,6 +42,12 @@ class MultimodalBuffer:
     def images(self) -> list[Any]:
         return list(self._images)
 
+    @property
+    def image_grid_thw(self) -> torch.Tensor | None:
+        """``[N, 3]`` grids of every image so far (one small concatenation; pixels untouched)."""
+        parts = self._tensors.get("image_grid_thw")
+        return torch.cat(parts) if parts else None
+
     def finalize(self) -> dict[str, torch.Tensor] | None:
         """One ``torch.cat`` per key over all turns -> ``multimodal_train_inputs`` (None if no images)."""
         if not self._tensors:

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_mt.rollout.context_policy import strip_think
+from slime_mt.rollout.context_policy import append, kept_outputs, strip_thinking
 from slime_mt.tokenization import ObservationEncoder
 
 logger = logging.getLogger(__name__)
@@ -118,23 +118,20 @@ def check_scenario(processor: Any, scenario: Scenario, tools: list[dict] | None)
     for text, ended, _ in scenario.turns:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         generated.append(ids + [encoder.eot_id] if ended else ids)
-    history = list(scenario.prompt)
-    stripped = list(scenario.prompt)
-    kept: dict[int, list[int]] = {}
+    turns: list[list[dict]] = []
     append_ctx = encoder.encode_prompt(scenario.prompt).ids
     renders, appends, strips = [], [], []
     for k, (text, ended, observations) in enumerate(scenario.turns):
+        history = append(None, None, scenario.prompt, turns)
+        stripped = strip_thinking(None, None, scenario.prompt, turns)
         renders.append(encoder.encode_context(history, {}).ids)
         appends.append(list(append_ctx))
         # as the rollout does: an unchanged conversation is sent token-in/token-out
-        strips.append(list(append_ctx) if stripped == history else encoder.encode_context(stripped, kept).ids)
+        strips.append(list(append_ctx) if stripped == history else
+                      encoder.encode_context(stripped, kept_outputs(stripped, turns, generated)).ids)
         if not observations:
             break
-        history += [{"role": "assistant", "content": text}, *observations]
-        content = strip_think(text)
-        if content == text:
-            kept[len(stripped)] = generated[k]
-        stripped += [{"role": "assistant", "content": content}, *observations]
+        turns.append([{"role": "assistant", "content": text}, *observations])
         append_ctx += generated[k] + encoder.encode_observation(observations, ended).ids
     result = ScenarioResult(scenario.name)
     for path, contexts in (("append", appends), ("strip_thinking", strips)):

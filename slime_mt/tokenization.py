@@ -27,8 +27,8 @@ from slime_mt.engine.images import load_image
 from slime_mt.processing import QwenVLProcessor, tokenizer_of
 
 _BASE_USER = "slime_mt base question"
-_KEPT = "\ue000slime_mt kept {}\ue001"  # private-use code points: no template or text contains them
 _BASE_ASSISTANT = "slime_mt base answer 7f3a"
+_KEPT = "\ue000slime_mt kept {}\ue001"  # private-use code points: no template or text contains them
 
 
 class EncodingError(ValueError):
@@ -45,6 +45,11 @@ class Encoded:
     text: str = ""
 
 
+def is_image_part(part: Any) -> bool:
+    """A content part that holds an image (``{"type": "image", "image": ...}`` or ``image_url``)."""
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part)
+
+
 def image_parts(messages: list[dict]) -> list[Any]:
     """Images of the messages' content parts, in order (``{"type": "image", "image": ...}``)."""
     images = []
@@ -52,7 +57,7 @@ def image_parts(messages: list[dict]) -> list[Any]:
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part):
+                if is_image_part(part):
                     image = part.get("image", part.get("image_url"))
                     if image is None:
                         raise EncodingError(f"image part without an 'image' value in message {message}")

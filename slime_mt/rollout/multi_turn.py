@@ -31,7 +31,7 @@ from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy
+from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
 from slime_mt.tokenization import Encoded, image_parts
 from slime_mt.types import Sample, Status, Turn
 
@@ -155,19 +155,11 @@ class Trajectory:
         messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages, self.turn_messages)
         if messages == conversation:
             return append_only
-        kept, next_turn = {}, 0
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant" or message.get("tool_calls"):
-                continue
-            for k in range(next_turn, len(self.turn_messages)):
-                if self.turn_messages[k][0]["content"] == message.get("content"):
-                    turn = self.sample.turns[k]
-                    kept[i], next_turn = self.sample.tokens[turn.output_start:turn.output_end], k + 1
-                    break
-        encoded = self.encoder.encode_context(messages, kept)
+        outputs = [self.sample.tokens[t.output_start:t.output_end] for t in self.sample.turns]
+        encoded = self.encoder.encode_context(messages, kept_outputs(messages, self.turn_messages, outputs))
         indices = [self.image_index(image) for image in image_parts(messages)]
         if indices:
-            grid = self.buffer.finalize()["image_grid_thw"][indices]
+            grid = self.buffer.image_grid_thw[indices]
             if not torch.equal(encoded.tensors["image_grid_thw"], grid):
                 raise ContextPolicyError(f"sample {self.sample.index}: the rewritten context's image grids "
                                          f"{encoded.tensors['image_grid_thw'].tolist()} differ from the trajectory's "
