@@ -99,6 +99,15 @@ class RolloutConfig:
         "(any but append needs --sample-format step_wise).")
     context_policy_path: str | None = _opt(
         None, "A user context policy policy(args, sample, prompt, turns) -> messages: module.fn or file.py:fn.")
+    conversation_multi_turn: bool = _opt(
+        True, "Each observation is its own chat message; --no-conversation-multi-turn keeps every turn in one "
+        "assistant message, observations as raw text in --observation-template (token-in/token-out).")
+    observation_template: str = _opt(
+        "\n<observation>{observation}</observation>\n",
+        "--no-conversation-multi-turn: the text around an observation, with {observation} where it goes.")
+    retokenize_chat_history: bool = _opt(
+        False, "Render and tokenize the whole conversation for every turn (no token-in/token-out); concat "
+        "samples are the final render with its assistant mask and no rollout log-probs.")
     mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
     async_mode: bool = _opt(False, "slime's train_async: roll out step k+1 while step k trains (one step "
                             "off-policy).", flag="--async", aliases=["async"])
@@ -488,6 +497,20 @@ def _validate(cfg: Config) -> None:
             f"--context-policy={r.context_policy!r}"
         raise ConfigError(f"{policy} rewrites what the model sees, so one concatenated sequence per trajectory "
                           f"would train contexts the model never saw: use --sample-format step_wise")
+    _require(r.observation_template.count("{observation}") == 1, "observation_template", r.observation_template,
+             "must contain {observation} exactly once")
+    if not r.conversation_multi_turn and (rewrites or r.retokenize_chat_history):
+        other = "--retokenize-chat-history" if r.retokenize_chat_history else "a context policy that rewrites history"
+        raise ConfigError(f"--no-conversation-multi-turn keeps every turn in one assistant message, token-in/"
+                          f"token-out; it cannot be combined with {other}")
+    if rewrites and r.retokenize_chat_history:
+        raise ConfigError("--retokenize-chat-history renders the whole conversation every turn; it cannot be "
+                          "combined with a context policy that rewrites history (use one or the other)")
+    if r.retokenize_chat_history and r.sample_format == "concat" and a.use_tis:
+        raise ConfigError("--use-tis needs the rollout log-probs of the trained tokens, but with "
+                          "--retokenize-chat-history and --sample-format concat the trained assistant tokens are "
+                          "re-tokenized and were never sampled as such: drop --use-tis or use --sample-format "
+                          "step_wise (which trains the generated tokens with their log-probs)")
     if r.over_sampling_batch_size is not None:
         _require(r.over_sampling_batch_size >= r.rollout_batch_size, "over_sampling_batch_size",
                  r.over_sampling_batch_size, f"must be >= --rollout-batch-size={r.rollout_batch_size}")

@@ -180,8 +180,12 @@ def report(results: list[ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
-def path_of(context_policy: str, context_policy_path: str | None, retokenize: bool = False) -> str | None:
-    """The check's path for a rollout configuration (None: a user policy, which the check cannot know)."""
+def path_of(context_policy: str, context_policy_path: str | None, retokenize: bool = False,
+            single_message: bool = False) -> str | None:
+    """The check's path for a rollout configuration. None: nothing to check (one assistant message
+    appends raw tokens, no template between turns) or a user policy, which the check cannot know."""
+    if single_message:
+        return None
     if retokenize:
         return "retokenize"
     if context_policy_path:

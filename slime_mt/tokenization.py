@@ -14,10 +14,18 @@ Images in observations go through the processor: pads expanded, tensors returned
 keeping the generated ids of the assistant messages it is told to keep: each is rendered as a
 sentinel, and the text between sentinels is tokenized piecewise, as the turn loop tokenizes the
 text around model output.
+
+``encode_raw_observation`` (``--no-conversation-multi-turn``) wraps an observation's text in a
+template and tokenizes it as is, to continue the one assistant message. ``encode_with_assistant_mask``
+(``--retokenize-chat-history``) tokenizes a whole render in one piece and marks the assistant
+messages' tokens: from the template's ``{% generation %}`` blocks when it has them, else from the
+character span of each assistant body (after the generation prompt's role line, through the
+end-of-turn token).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,7 @@ from slime_mt.processing import QwenVLProcessor, tokenizer_of
 _BASE_USER = "slime_mt base question"
 _BASE_ASSISTANT = "slime_mt base answer 7f3a"
 _KEPT = "\ue000slime_mt kept {}\ue001"  # private-use code points: no template or text contains them
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class EncodingError(ValueError):
@@ -81,6 +90,7 @@ class ObservationEncoder:
         anchor = base_text.find(_BASE_ASSISTANT)
         if anchor < 0 or base_text.find(self.eot_text, anchor) < 0:
             raise EncodingError(f"chat template does not end assistant turns with {self.eot_text!r}: {base_text!r}")
+        self._image_placeholder: str | None = None
 
     def _end_of_turn_id(self) -> int:
         """The token that closes an assistant turn: the template's ``<|im_end|>`` (Qwen, SmolLM2) or eos."""
@@ -172,3 +182,112 @@ class ObservationEncoder:
                 ids.extend(piece)
         joined = {key: torch.cat(parts) for key, parts in tensors.items()}
         return Encoded(ids, [im for p in pieces if isinstance(p, Encoded) for im in p.images], joined, text)
+
+    # ------------------------------------------------------------ --no-conversation-multi-turn
+
+    @property
+    def image_placeholder(self) -> str:
+        """How the template renders one image inside a message (Qwen-VL: vision start, pad, vision end)."""
+        if self._image_placeholder is None:
+            if self.processor is None:
+                raise EncodingError("an image in an observation but the model has no image processor")
+            left, right = "\ue000slime_mt left\ue001", "\ue000slime_mt right\ue001"
+            text = self.render([{"role": "user", "content": [{"type": "text", "text": left}, {"type": "image"},
+                                                             {"type": "text", "text": right}]}], False)
+            start, end = text.find(left), text.find(right)
+            placeholder = text[start + len(left):end] if 0 <= start < end else ""
+            if placeholder.count(self.processor.image_token) != 1:
+                raise EncodingError(f"the chat template renders no single {self.processor.image_token} for an image "
+                                    f"part: {text[:300]!r}")
+            self._image_placeholder = placeholder
+        return self._image_placeholder
+
+    def encode_raw_observation(self, messages: dict | list[dict], template: str) -> Encoded:
+        """Observation messages as raw text inside the running assistant message: their contents (text
+        parts as is, images as the template renders them), joined by newlines, put in ``template``
+        at ``{observation}``."""
+        messages = [messages] if isinstance(messages, dict) else list(messages)
+        pieces = []
+        for message in messages:
+            content = message.get("content", "")
+            if isinstance(content, str):
+                pieces.append(content)
+            elif isinstance(content, list):
+                pieces.append("".join(self.image_placeholder if is_image_part(part) else str(part.get("text", ""))
+                                      for part in content))
+            else:
+                raise EncodingError(f"observation content must be a string or a list of parts, got {content!r:.100}")
+        return self._tokenize(template.replace("{observation}", "\n".join(pieces)), image_parts(messages))
+
+    # ------------------------------------------------------------ --retokenize-chat-history
+
+    def encode_with_assistant_mask(self, messages: list[dict]) -> tuple[Encoded, list[int]]:
+        """The whole conversation rendered (no generation prompt) and tokenized in one piece, with a
+        mask that is 1 on the tokens of every assistant message: from the template's generation
+        blocks, else from each assistant body's character span. Image pads are expanded (mask 0)."""
+        text = self.render(messages, add_generation_prompt=False)
+        images = image_parts(messages)
+        assistants = sum(1 for m in messages if m.get("role") == "assistant")
+        template = self.template_kwargs.get("chat_template") or self.tokenizer.chat_template
+        if isinstance(template, str) and _GENERATION_TAG.search(template):
+            out = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True, **self.template_kwargs)
+            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        else:
+            out = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, spans = list(out["input_ids"]), self.assistant_spans(text, assistants)
+            mask = [int(any(start < b and end > a for a, b in spans)) for start, end in out["offset_mapping"]]
+        runs = mask_runs(mask)
+        if len(runs) != assistants:
+            raise EncodingError(f"the chat template marks {len(runs)} assistant spans for {assistants} assistant "
+                                f"messages: {text[:300]!r}")
+        if not images:
+            return Encoded(ids, [], {}, text), mask
+        encoded = self._tokenize(text, images)
+        counts = iter(self.processor.num_image_tokens(encoded.tensors["image_grid_thw"]))
+        pad = self.processor.image_token_id
+        expanded_mask = [m for t, m in zip(ids, mask) for _ in range(next(counts) if t == pad else 1)]
+        if len(expanded_mask) != len(encoded.ids):
+            raise EncodingError(f"{len(expanded_mask)} mask entries after expanding image pads but the processor "
+                                f"gave {len(encoded.ids)} tokens")
+        return encoded, expanded_mask
+
+    def assistant_spans(self, text: str, count: int) -> list[tuple[int, int]]:
+        """Character spans of the first ``count`` assistant bodies of a render: each starts after the
+        generation prompt's role line (and the rest of the generation prompt when the template put it
+        there too) and ends after the next end-of-turn token."""
+        prompt = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=False)
+        generation = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=True)
+        if not generation.startswith(prompt) or len(generation) == len(prompt):
+            raise EncodingError(f"the chat template's generation prompt is not an extension of the render: "
+                                f"{prompt[-80:]!r} vs {generation[-80:]!r}")
+        header = generation[len(prompt):].lstrip()
+        role_line, newline, rest = header.partition("\n")
+        role_line += newline
+        spans, position = [], 0
+        for k in range(count):
+            at = text.find(role_line, position)
+            if at < 0:
+                raise EncodingError(f"assistant message {k}: {role_line!r} not found in the render after "
+                                    f"character {position}")
+            start = at + len(role_line)
+            if rest and text.startswith(rest, start):
+                start += len(rest)
+            end = text.find(self.eot_text, start)
+            if end < 0:
+                raise EncodingError(f"assistant message {k}: no {self.eot_text!r} after its body")
+            spans.append((start, end + len(self.eot_text)))
+            position = end + len(self.eot_text)
+        return spans
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of 1s in a 0/1 mask."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

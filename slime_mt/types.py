@@ -2,7 +2,9 @@
 
 Invariants of a Sample (``Sample.validate`` asserts them):
   tokens = prompt tokens + response tokens, ``response_length = len(tokens) - prompt_length``;
-  ``len(loss_mask) == len(rollout_log_probs) == response_length``;
+  ``len(loss_mask) == len(rollout_log_probs) == response_length``, unless ``rollout_log_probs`` is
+  None: a re-tokenized history (``--retokenize-chat-history`` with concat) whose assistant tokens
+  were never sampled as such;
   loss_mask is 1 exactly on model-generated tokens, 0 on observation tokens (whose log-prob is 0.0);
   turns are in order, each turn's output lies inside the response and is all loss_mask 1.
 """
@@ -80,7 +82,7 @@ class Sample:
     label: Any = None
     reward: float | dict | None = None
     loss_mask: list[int] = field(default_factory=list)
-    rollout_log_probs: list[float] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = field(default_factory=list)  # None: not sampled (see above)
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
     multimodal_inputs: dict | None = None
@@ -118,6 +120,15 @@ class Sample:
         self.response_length += len(ids)
         self.response += text
 
+    def drop_last_model_token(self) -> int:
+        """Remove the last response token, which must be a generated one -> its id."""
+        if not self.response_length or self.loss_mask[-1] != 1:
+            raise SampleError(f"sample {self.index}: the last response token is not a generated one")
+        self.response_length -= 1
+        self.loss_mask.pop()
+        self.rollout_log_probs.pop()
+        return self.tokens.pop()
+
     def validate(self) -> None:
         """Raise SampleError on the first broken invariant (see module docstring)."""
         n = self.response_length
@@ -125,7 +136,7 @@ class Sample:
             raise SampleError(f"sample {self.index}: response_length {n} outside 0..{len(self.tokens)}")
         if len(self.loss_mask) != n:
             raise SampleError(f"sample {self.index}: len(loss_mask)={len(self.loss_mask)} != response_length={n}")
-        if len(self.rollout_log_probs) != n:
+        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != n:
             raise SampleError(
                 f"sample {self.index}: len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}"
             )
@@ -211,14 +222,15 @@ class TrainingSample:
     """One sequence to train on: a whole trajectory (concat) or one LLM turn (step-wise).
 
     ``response_ids``, ``loss_mask`` and ``rollout_log_probs`` have equal lengths; observation tokens
-    inside a response have mask 0 and log-prob 0.0. ``trajectory_id`` ties the steps of one
+    inside a response have mask 0 and log-prob 0.0. ``rollout_log_probs`` None: the engine never
+    sampled these tokens as such (a re-tokenized history); the trainer's old log-probs stand in. ``trajectory_id`` ties the steps of one
     trajectory together; ``group_id`` is its prompt group; ``is_last_step`` marks its final step.
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]
-    rollout_log_probs: list[float]
+    rollout_log_probs: list[float] | None
     reward: float
     trajectory_id: str
     group_id: int

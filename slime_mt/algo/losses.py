@@ -27,7 +27,7 @@ class LossInputs:
 
     log_probs: torch.Tensor  # [T] current policy (requires grad)
     old_log_probs: torch.Tensor  # [T] policy before this step's updates (recomputed by the trainer)
-    rollout_log_probs: torch.Tensor  # [T] what the engine reported
+    rollout_log_probs: torch.Tensor  # [T] what the engine reported; NaN where it sampled no such token
     advantages: torch.Tensor  # [T] per-token advantages (already times the loss mask)
     weights: torch.Tensor  # [T] global reduction weights, 0 on masked tokens
     seq_ids: torch.Tensor  # [T] long, sequence index of each token
@@ -114,7 +114,11 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
         pg = torch.where(x.advantages < 0, torch.minimum(pg, dual), pg)
     weights = x.weights
     metrics: dict[str, float] = {}
+    sampled = ~torch.isnan(x.rollout_log_probs)  # [T] False on re-tokenized history (no rollout log-probs)
     if cfg.use_tis:
+        if not bool(sampled[mask > 0].all()):
+            raise ValueError("--use-tis needs rollout log-probs, but some trained tokens have none (a "
+                             "re-tokenized history: --retokenize-chat-history with --sample-format concat)")
         is_weights, keep, tis_metrics = off_policy_weights(x.old_log_probs, x.rollout_log_probs, mask, x.seq_ids,
                                                            num_seqs, cfg.tis_mode, cfg.tis_clip_low, cfg.tis_clip)
         pg = pg * is_weights
@@ -135,9 +139,11 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
         "pg_loss": float((pg.detach() * weights).sum()),
         "clip_fraction": float((clip_mask * w).sum()),
         "approx_kl": float((-log_ratio.detach() * w).sum()),
-        "train_rollout_logprob_abs_diff": float(((x.old_log_probs - x.rollout_log_probs).abs() * w).sum()),
         "ratio_mean": float((ratio.detach() * w).sum()),
     })
+    if bool(sampled.any()):  # over the tokens that have rollout log-probs; absent when none has
+        diff = (x.old_log_probs - x.rollout_log_probs).abs()
+        metrics["train_rollout_logprob_abs_diff"] = float(torch.where(sampled, diff * w, torch.zeros_like(w)).sum())
     if x.entropy is not None:
         metrics["entropy"] = float((x.entropy.detach() * w).sum())
     return loss, metrics

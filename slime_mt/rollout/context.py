@@ -43,7 +43,9 @@ class RolloutContext:
                               max_retries=cfg.engine.engine_max_retries)
         ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
-        warn_if_inexact(ctx.processor, path_of(cfg.rollout.context_policy, cfg.rollout.context_policy_path))
+        r = cfg.rollout
+        warn_if_inexact(ctx.processor, path_of(r.context_policy, r.context_policy_path, r.retokenize_chat_history,
+                                               single_message=not r.conversation_multi_turn))
         return ctx
 
     @property

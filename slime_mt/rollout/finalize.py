@@ -29,6 +29,11 @@ class StepWiseError(ValueError):
     """Step-wise samples that break an invariant; the message names the sample and the rule."""
 
 
+def _copy(values: list | None, start: int = 0, end: int | None = None) -> list | None:
+    """A slice copy of a list that may be None (rollout log-probs that do not exist)."""
+    return None if values is None else list(values[start:end])
+
+
 def _trainable(sample: Sample, mask_truncated: bool) -> bool:
     if sample.status == Status.FAILED:
         return False
@@ -54,7 +59,7 @@ def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> li
         mask = list(s.loss_mask) if _trainable(s, mask_truncated) else [0] * s.response_length
         out.append(TrainingSample(
             prompt_ids=list(s.tokens[:start]), response_ids=list(s.tokens[start:]), loss_mask=mask,
-            rollout_log_probs=list(s.rollout_log_probs), reward=float(s.reward or 0.0),
+            rollout_log_probs=_copy(s.rollout_log_probs), reward=float(s.reward or 0.0),
             trajectory_id=_trajectory_id(s), group_id=int(s.group_index or 0), is_last_step=True,
             stop_reason=_stop_reason(s), multimodal_train_inputs=s.multimodal_train_inputs, status=s.status))
     return out
@@ -85,7 +90,7 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
             last = k == len(s.turns) - 1
             prompt = list(turn.context_ids) if turn.context_ids is not None else list(s.tokens[:turn.output_start])
             response = list(s.tokens[turn.output_start:turn.output_end])
-            logprobs = list(s.rollout_log_probs[turn.output_start - start: turn.output_end - start])
+            logprobs = _copy(s.rollout_log_probs, turn.output_start - start, turn.output_end - start)
             images = turn.image_indices if turn.image_indices is not None else list(range(turn.num_images))
             out.append(TrainingSample(
                 prompt_ids=prompt, response_ids=response, loss_mask=[int(trainable)] * len(response),
@@ -104,9 +109,10 @@ def validate_step_wise(samples: list[TrainingSample]) -> None:
         raise StepWiseError(f"the last entry (trajectory {samples[-1].trajectory_id}) is not a last step")
     seen: set[str] = set()
     for i, s in enumerate(samples):
-        if not (len(s.response_ids) == len(s.loss_mask) == len(s.rollout_log_probs)):
+        logprobs = len(s.response_ids) if s.rollout_log_probs is None else len(s.rollout_log_probs)
+        if not (len(s.response_ids) == len(s.loss_mask) == logprobs):
             raise StepWiseError(f"entry {i} (trajectory {s.trajectory_id}): response {len(s.response_ids)}, "
-                                f"mask {len(s.loss_mask)}, log-probs {len(s.rollout_log_probs)} differ")
+                                f"mask {len(s.loss_mask)}, log-probs {logprobs} differ")
         nxt = samples[i + 1] if i + 1 < len(samples) else None
         boundary = nxt is None or nxt.trajectory_id != s.trajectory_id
         if s.is_last_step != boundary:
@@ -131,12 +137,13 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
                     step, prompt_ids=current.prompt_ids,
                     response_ids=current.response_ids + delta + step.response_ids,
                     loss_mask=current.loss_mask + [0] * len(delta) + step.loss_mask,
-                    rollout_log_probs=current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs)
+                    rollout_log_probs=None if None in (current.rollout_log_probs, step.rollout_log_probs) else
+                    current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs)
                 continue
         if current is not None:
             merged.append(current)
         current = dataclasses.replace(step, prompt_ids=list(step.prompt_ids), response_ids=list(step.response_ids),
-                                      loss_mask=list(step.loss_mask), rollout_log_probs=list(step.rollout_log_probs))
+                                      loss_mask=list(step.loss_mask), rollout_log_probs=_copy(step.rollout_log_probs))
     if current is not None:
         merged.append(current)
     return merged

@@ -10,7 +10,8 @@ from slime_mt.types import Sample, Status
 
 def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     """Flat ``rollout/...`` metrics: rewards, turns, statuses, terminations, finish reasons, env
-    retries and failures, tokens per turn, engine vs env time, observation share of tokens."""
+    retries and failures, tokens per turn, engine vs env time, observation share of tokens, and under
+    ``--retokenize-chat-history`` the re-tokenization drift (tokens, and samples with any)."""
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
@@ -37,6 +38,10 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         "rollout/env_retries": sum(t.env_retries for t in all_turns),
         "rollout/env_failures": sum(1 for s in samples if s.status == Status.FAILED),
     }
+    drifts = [s.metadata["retokenize_drift_tokens"] for s in samples if "retokenize_drift_tokens" in s.metadata]
+    if drifts:
+        out["rollout/retokenize_drift_tokens"] = sum(drifts)
+        out["rollout/retokenize_drift_samples"] = sum(d > 0 for d in drifts)
     for n, count in sorted(collections.Counter(turns).items()):
         out[f"rollout/turns_hist/{n}"] = count
     for status, count in collections.Counter(s.status.value for s in samples).items():

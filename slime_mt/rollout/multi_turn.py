@@ -9,6 +9,16 @@ observation is delta-encoded and appended (loss mask 0). Stops and resulting sta
   context budget exhausted, or an observation cut to fit -> TRUNCATED
   env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
 
+Three tokenization paths, as SkyRL's generator has them:
+  default                        each observation is its own chat message, delta-encoded after the
+                                 model's tokens (token-in/token-out)
+  --no-conversation-multi-turn   every turn inside ONE assistant message: a turn the episode goes on
+                                 after loses its end-of-turn token (not sent again, not trained) and the
+                                 observation follows as raw text in ``--observation-template``
+                                 (token-in/token-out)
+  --retokenize-chat-history      each context is the whole conversation rendered by the template and
+                                 tokenized anew; see ``retokenize.py`` for what the sample trains
+
 ``rollout_max_context_len`` bounds the context a call sends plus its output (prompt + response
 under the append policy; the rewritten context under another ``--context-policy``, see
 ``context_policy.py``); each turn's ``max_new_tokens`` is the smaller of ``rollout_max_response_len``
@@ -32,6 +42,7 @@ from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
+from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
 from slime_mt.types import Sample, Status, Turn
 
@@ -142,21 +153,42 @@ class Trajectory:
         raise ContextPolicyError(f"sample {self.sample.index}: the context policy returned an image that is not one "
                                  f"of the trajectory's {self.buffer.num_images} images")
 
-    async def context(self, policy) -> tuple[list[int], list[str], list[int] | None, list[int] | None]:
+    def conversation(self) -> list[dict]:
+        """The append-only conversation so far: the prompt, then every turn's messages."""
+        return self.prompt_messages + [m for turn in self.turn_messages for m in turn]
+
+    def drop_end_of_turn(self, turn: Turn) -> None:
+        """Take the end-of-turn token off the turn just generated (it is neither sent again nor
+        trained): ``--no-conversation-multi-turn`` continues the same assistant message."""
+        self.sample.drop_last_model_token()
+        self.engine_ids.pop()
+        turn.output_end -= 1
+        turn.observation_end -= 1
+
+    async def context(self, policy, retokenize: bool = False
+                      ) -> tuple[list[int], list[str], list[int] | None, list[int] | None]:
         """The next call's context -> (engine ids, image_data, context_ids, image_indices); the last two
-        are None when the context is the append-only one (token-in/token-out on ``sample.tokens``)."""
+        are None when the context is the append-only one (token-in/token-out on ``sample.tokens``).
+        ``retokenize``: the whole conversation rendered and tokenized in one piece."""
         append_only = (self.engine_ids, self.buffer.image_data, None, None)
-        if policy is None or not self.turn_messages:
+        if (policy is None and not retokenize) or not self.turn_messages:
             return append_only
         if self.prompt_messages is None:
-            raise ContextPolicyError(f"sample {self.sample.index}: a context policy needs chat messages but the "
-                                     f"prompt is a raw string; pass --apply-chat-template or message prompts")
-        conversation = self.prompt_messages + [m for turn in self.turn_messages for m in turn]
-        messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages, self.turn_messages)
-        if messages == conversation:
-            return append_only
-        outputs = [self.sample.tokens[t.output_start:t.output_end] for t in self.sample.turns]
-        encoded = self.encoder.encode_context(messages, kept_outputs(messages, self.turn_messages, outputs))
+            raise ContextPolicyError(f"sample {self.sample.index}: a context policy or --retokenize-chat-history "
+                                     f"needs chat messages but the prompt is a raw string; pass "
+                                     f"--apply-chat-template or message prompts")
+        conversation = self.conversation()
+        if retokenize:
+            messages, encoded = conversation, self.encoder.encode_prompt(conversation)
+            if encoded.ids == self.sample.tokens:
+                return append_only
+        else:
+            messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages,
+                                          self.turn_messages)
+            if messages == conversation:
+                return append_only
+            outputs = [self.sample.tokens[t.output_start:t.output_end] for t in self.sample.turns]
+            encoded = self.encoder.encode_context(messages, kept_outputs(messages, self.turn_messages, outputs))
         indices = [self.image_index(image) for image in image_parts(messages)]
         if indices:
             grid = self.buffer.image_grid_thw[indices]
@@ -208,7 +240,8 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     tools = (sample.metadata or {}).get("tools")
     encoder = ctx.encoder(tools)
     policy = ctx.context_policy()
-    traj = Trajectory(ctx, sample, encoder if policy is not None else None)
+    keeps_messages = policy is not None or r.retokenize_chat_history
+    traj = Trajectory(ctx, sample, encoder if keeps_messages else None)
     as_messages = ctx.data.apply_chat_template or not isinstance(sample.prompt, str)
     messages = ([{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else
                 list(sample.prompt)) if as_messages else None
@@ -241,13 +274,15 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     if traj.buffer.num_images:
         sample.multimodal_inputs = {**(sample.multimodal_inputs or {}), "image_data": traj.buffer.image_data}
     sample.weight_versions = [t.weight_version for t in sample.turns if t.weight_version is not None]
+    if r.retokenize_chat_history and sample.turns:
+        retokenize_history(sample, encoder, traj.conversation(), as_concat=r.sample_format == "concat")
     return sample
 
 
 async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r, policy) -> None:
     sample = traj.sample
     for turn_index in range(r.max_turns):
-        engine_ids, image_data, context_ids, image_indices = await traj.context(policy)
+        engine_ids, image_data, context_ids, image_indices = await traj.context(policy, r.retokenize_chat_history)
         room = r.rollout_max_context_len - (len(sample.tokens) if context_ids is None else len(context_ids))
         if room <= 0:
             sample.status = Status.TRUNCATED
@@ -296,9 +331,14 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             return
         model_ended_turn = bool(ids) and ids[-1] == encoder.eot_id
         formatted = env.format_observation(observation)
-        encoded = encoder.encode_observation(formatted, model_ended_turn)
+        if r.conversation_multi_turn:
+            encoded = encoder.encode_observation(formatted, model_ended_turn)
+        else:  # one assistant message: the model's end-of-turn goes, the observation follows as raw text
+            if model_ended_turn:
+                traj.drop_end_of_turn(turn)
+            encoded = encoder.encode_raw_observation(formatted, r.observation_template)
         cut = False
-        if policy is None:  # a rewritten context is measured when it is built, at the next turn
+        if policy is None and not r.retokenize_chat_history:  # a re-rendered context is measured when built
             encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens),
                                            traj.image_token_id)
         traj.add_observation(encoded, [formatted] if isinstance(formatted, dict) else list(formatted))

@@ -10,6 +10,7 @@ Every check drives the actor through its own code paths (``accumulate_gradients`
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -634,12 +635,16 @@ CHECKS = {"families": check_families, "gpu": check_gpu, "logprob_chunks": check_
 
 
 def check_train_file(args, info, out):
-    """One train step on samples a test saved (``--samples``: {"path", "samples", "advantages"})."""
+    """One train step on samples a test saved (``--samples``: {"path", "samples", "advantages"}, and
+    optionally "algo" (AlgoConfig fields over ALGO's) and "prompts_per_step" (default: all groups))."""
     saved = torch.load(args.samples, weights_only=False)
     samples = saved["samples"]
-    actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), ALGO, info)
-    metrics = actor.train(samples, saved["advantages"], prompts_per_step=len({s.group_id for s in samples}))
+    algo = dataclasses.replace(ALGO, **saved.get("algo", {}))
+    actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), algo, info)
+    metrics = actor.train(samples, saved["advantages"],
+                          prompts_per_step=saved.get("prompts_per_step", len({s.group_id for s in samples})))
     out["train_file"] = {"sequences": len(samples), "grad_norm": metrics["train/grad_norm"],
+                         "optimizer_steps": metrics["train/optimizer_steps"], "metrics": sorted(metrics),
                          "finite": all(torch.isfinite(torch.tensor(v)) for v in metrics.values())}
 
 

@@ -4,6 +4,7 @@ and small scripted environments."""
 import argparse
 import asyncio
 import random
+from pathlib import Path
 
 from envs.base import BaseInteractionEnv, RetryableEnvError
 from slime_mt.config import DataConfig, RolloutConfig
@@ -79,7 +80,8 @@ def chain_model(src, out, tokenizer_dir, transitions: dict[int, list[int]], logi
     for every other token, so a sampled turn follows the chain). Attention and MLP outputs are zeroed,
     so the last hidden state is the normalised embedding of the current token; chain tokens embed as
     orthogonal unit directions and the (untied) output row of ``b`` points at each token it follows.
-    The tokenizer files of ``tokenizer_dir`` are copied beside the weights."""
+    The tokenizer files of ``tokenizer_dir`` (and its chat template file, if any) are copied beside
+    the weights."""
     import shutil
 
     import torch
@@ -103,6 +105,7 @@ def chain_model(src, out, tokenizer_dir, transitions: dict[int, list[int]], logi
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", f"{out}/{name}")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if name != "chat_template.jinja" or (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(f"{tokenizer_dir}/{name}", f"{out}/{name}")
     return out

@@ -3,7 +3,7 @@
 import pytest
 
 from slime_mt.processing import load_tokenizer_or_processor
-from slime_mt.tokenization import ObservationEncoder
+from slime_mt.tokenization import EncodingError, ObservationEncoder, mask_runs
 
 IM_START, IM_END, NL = 151644, 151645, 198
 USER, ASSISTANT = 872, 77091
@@ -76,3 +76,109 @@ def test_image_observation_expands_pads(tokenizers):
     assert delta.ids.count(processor.image_token_id) == 6  # 1*4*6 / 4
     assert delta.ids[:4] == [NL, IM_START, USER, NL]
     assert delta.tensors["pixel_values"].shape[0] == 24
+
+
+# ---------------------------------------------------------------- --no-conversation-multi-turn
+
+OBSERVATION = "\n<observation>{observation}</observation>\n"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3", "smollm2"])
+def test_raw_observations_are_the_wrapped_text_tokenized_as_is(tokenizers, name):
+    tokenizer = tokenizers[name]
+    encoder = ObservationEncoder(tokenizer)
+    one = encoder.encode_raw_observation({"role": "tool", "content": "391"}, OBSERVATION)
+    assert one.text == "\n<observation>391</observation>\n"
+    assert one.ids == tokenizer.encode(one.text, add_special_tokens=False)
+    two = encoder.encode_raw_observation([{"role": "user", "content": "a"},
+                                          {"role": "user", "content": [{"type": "text", "text": "b"}]}], "[{observation}]")
+    assert two.text == "[a\nb]" and two.ids == tokenizer.encode("[a\nb]", add_special_tokens=False)
+
+
+def test_a_raw_image_observation_renders_as_the_template_does(tokenizers):
+    from PIL import Image
+
+    processor = tokenizers["qwen2.5-vl"]
+    encoder = ObservationEncoder(processor)
+    image = Image.new("RGB", (84, 56), (10, 20, 30))
+    out = encoder.encode_raw_observation({"role": "user", "content": [{"type": "text", "text": "see "},
+                                                                      {"type": "image", "image": image}]}, OBSERVATION)
+    assert out.text == "\n<observation>see <|vision_start|><|image_pad|><|vision_end|></observation>\n"
+    assert out.ids.count(processor.image_token_id) == 6 and out.tensors["image_grid_thw"].tolist() == [[1, 4, 6]]
+    with pytest.raises(EncodingError, match="no image processor"):
+        ObservationEncoder(tokenizers["qwen2.5"]).encode_raw_observation(
+            {"role": "user", "content": [{"type": "image", "image": image}]}, OBSERVATION)
+
+
+# ---------------------------------------------------------------- --retokenize-chat-history masks
+
+# A ChatML template with {% generation %} blocks around each assistant body (through <|im_end|>),
+# and a variant that, like Qwen3's, drops the reasoning of assistant turns before the last one.
+TAGGED = """{%- for message in messages -%}
+{{- '<|im_start|>' + message.role + '\\n' -}}
+{%- if message.role == 'assistant' -%}
+{%- set content = message.content -%}
+{%- if STRIP and not loop.last and '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{%- generation -%}{{- content + '<|im_end|>' -}}{%- endgeneration -%}
+{%- else -%}{{- message.content + '<|im_end|>' -}}{%- endif -%}
+{{- '\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "tool", "content": "ok"},
+     {"role": "assistant", "content": "\n\nleading newlines"}, {"role": "user", "content": "again"},
+     {"role": "assistant", "content": ""}],
+    [{"role": "user", "content": "Think."}, {"role": "assistant", "content": "<think>hmm</think>\n\nA"},
+     {"role": "user", "content": "More."}, {"role": "assistant", "content": "<think>so</think>\n\nB"}],
+]
+
+
+@pytest.mark.parametrize("strip", [False, True])
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_generation_tag_masks_equal_offset_masks(qwen_tokenizer, conversation, strip):
+    import copy
+
+    tagged = copy.copy(qwen_tokenizer)
+    tagged.chat_template = TAGGED.replace("STRIP", str(strip).lower())
+    plain = copy.copy(qwen_tokenizer)
+    plain.chat_template = tagged.chat_template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    by_tags, tag_mask = ObservationEncoder(tagged).encode_with_assistant_mask(conversation)
+    by_offsets, offset_mask = ObservationEncoder(plain).encode_with_assistant_mask(conversation)
+    assert by_tags.ids == by_offsets.ids == qwen_tokenizer.encode(by_offsets.text, add_special_tokens=False)
+    assert tag_mask == offset_mask
+    bodies = [m["content"] for m in conversation if m["role"] == "assistant"]
+    if strip:
+        bodies = [b.split("</think>")[-1].lstrip("\n") if "</think>" in b else b for b in bodies[:-1]] + bodies[-1:]
+    got = [qwen_tokenizer.decode(by_tags.ids[a:b]) for a, b in mask_runs(tag_mask)]
+    # a body that starts with newlines merges with the header's "\n" into one token, which both
+    # masks take (transformers marks every token a generation block's characters touch)
+    assert got == [("\n" if body.startswith("\n") else "") + body + "<|im_end|>" for body in bodies]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3", "smollm2", "qwen2.5-vl"])
+def test_assistant_masks_of_the_real_templates(tokenizers, name):
+    from PIL import Image
+
+    processor = tokenizers[name]
+    encoder = ObservationEncoder(processor)
+    tokenizer = encoder.tokenizer
+    image = Image.new("RGB", (84, 56), (10, 20, 30))
+    question = [{"type": "image", "image": image}, {"type": "text", "text": "Shape?"}] if name == "qwen2.5-vl" \
+        else "Shape?"
+    conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": "A square."},
+                    {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+    encoded, mask = encoder.encode_with_assistant_mask(conversation)
+    assert len(mask) == len(encoded.ids)
+    bodies = [tokenizer.decode(encoded.ids[a:b]) for a, b in mask_runs(mask)]
+    eot = encoder.eot_text
+    # Qwen3's template gives the last answer an empty think block: a token the model may not have made
+    last = "<think>\n\n</think>\n\nYes." if name == "qwen3" else "Yes."
+    assert bodies == ["A square." + eot, last + eot]
+    if name == "qwen2.5-vl":
+        pad = processor.image_token_id
+        assert encoded.ids == processor(text=encoded.text, images=[image])["input_ids"][0].tolist()
+        assert encoded.ids.count(pad) == 6 and all(m == 0 for t, m in zip(encoded.ids, mask) if t == pad)
+        assert encoded.tensors["image_grid_thw"].tolist() == [[1, 4, 6]]

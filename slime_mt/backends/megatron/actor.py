@@ -191,7 +191,8 @@ class MegatronActor:
                                          temperature=temperature)
             inputs = LossInputs(
                 log_probs=lp, old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
-                rollout_log_probs=self._cat([samples[i].rollout_log_probs for i in row.sample_index]),
+                rollout_log_probs=self._cat([_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids))
+                                             for i in row.sample_index]),
                 advantages=self._cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
                 weights=self._cat([weight_of[i] for i in row.sample_index]),
                 seq_ids=row.seq_ids, entropy=entropy,
@@ -274,3 +275,8 @@ class MegatronActor:
         from slime_mt.backends.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, root)
+
+
+def _or_nan(log_probs: list[float] | None, length: int) -> list[float]:
+    """Rollout log-probs, or NaN for tokens the engine never sampled as such (a re-tokenized history)."""
+    return [float("nan")] * length if log_probs is None else log_probs

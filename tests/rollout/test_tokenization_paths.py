@@ -1,0 +1,265 @@
+"""The two other tokenization paths against the embedded engine: one assistant message for every
+turn (``--no-conversation-multi-turn``) and a re-rendered history (``--retokenize-chat-history``).
+
+The models are "chain" copies of the tiny Qwen3 (see ``rollout_helpers.chain_model``) with the real
+Qwen tokenizer: the Qwen2.5 template, and Qwen3's official one. They answer "Direct answer" as the
+non-canonical split ``" ans" + "wer"`` (re-tokenizing gives ``" answer"``), or "Calling tool", or
+think first, so re-tokenization drift has a known size.
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rollout_helpers import ScriptedEnv, chain_model, make_ctx
+from slime_mt.algo.advantages import compute_advantages
+from slime_mt.algo.losses import LossInputs, policy_loss
+from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
+from slime_mt.config import AlgoConfig, ConfigError, DataConfig, build_config
+from slime_mt.engine.server import LocalEngine
+from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.rollout.multi_turn import run_episode
+from slime_mt.tokenization import mask_runs
+from slime_mt.types import Sample, Status
+
+REPO = Path(__file__).resolve().parents[2]
+THINK, END_THINK, EOT, NL, NL2, OBS_END = 151667, 151668, 151645, 198, 271, 397  # 397: ">\n"
+LET, ME, CHECK, CALLING, TOOL = 10061, 752, 1779, 48853, 5392
+DIRECT, ANS, WER, ANSWER = 16027, 8099, 6566, 4226
+DIRECT_ANSWER = {NL: [DIRECT], OBS_END: [DIRECT], DIRECT: [ANS], ANS: [WER], WER: [EOT]}
+EITHER = {**DIRECT_ANSWER, NL: [DIRECT, CALLING], CALLING: [TOOL], TOOL: [EOT]}
+THINKING = {NL: [THINK], THINK: [LET], LET: [ME], ME: [CHECK], CHECK: [END_THINK], END_THINK: [NL2],
+            NL2: [CALLING], CALLING: [TOOL], TOOL: [EOT]}
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
+PROMPT = [{"role": "system", "content": "You are a careful solver."},
+          {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
+RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
+TEMPLATES = {"qwen2.5": lambda: qwen_tokenizer_dir("qwen2.5"), "qwen3": qwen3_reference_tokenizer_dir}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_paths, tmp_path_factory):
+    """(template, chain) -> a started engine on that chain model with that tokenizer."""
+    started = {}
+
+    def get(template, chain):
+        if (template, chain) not in started:
+            transitions = {"direct": DIRECT_ANSWER, "either": EITHER, "thinking": THINKING}[chain]
+            path = chain_model(tiny_paths["qwen3"], tmp_path_factory.mktemp(f"{template}-{chain}"),
+                               TEMPLATES[template](), transitions)
+            started[template, chain] = LocalEngine(path, max_batch_size=8).start()
+        return started[template, chain]
+
+    yield get
+    for engine in started.values():
+        engine.stop()
+
+
+def episode(engine, seed=0, index=0, turns=3, role="tool", **rollout):
+    ctx = make_ctx(engine.url, engine.model_path, max_turns=4, rollout_max_response_len=16,
+                   rollout_max_context_len=4096, data=DataConfig(apply_chat_template=True, rollout_seed=seed),
+                   **rollout)
+    sample = Sample(index=index, group_index=0, prompt=PROMPT, metadata={"tools": TOOLS, "rollout_id": 0})
+    asyncio.run(run_episode(ctx, sample, ctx.sampling_params(),
+                            env=ScriptedEnv(RESULTS, role=role, done_after=turns)))
+    assert sample.status == Status.COMPLETED and len(sample.turns) == turns, sample.metadata
+    sample.validate()
+    return ctx, sample
+
+
+def outputs_of(ctx):
+    return [call["response"]["output_ids"] for call in ctx.client.calls]
+
+
+def logprobs_of(call):
+    return [lp for lp, *_ in call["response"]["meta_info"]["output_token_logprobs"]]
+
+
+# ---------------------------------------------------------------- --no-conversation-multi-turn
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "qwen3"])
+def test_no_conversation_multi_turn_is_one_assistant_message(engines, template):
+    engine = engines(template, "direct")
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    ctx, sample = episode(engine, conversation_multi_turn=False)
+    calls, outputs = ctx.client.calls, outputs_of(ctx)
+    assert outputs == [[DIRECT, ANS, WER, EOT]] * 3
+    # token-in/token-out: each call's context is the running sequence, every turn's end-of-turn but the last dropped
+    for k, (turn, call) in enumerate(zip(sample.turns, calls)):
+        assert turn.context_ids is None and call["input_ids"] == sample.tokens[:turn.output_start], k
+        kept = outputs[k] if k == 2 else outputs[k][:-1]
+        assert sample.tokens[turn.output_start:turn.output_end] == kept, k
+        start = turn.output_start - sample.prompt_length
+        assert sample.rollout_log_probs[start:start + len(kept)] == logprobs_of(call)[:len(kept)], k
+    # the loss mask is 1 exactly on the generated tokens that stayed
+    generated = {i for t in sample.turns for i in range(t.output_start, t.output_end)}
+    assert [i for i, m in enumerate(sample.loss_mask, sample.prompt_length) if m] == sorted(generated)
+    assert sum(sample.loss_mask) == 3 * 3 + 1
+    # the text is the render of the final conversation, with every turn inside ONE assistant message
+    response = sample.tokens[sample.prompt_length:]
+    content = tokenizer.decode(response[:-1])
+    assert content == "Direct answer" + "".join(f"\n<observation>partial result {k}</observation>\nDirect answer"
+                                                for k in (1, 2))
+    rendered = tokenizer.apply_chat_template(PROMPT + [{"role": "assistant", "content": content}], tools=TOOLS,
+                                             tokenize=False)
+    prompt_text = tokenizer.decode(sample.tokens[:sample.prompt_length])
+    # Qwen3's official template gives the last assistant message an empty think block the model never made
+    opening = "<think>\n\n</think>\n\n" if template == "qwen3" else ""
+    assert rendered == prompt_text + opening + tokenizer.decode(response) + "\n"
+    assert tokenizer.decode(response).count("<|im_start|>") == 0
+    # concat trains that sequence; step-wise steps merge back into it
+    (concat,), _ = finalize([sample], "concat", merge=False)
+    assert concat.response_ids == response and concat.loss_mask == sample.loss_mask
+    merged, metrics = finalize([sample], "step_wise", merge=True)
+    assert metrics["train/sequences_before_merge"] == 3 and len(merged) == 1
+    assert merged[0].response_ids == response and merged[0].loss_mask == sample.loss_mask
+
+
+def test_a_custom_observation_template_and_a_stop_string_turn(engines):
+    engine = engines("qwen2.5", "direct")
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    # "wer" is a stop string: no turn ends with the end-of-turn token, so nothing is dropped
+    ctx, sample = episode(engine, conversation_multi_turn=False, rollout_stop=["wer"],
+                          observation_template="\nResult: {observation}\n")
+    assert outputs_of(ctx) == [[DIRECT, ANS, WER]] * 3
+    assert tokenizer.decode(sample.tokens[sample.prompt_length:]) == \
+        "Direct answer\nResult: partial result 1\nDirect answer\nResult: partial result 2\nDirect answer"
+
+
+# ---------------------------------------------------------------- --retokenize-chat-history
+
+
+def history(outputs, tokenizer, upto, role="tool"):
+    """The conversation before turn ``upto``, written independently: decoded answers, env results."""
+    messages = list(PROMPT)
+    for k in range(upto):
+        messages += [{"role": "assistant", "content": tokenizer.decode(outputs[k][:-1])},
+                     {"role": role, "content": RESULTS[k]["text"]}]
+    return messages
+
+
+@pytest.mark.parametrize("sample_format", ["concat", "step_wise"])
+def test_retokenize_contexts_are_the_render_and_drift_counts_the_split(engines, sample_format):
+    engine = engines("qwen2.5", "either")
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    samples, expected_drift = [], []
+    for seed in range(8):
+        ctx, sample = episode(engine, seed=seed, index=seed, retokenize_chat_history=True,
+                              sample_format=sample_format)
+        outputs = outputs_of(ctx)
+        for k, call in enumerate(ctx.client.calls):
+            text = tokenizer.apply_chat_template(history(outputs, tokenizer, k), tools=TOOLS, tokenize=False,
+                                                 add_generation_prompt=True)
+            assert call["input_ids"] == tokenizer.encode(text, add_special_tokens=False), k  # one-piece render
+            if sample_format == "step_wise":  # the context differs from token-in/token-out after a split answer
+                split = any(out[1:3] == [ANS, WER] for out in outputs[:k])
+                assert (sample.turns[k].context_ids is not None) == split, k
+        # independent count: each generated " ans"+"wer" is 2 tokens where the render has " answer"
+        expected_drift.append(2 * sum(out[1:3] == [ANS, WER] for out in outputs))
+        assert sample.metadata["retokenize_drift_tokens"] == expected_drift[-1]
+        samples.append((ctx, sample))
+    assert 0 < sum(d > 0 for d in expected_drift) < 8, expected_drift  # the seeds give both kinds
+    metrics = rollout_metrics([[s for _, s in samples]])
+    assert metrics["rollout/retokenize_drift_tokens"] == sum(expected_drift)
+    assert metrics["rollout/retokenize_drift_samples"] == sum(d > 0 for d in expected_drift)
+    for ctx, sample in samples:
+        outputs = outputs_of(ctx)
+        if sample_format == "step_wise":  # every step is exactly what the engine saw and made, with its log-probs
+            steps, _ = finalize([sample], "step_wise", merge=False)
+            for step, call in zip(steps, ctx.client.calls):
+                assert step.prompt_ids == call["input_ids"] and step.response_ids == call["response"]["output_ids"]
+                assert step.rollout_log_probs == logprobs_of(call)
+            continue
+        # concat: the final render, assistant spans masked, no rollout log-probs
+        final = tokenizer.apply_chat_template(history(outputs, tokenizer, 3)[:-1], tools=TOOLS, tokenize=False)
+        assert sample.tokens == tokenizer.encode(final, add_special_tokens=False)
+        assert sample.rollout_log_probs is None
+        assert [tokenizer.decode(sample.tokens[t.output_start:t.output_end]) for t in sample.turns] == \
+            [tokenizer.decode(out) for out in outputs]
+        spans = [(t.output_start - sample.prompt_length, t.output_end - sample.prompt_length) for t in sample.turns]
+        assert mask_runs(sample.loss_mask) == spans
+        (concat,), _ = finalize([sample], "concat", merge=False)
+        assert concat.rollout_log_probs is None and concat.loss_mask == sample.loss_mask
+
+
+def test_retokenize_gives_qwen3_its_official_render_and_counts_stripped_thinking(engines):
+    engine = engines("qwen3", "thinking")
+    reference = AutoTokenizer.from_pretrained(engine.model_path)
+    # user observations: every earlier answer precedes the last user query, so the template drops its thinking
+    ctx, sample = episode(engine, retokenize_chat_history=True, sample_format="step_wise", role="user")
+    outputs = outputs_of(ctx)
+    assert outputs == [[THINK, LET, ME, CHECK, END_THINK, NL2, CALLING, TOOL, EOT]] * 3
+    for k, call in enumerate(ctx.client.calls):
+        text = reference.apply_chat_template(history(outputs, reference, k, "user"), tools=TOOLS, tokenize=False,
+                                             add_generation_prompt=True)
+        assert call["input_ids"] == reference.encode(text, add_special_tokens=False), k
+        assert call["input_ids"].count(THINK) == 0, k
+    # drift, counted independently: an earlier turn keeps only "Calling tool<|im_end|>" (6 of 9 tokens
+    # stripped); the last keeps its thinking, with the newlines the template adds inside the block
+    last = reference.encode("<think>\nLet me check\n</think>\n\nCalling tool<|im_end|>", add_special_tokens=False)
+    assert sample.metadata["retokenize_drift_tokens"] == 2 * 6 + (len(last) - 9)
+
+
+def test_retokenized_concat_samples_train_with_recomputed_old_log_probs(engines, tiny_paths, tmp_path):
+    engine = engines("qwen2.5", "direct")
+    samples = [episode(engine, seed=seed, index=seed, retokenize_chat_history=True)[1] for seed in range(2)]
+    for k, sample in enumerate(samples):
+        sample.group_index, sample.reward = k, float(k)
+    train, _ = finalize(samples, "concat", merge=False)
+    assert all(s.rollout_log_probs is None for s in train)
+    out = tmp_path / "samples.pt"
+    # two groups, one per optimizer step: the old log-probs are recomputed before the first
+    torch.save({"path": str(tiny_paths["qwen3"]), "samples": train, "prompts_per_step": 1,
+                "advantages": compute_advantages(train, "dr_grpo"), "algo": {"use_tis": False}}, out)
+    proc = subprocess.run([sys.executable, str(REPO / "tests/backends/megatron_worker.py"), "--tp", "1",
+                           "--checks", "train_file", "--samples", str(out), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trained = json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
+    assert trained["optimizer_steps"] == 2 and trained["finite"] and trained["grad_norm"] > 0
+    assert "train/train_rollout_logprob_abs_diff" not in trained["metrics"]  # nothing to compare with
+
+
+def test_tokens_without_rollout_log_probs_refuse_tis_and_skip_the_diff_metric():
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    x = LossInputs(log_probs=lp.clone().requires_grad_(), old_log_probs=lp, advantages=torch.ones(3),
+                   rollout_log_probs=torch.tensor([-1.1, float("nan"), float("nan")]),
+                   weights=torch.tensor([1 / 3] * 3), seq_ids=torch.tensor([0, 1, 1]))
+    loss, metrics = policy_loss(x, AlgoConfig())
+    assert torch.isfinite(loss)
+    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1 / 3)  # over the sampled token only
+    x.rollout_log_probs = torch.full((3,), float("nan"))
+    assert "train_rollout_logprob_abs_diff" not in policy_loss(x, AlgoConfig())[1]
+    with pytest.raises(ValueError, match="--use-tis needs rollout log-probs"):
+        policy_loss(x, AlgoConfig(use_tis=True))
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"retokenize_chat_history": True, "use_tis": True}, "--use-tis needs the rollout log-probs"),
+    ({"retokenize_chat_history": True, "context_policy": "window:2", "sample_format": "step_wise"},
+     "cannot be combined with a context policy"),
+    ({"conversation_multi_turn": False, "retokenize_chat_history": True},
+     "--no-conversation-multi-turn .* cannot be combined with --retokenize-chat-history"),
+    ({"conversation_multi_turn": False, "context_policy": "strip_thinking", "sample_format": "step_wise"},
+     "--no-conversation-multi-turn .* cannot be combined with a context policy"),
+    ({"observation_template": "<obs></obs>"}, "--observation-template.*exactly once"),
+])
+def test_path_flags_that_cannot_work_together_are_config_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(settings)
+
+
+def test_tis_with_retokenized_step_wise_samples_is_allowed():
+    cfg = build_config({"retokenize_chat_history": True, "use_tis": True, "sample_format": "step_wise"})
+    assert cfg.rollout.retokenize_chat_history and cfg.algo.use_tis
