@@ -224,3 +224,57 @@ def test_demo_config_trains_in_bf16(tmp_path):
         assert 1e-4 < r["train/train_rollout_logprob_abs_diff"] < 0.5  # bf16 training vs the fp32 engine
     assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
     assert rows[1]["rollout/sample_weight_version_min"] == 1.0
+
+
+FAILING_ENV = '''
+from slime_mt.plugins import load_module
+
+hint_env = load_module("{path}")
+
+
+def build_env(sample=None, args=None, **kw):
+    if sample.label == "unbuildable":
+        raise RuntimeError("no env can be built for this row")
+    return hint_env.build_env(sample=sample, args=args)
+'''
+
+
+@pytest.mark.slow
+def test_context_management_example_trains_step_wise(tmp_path):
+    """examples/context_management (the demo game with a hint turn, window:1, step-wise, merged) for
+    three steps. The first step's batch also holds a group whose env cannot be built (FAILED before
+    the first turn) and one whose prompt fills the context (TRUNCATED before it): it trains, and
+    both are counted."""
+    from slime_mt.assets import smollm2_dir
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True,
+                   capture_output=True, cwd=REPO)
+    rows = data.joinpath("train.jsonl").read_text()
+    special = [{"prompt": "Guess the secret word.", "secret": "unbuildable"},
+               {"prompt": "word " * 600 + "Guess the secret word.", "secret": "apple"}]
+    data.joinpath("train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in special) + rows)
+    (tmp_path / "env.py").write_text(FAILING_ENV.format(path=REPO / "examples/context_management/hint_env.py"))
+    (tmp_path / "plugins.py").write_text(PLUGINS)  # varied rewards: every group has an advantage
+    proc = run([sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/demo/config.yaml"),
+                "--config", str(REPO / "examples/context_management/config.yaml"),
+                "--hf-checkpoint", str(smollm2_dir()), "--prompt-data", str(data / "train.jsonl"),
+                "--rollout-interaction-env-path", str(tmp_path / "env.py"), "--no-rollout-shuffle",
+                "--log-dir", str(tmp_path / "run"), "--num-rollout", "3", "--n-samples-per-prompt", "4",
+                "--rollout-batch-size", "3", "--global-batch-size", "12", "--eval-interval", "100",
+                "--custom-rm-path", f"{tmp_path}/plugins.py:rm"], timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    first = rows[0]
+    assert first["train/samples_without_turns"] == 8
+    assert first["rollout/status/failed"] == 4 and first["rollout/termination/context_exhausted"] == 4
+    for r in rows:
+        assert r["train/grad_norm"] > 0 and r["train/loss"] == r["train/loss"]
+        assert r["train/sequences_after_merge"] <= r["train/sequences_before_merge"]
+    # the model rarely guesses a word it cannot know: trajectories reach the third turn, whose
+    # window drops the first turn, and that step does not merge with the second
+    assert sum(r["rollout/rewritten_context_turns"] for r in rows) > 0
+    assert sum(r["train/sequences_before_merge"] - r["train/sequences_after_merge"] for r in rows) > 0
+    assert any(r["train/sequences_after_merge"] > r["rollout/samples"] - r.get("train/samples_without_turns", 0)
+               for r in rows)

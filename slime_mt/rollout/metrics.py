@@ -10,7 +10,8 @@ from slime_mt.types import Sample, Status
 
 def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     """Flat ``rollout/...`` metrics: rewards, turns, statuses, terminations, finish reasons, env
-    retries and failures, tokens per turn, engine vs env time, observation share of tokens, and under
+    retries and failures, tokens per turn, engine vs env time, observation share of tokens, turns whose
+    context was not the append-only one (a context policy or a re-rendered history), and under
     ``--retokenize-chat-history`` the re-tokenization drift (tokens, and samples with any)."""
     samples = [s for g in groups for s in g]
     if not samples:
@@ -37,6 +38,7 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         "rollout/env_seconds": sum(t.env_seconds for t in all_turns),
         "rollout/env_retries": sum(t.env_retries for t in all_turns),
         "rollout/env_failures": sum(1 for s in samples if s.status == Status.FAILED),
+        "rollout/rewritten_context_turns": sum(t.context_ids is not None for t in all_turns),
     }
     drifts = [s.metadata["retokenize_drift_tokens"] for s in samples if "retokenize_drift_tokens" in s.metadata]
     if drifts:
