@@ -275,7 +275,13 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
         sample.multimodal_inputs = {**(sample.multimodal_inputs or {}), "image_data": traj.buffer.image_data}
     sample.weight_versions = [t.weight_version for t in sample.turns if t.weight_version is not None]
     if r.retokenize_chat_history and sample.turns:
-        retokenize_history(sample, encoder, traj.conversation(), as_concat=r.sample_format == "concat")
+        try:
+            retokenize_history(sample, encoder, traj.conversation(), as_concat=r.sample_format == "concat")
+        except Exception as e:  # e.g. the model wrote an image placeholder the render now expands
+            logger.warning("sample %s: the final re-render failed: %s", sample.index, e)
+            if r.sample_format == "concat":  # nothing exact to train: the sample keeps no trainable token
+                sample.status = Status.FAILED
+                sample.metadata["error"] = f"re-rendering the history: {type(e).__name__}: {e}"
     return sample
 
 

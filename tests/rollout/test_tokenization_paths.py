@@ -263,3 +263,43 @@ def test_path_flags_that_cannot_work_together_are_config_errors(settings, messag
 def test_tis_with_retokenized_step_wise_samples_is_allowed():
     cfg = build_config({"retokenize_chat_history": True, "use_tis": True, "sample_format": "step_wise"})
     assert cfg.rollout.retokenize_chat_history and cfg.algo.use_tis
+
+
+@pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
+def test_retokenize_with_images_sends_every_image_and_trains_the_render(farm, tiny_paths, kind):
+    from test_multi_turn import picture
+
+    from slime_mt.engine.images import encode_image
+    from slime_mt.processing import load_tokenizer_or_processor
+
+    target = farm.target(f"{kind.replace('-', '').replace('.', '')}-direct", tiny_paths[kind])
+    ctx = make_ctx(target.url, target.model_path, max_turns=3, rollout_max_response_len=40,
+                   rollout_max_context_len=8192, rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT],
+                   retokenize_chat_history=True)
+    prompt = [{"role": "user", "content": [{"type": "image", "image": picture(1)},
+                                           {"type": "text", "text": "Describe the shapes you are shown."}]}]
+    observations = [{"text": f"Now this one ({k}).", "images": [picture(k + 2)]} for k in range(2)]
+    sample = Sample(index=0, group_index=0, prompt=prompt, metadata={"rollout_id": 0})
+    asyncio.run(run_episode(ctx, sample, dict(ctx.sampling_params(), temperature=0.7),
+                            env=ScriptedEnv(observations, done_after=3)))
+    assert sample.status == Status.COMPLETED and len(sample.turns) == 3, sample.metadata
+    sample.validate()
+    processor = load_tokenizer_or_processor(tiny_paths[kind])
+    pad = processor.image_token_id
+    pictures = [picture(k + 1) for k in range(3)]
+    messages = list(prompt)
+    for k, call in enumerate(ctx.client.calls):
+        assert call["image_data"] == [encode_image(p) for p in pictures[:k + 1]], k  # every image of the history
+        assert call["input_ids"].count(pad) == k + 1, k
+        out = call["response"]["output_ids"]
+        messages.append({"role": "assistant", "content": processor.decode(out[:-1] if out[-1] == EOT else out)})
+        if k < 2:
+            messages.append({"role": "user", "content": [{"type": "image", "image": pictures[k + 1]},
+                                                         {"type": "text", "text": f"Now this one ({k})."}]})
+    text = processor.apply_chat_template(messages, tokenize=False)
+    expected = processor(text=text, images=pictures)
+    assert sample.tokens == expected["input_ids"][0].tolist() and sample.rollout_log_probs is None
+    assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == expected["image_grid_thw"].tolist()
+    assert sample.multimodal_train_inputs["pixel_values"].equal(expected["pixel_values"])
+    assert len(mask_runs(sample.loss_mask)) == 3 and all(
+        sample.tokens[i] != pad for i, m in enumerate(sample.loss_mask, sample.prompt_length) if m)
