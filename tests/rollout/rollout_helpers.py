@@ -3,14 +3,35 @@ and small scripted environments."""
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
+
+from PIL import Image, ImageDraw
 
 from envs.base import BaseInteractionEnv, RetryableEnvError
 from slime_mt.config import DataConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.context import RolloutContext
+from slime_mt.rollout.multi_turn import run_episode
+from slime_mt.types import Sample, Status
+
+# Real Qwen token ids that the chain models (``chain_model``) emit, and a tool-use conversation for them
+THINK, END_THINK, EOT, NL, NL2 = 151667, 151668, 151645, 198, 271  # <think> </think> <|im_end|> "\n" "\n\n"
+LET, ME, CHECK, CALLING, TOOL = 10061, 752, 1779, 48853, 5392
+DIRECT, ANS, WER, ANSWER = 16027, 8099, 6566, 4226  # " ans" + "wer": a non-canonical split of " answer"
+THINKING = {NL: [THINK], THINK: [LET], LET: [ME], ME: [CHECK], CHECK: [END_THINK], END_THINK: [NL2],
+            NL2: [CALLING], CALLING: [TOOL], TOOL: [EOT]}  # "<think>Let me check</think>\n\nCalling tool"
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
+PROMPT = [{"role": "system", "content": "You are a careful solver."},
+          {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
+RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
 
 
 class RecordingClient(EngineClient):
@@ -32,6 +53,45 @@ def make_ctx(url, model_path, data=None, **rollout) -> RolloutContext:
                          RolloutConfig(**rollout), data or DataConfig(apply_chat_template=True), argparse.Namespace())
     ctx.args.rollout_context = ctx
     return ctx
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_in_megatron(tmp_path, payload: dict) -> dict:
+    """One Megatron train step (TP=1, a real worker process) on a saved payload: {"path", "samples",
+    "advantages"} and optionally "algo" and "prompts_per_step" (megatron_worker's train_file check)."""
+    import torch
+
+    out = tmp_path / "samples.pt"
+    torch.save(payload, out)
+    proc = subprocess.run([sys.executable, str(REPO / "tests/backends/megatron_worker.py"), "--tp", "1",
+                           "--checks", "train_file", "--samples", str(out), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
+
+
+def picture(seed):
+    image = Image.new("RGB", (70 + 14 * seed, 56), (40 * seed % 256, 90, 160))
+    ImageDraw.Draw(image).ellipse([5, 5, 40, 40], outline=(255, 255, 255))
+    return image
+
+
+def image_episode(farm, model_path, kind, turns, **rollout):
+    """A tiny VLM episode of ``turns`` turns: ``picture(1)`` in the prompt, ``picture(k + 2)`` in the
+    k-th observation; short outputs (every fifth token id stops). -> (ctx, sample), COMPLETED."""
+    target = farm.target(f"{kind.replace('-', '').replace('.', '')}-direct", model_path)
+    ctx = make_ctx(target.url, target.model_path, max_turns=turns, rollout_max_response_len=40,
+                   rollout_max_context_len=8192, rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT], **rollout)
+    prompt = [{"role": "user", "content": [{"type": "image", "image": picture(1)},
+                                           {"type": "text", "text": "Describe the shapes you are shown."}]}]
+    observations = [{"text": f"Now this one ({k}).", "images": [picture(k + 2)]} for k in range(turns - 1)]
+    sample = Sample(index=0, group_index=0, prompt=prompt, metadata={"rollout_id": 0})
+    asyncio.run(run_episode(ctx, sample, dict(ctx.sampling_params(), temperature=0.7),
+                            env=ScriptedEnv(observations, done_after=turns)))
+    assert sample.status == Status.COMPLETED and len(sample.turns) == turns, sample.metadata
+    return ctx, sample
 
 
 class ScriptedEnv(BaseInteractionEnv):

@@ -7,17 +7,13 @@ Qwen3 runs with its real tokenizer and official template (from the qwen-token-co
 """
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from rollout_helpers import ScriptedEnv, chain_model, make_ctx
+from rollout_helpers import (ANS, ANSWER, CALLING, CHECK, DIRECT, END_THINK, EOT, LET, ME, NL, NL2, PROMPT, RESULTS,
+                              THINK, THINKING, TOOL, TOOLS, WER, ScriptedEnv, chain_model, image_episode, make_ctx, picture,
+                              train_in_megatron)
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.config import ConfigError, DataConfig, build_config
@@ -30,19 +26,7 @@ from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
 
-REPO = Path(__file__).resolve().parents[2]
-THINK, END_THINK, EOT, NL, NL2 = 151667, 151668, 151645, 198, 271
-LET, ME, CHECK, CALLING, TOOL = 10061, 752, 1779, 48853, 5392
-DIRECT, ANS, WER, ANSWER = 16027, 8099, 6566, 4226  # " ans" + "wer": a non-canonical split of " answer"
-THINKING = {NL: [THINK], THINK: [LET], LET: [ME], ME: [CHECK], CHECK: [END_THINK], END_THINK: [NL2],
-            NL2: [CALLING], CALLING: [TOOL], TOOL: [EOT]}
 SOMETIMES = {**THINKING, NL: [THINK, DIRECT], DIRECT: [ANS], ANS: [WER], WER: [EOT]}
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
-PROMPT = [{"role": "system", "content": "You are a careful solver."},
-          {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
-RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -199,19 +183,8 @@ def test_window_and_a_user_policy_give_exact_steps(chain_engines, reference, pol
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
 def test_keep_last_images_sends_and_trains_exactly_the_kept_image(farm, tiny_paths, kind, tmp_path):
-    from test_multi_turn import picture
-
-    target = farm.target(f"{kind.replace('-', '').replace('.', '')}-direct", tiny_paths[kind])
-    ctx = make_ctx(target.url, target.model_path, max_turns=4, rollout_max_response_len=40,
-                   rollout_max_context_len=8192, rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT],
-                   context_policy="keep_last_images:1", sample_format="step_wise")
-    prompt = [{"role": "user", "content": [{"type": "image", "image": picture(1)},
-                                           {"type": "text", "text": "Describe the shapes you are shown."}]}]
-    observations = [{"text": f"Now this one ({k}).", "images": [picture(k + 2)]} for k in range(3)]
-    sample = Sample(index=0, group_index=0, prompt=prompt, metadata={"rollout_id": 0})
-    asyncio.run(run_episode(ctx, sample, dict(ctx.sampling_params(), temperature=0.7),
-                            env=ScriptedEnv(observations, done_after=4)))
-    assert sample.status == Status.COMPLETED and len(sample.turns) == 4, sample.metadata
+    ctx, sample = image_episode(farm, tiny_paths[kind], kind, 4, context_policy="keep_last_images:1",
+                                sample_format="step_wise")
     processor = load_tokenizer_or_processor(tiny_paths[kind])
     pad = processor.image_token_id
     steps, _ = finalize([sample], "step_wise", merge=False)
@@ -226,14 +199,8 @@ def test_keep_last_images_sends_and_trains_exactly_the_kept_image(farm, tiny_pat
         assert sample.turns[k].image_indices == (None if k == 0 else [k])
         if k:
             assert "[image omitted]" in processor.tokenizer.decode(step.prompt_ids)
-    out = tmp_path / "steps.pt"
-    torch.save({"path": str(tiny_paths[kind]), "samples": steps,
-                "advantages": compute_advantages(steps, "dr_grpo")}, out)
-    proc = subprocess.run([sys.executable, str(REPO / "tests/backends/megatron_worker.py"), "--tp", "1",
-                           "--checks", "train_file", "--samples", str(out), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    trained = json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
+    trained = train_in_megatron(tmp_path, {"path": str(tiny_paths[kind]), "samples": steps,
+                                           "advantages": compute_advantages(steps, "dr_grpo")})
     assert trained["sequences"] == 4 and trained["finite"] and trained["grad_norm"] > 0
 
 

@@ -10,21 +10,14 @@ import math
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
-from rollout_helpers import ScriptedEnv, make_ctx
+from rollout_helpers import ScriptedEnv, make_ctx, picture
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
 
 # ids that end a turn for the random tiny models: ~6% of the vocabulary plus <|im_end|>
 RANDOM_STOPS = list(range(3, 151643, 16)) + [151645]
-
-
-def picture(seed):
-    image = Image.new("RGB", (70 + 14 * seed, 56), (40 * seed % 256, 90, 160))
-    ImageDraw.Draw(image).ellipse([5, 5, 40, 40], outline=(255, 255, 255))
-    return image
 
 
 CASES = {

@@ -8,17 +8,14 @@ think first, so re-tokenization drift has a known size.
 """
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rollout_helpers import ScriptedEnv, chain_model, make_ctx
+from rollout_helpers import (ANS, CALLING, CHECK, DIRECT, END_THINK, EOT, LET, ME, NL, NL2, PROMPT, RESULTS, THINK,
+                              THINKING, TOOL, TOOLS, WER, ScriptedEnv, chain_model, image_episode, make_ctx, picture,
+                              train_in_megatron)
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
@@ -30,20 +27,9 @@ from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.tokenization import mask_runs
 from slime_mt.types import Sample, Status
 
-REPO = Path(__file__).resolve().parents[2]
-THINK, END_THINK, EOT, NL, NL2, OBS_END = 151667, 151668, 151645, 198, 271, 397  # 397: ">\n"
-LET, ME, CHECK, CALLING, TOOL = 10061, 752, 1779, 48853, 5392
-DIRECT, ANS, WER, ANSWER = 16027, 8099, 6566, 4226
+OBS_END = 397  # ">\n", the last token of the default observation template
 DIRECT_ANSWER = {NL: [DIRECT], OBS_END: [DIRECT], DIRECT: [ANS], ANS: [WER], WER: [EOT]}
 EITHER = {**DIRECT_ANSWER, NL: [DIRECT, CALLING], CALLING: [TOOL], TOOL: [EOT]}
-THINKING = {NL: [THINK], THINK: [LET], LET: [ME], ME: [CHECK], CHECK: [END_THINK], END_THINK: [NL2],
-            NL2: [CALLING], CALLING: [TOOL], TOOL: [EOT]}
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
-PROMPT = [{"role": "system", "content": "You are a careful solver."},
-          {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
-RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
 TEMPLATES = {"qwen2.5": lambda: qwen_tokenizer_dir("qwen2.5"), "qwen3": qwen3_reference_tokenizer_dir}
 
 
@@ -218,15 +204,10 @@ def test_retokenized_concat_samples_train_with_recomputed_old_log_probs(engines,
         sample.group_index, sample.reward = k, float(k)
     train, _ = finalize(samples, "concat", merge=False)
     assert all(s.rollout_log_probs is None for s in train)
-    out = tmp_path / "samples.pt"
     # two groups, one per optimizer step: the old log-probs are recomputed before the first
-    torch.save({"path": str(tiny_paths["qwen3"]), "samples": train, "prompts_per_step": 1,
-                "advantages": compute_advantages(train, "dr_grpo"), "algo": {"use_tis": False}}, out)
-    proc = subprocess.run([sys.executable, str(REPO / "tests/backends/megatron_worker.py"), "--tp", "1",
-                           "--checks", "train_file", "--samples", str(out), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    trained = json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
+    trained = train_in_megatron(tmp_path, {"path": str(tiny_paths["qwen3"]), "samples": train, "prompts_per_step": 1,
+                                           "advantages": compute_advantages(train, "dr_grpo"),
+                                           "algo": {"use_tis": False}})
     assert trained["optimizer_steps"] == 2 and trained["finite"] and trained["grad_norm"] > 0
     assert "train/train_rollout_logprob_abs_diff" not in trained["metrics"]  # nothing to compare with
 
@@ -267,27 +248,15 @@ def test_tis_with_retokenized_step_wise_samples_is_allowed():
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
 def test_retokenize_with_images_sends_every_image_and_trains_the_render(farm, tiny_paths, kind):
-    from test_multi_turn import picture
-
     from slime_mt.engine.images import encode_image
     from slime_mt.processing import load_tokenizer_or_processor
 
-    target = farm.target(f"{kind.replace('-', '').replace('.', '')}-direct", tiny_paths[kind])
-    ctx = make_ctx(target.url, target.model_path, max_turns=3, rollout_max_response_len=40,
-                   rollout_max_context_len=8192, rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT],
-                   retokenize_chat_history=True)
-    prompt = [{"role": "user", "content": [{"type": "image", "image": picture(1)},
-                                           {"type": "text", "text": "Describe the shapes you are shown."}]}]
-    observations = [{"text": f"Now this one ({k}).", "images": [picture(k + 2)]} for k in range(2)]
-    sample = Sample(index=0, group_index=0, prompt=prompt, metadata={"rollout_id": 0})
-    asyncio.run(run_episode(ctx, sample, dict(ctx.sampling_params(), temperature=0.7),
-                            env=ScriptedEnv(observations, done_after=3)))
-    assert sample.status == Status.COMPLETED and len(sample.turns) == 3, sample.metadata
+    ctx, sample = image_episode(farm, tiny_paths[kind], kind, 3, retokenize_chat_history=True)
     sample.validate()
     processor = load_tokenizer_or_processor(tiny_paths[kind])
     pad = processor.image_token_id
     pictures = [picture(k + 1) for k in range(3)]
-    messages = list(prompt)
+    messages = list(sample.prompt)
     for k, call in enumerate(ctx.client.calls):
         assert call["image_data"] == [encode_image(p) for p in pictures[:k + 1]], k  # every image of the history
         assert call["input_ids"].count(pad) == k + 1, k
