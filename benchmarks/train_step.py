@@ -5,10 +5,11 @@
 
 Both sides run the same RL loss (PPO surrogate on the response tokens, token_mean) and an Adam step
 on SmolLM2-135M-Instruct (fp32, or --bf16), on 8 sequences of a multi-turn length mix (packed into
-rows of --row-tokens; the CPU attention materialises [L, L] scores, so rows stay short here);
-tokens/s counts forward+backward tokens. Every rank prints its peak RSS after building the actor,
-after a weight export and after one train step (on CPU the step's peak is dominated by the dense
-[L, L] attention scores of packed rows).
+rows of --row-tokens); tokens/s counts forward+backward tokens. Megatron runs with each
+``--local-attention`` in turn: ``fused`` (PyTorch's fused kernels per packed sequence) and
+``megatron`` (DotProductAttention: [L, L] scores per packed row). Every rank prints its peak RSS
+after building the actor, after a weight export and after one train step (peak RSS only grows in a
+process, so the second attention's figures include the first's).
 (SmolLM2-135M has 9 heads and 3 key/value heads: TP must divide both, so TP=3 is its smallest TP > 1.)
 
 Packing: a mix of 256 trajectories packed first-fit into rows of --pack-tokens (a GPU-sized budget):
@@ -91,29 +92,36 @@ def main():
     samples = batch(args.sequences)
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens, bf16=args.bf16),
-                          AlgoConfig(), info)
-    built = peak_rss_mb()
-    for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
-        pass
-    exported = peak_rss_mb()
-    actor.train(samples, advantages, prompts_per_step=len(samples))  # warm-up
-    trained = peak_rss_mb()
-    mega = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        actor.train(samples, advantages, prompts_per_step=len(samples))
-        mega.append(time.perf_counter() - start)
-    for rank in range(info.world_size):
-        if rank == info.rank:
-            print(f"rank {rank}: peak RSS after build {built:.0f} MB, after a weight export {exported:.0f} MB "
-                  f"(+{exported - built:.0f}), after a train step {trained:.0f} MB", flush=True)
-        dist.barrier()
-    m = tokens / statistics.median(mega)
+    throughput = {}
+    for attention in ("megatron", "fused"):
+        actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens,
+                                                     bf16=args.bf16, local_attention=attention), AlgoConfig(), info)
+        built = peak_rss_mb()
+        for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
+            pass
+        exported = peak_rss_mb()
+        actor.train(samples, advantages, prompts_per_step=len(samples))  # warm-up
+        trained = peak_rss_mb()
+        mega = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            actor.train(samples, advantages, prompts_per_step=len(samples))
+            mega.append(time.perf_counter() - start)
+        for rank in range(info.world_size):
+            if rank == info.rank:
+                print(f"rank {rank} ({attention} attention): peak RSS after build {built:.0f} MB, after a weight "
+                      f"export {exported:.0f} MB (+{exported - built:.0f}), after a train step {trained:.0f} MB",
+                      flush=True)
+            dist.barrier()
+        throughput[attention] = tokens / statistics.median(mega)
+        if info.rank == 0:
+            print(f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / "
+                  f"{tokens} tokens: Megatron TP={tp}, {attention} attention: {throughput[attention]:.0f} tok/s",
+                  flush=True)
+        del actor
+    m = throughput["fused"]
     if info.rank == 0:
-        print(f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / {tokens} "
-              f"tokens: Megatron TP={tp} {m:.0f} tok/s", flush=True)
-    del actor
+        print(f"fused / megatron attention: {throughput['fused'] / throughput['megatron']:.2f}x")
     if tp == 1:
         from transformers import AutoModelForCausalLM
 
@@ -127,7 +135,8 @@ def main():
             hf_step(model, optimizer, samples, advantages)
             hf.append(time.perf_counter() - start)
         h = tokens / statistics.median(hf)
-        print(f"transformers {h:.0f} tok/s, Megatron / transformers {m / h:.2f}x")
+        print(f"transformers {h:.0f} tok/s, Megatron (fused) / transformers {m / h:.2f}x, Megatron (megatron "
+              f"attention) / transformers {throughput['megatron'] / h:.2f}x")
     if info.rank == 0:
         mix = length_mix(256)
         lengths = [p + r for p, r in mix]

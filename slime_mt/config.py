@@ -176,6 +176,9 @@ class TrainConfig:
     freeze_vision_tower: bool = _opt(True, "VLMs: keep the vision tower frozen.")
     sft: bool = _opt(False, "Train with the supervised loss on loss-masked tokens.")
     bf16: bool = _opt(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
+    local_attention: str = _opt(
+        "fused", "Core attention without Transformer Engine: PyTorch's fused kernels per packed sequence, or "
+        "Megatron's DotProductAttention (materialises [L, L] scores; the reference).", choices=["fused", "megatron"])
 
 
 @dataclass

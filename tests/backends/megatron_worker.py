@@ -94,9 +94,9 @@ def is_main(info) -> bool:
 # ---------------------------------------------------------------- HF parity per family
 
 def check_families(args, info, out):
-    """Megatron logits vs transformers (eager attention: the same fp32 arithmetic; and an fp64
-    reference, against which transformers' own fp32 error is the bound), and Megatron -> HF export
-    equal to the checkpoint."""
+    """Megatron logits vs transformers (its SDPA attention: the same fp32 arithmetic as the fused core
+    attention; eager; and an fp64 reference, against which transformers' own fp32 error is the
+    bound), and Megatron -> HF export equal to the checkpoint."""
     paths = {"smollm2": smollm2_dir(), **{k: tiny_model_dir(k) for k in FAMILIES}}
     result = {}
     for kind, path in paths.items():
@@ -107,7 +107,8 @@ def check_families(args, info, out):
             with torch.no_grad():
                 mg, e, s, r = megatron_logits(actor, sample), hf_logits(eager, sample), hf_logits(sdpa, sample), \
                     hf_logits(fp64, sample)
-            rows.append({"vs_eager": float((mg - e).abs().max()), "vs_fp64": float((mg.double() - r).abs().max()),
+            rows.append({"vs_eager": float((mg - e).abs().max()), "vs_sdpa": float((mg - s).abs().max()),
+                         "vs_fp64": float((mg.double() - r).abs().max()),
                          "hf_fp32_vs_fp64": float((e.double() - r).abs().max()),
                          "hf_eager_vs_sdpa": float((e - s).abs().max()), "max_abs_logit": float(r.abs().max())})
         exported = actor.export_hf()
@@ -183,6 +184,44 @@ def check_matrix(args, info, out):
                         "grad_norm": step["train/grad_norm"], "replicated_spread": spread, "weights": weights},
                        Path(args.out) / f"matrix_tp{info.tp_size}_{kind}.pt")
     out["matrix"] = "saved"
+
+
+def check_attention(args, info, out):
+    """Per family: the fused core attention vs Megatron's DotProductAttention on one packed row of the
+    matrix batch (every sequence in it): log-probs, entropies, loss and this rank's gradient shards
+    (largest differences over the TP ranks), and the layout each packs with."""
+    from slime_mt.backends.megatron.attention import Segments
+
+    result = {}
+    for kind in FAMILIES:
+        path = tiny_model_dir(kind)
+        samples = matrix_batch(path, kind)
+        everything = list(range(len(samples)))
+        got = {}
+        for attention in ("fused", "megatron"):
+            actor = MegatronActor(str(path), TrainConfig(lr=1e-5, micro_batch_size=len(samples),
+                                                         local_attention=attention), ALGO, info, temperature=TEMPERATURE)
+            row = actor.pack(samples, everything)
+            with torch.no_grad():
+                lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
+            sums = actor.accumulate_gradients(samples, everything, ADVANTAGES)
+            grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
+            got[attention] = {"lp": lp, "ent": ent, "loss": sums["loss"], "grads": grads,
+                              "segments": isinstance(row.attention_mask, Segments)}
+            del actor
+        fused, reference = got["fused"], got["megatron"]
+        diffs = torch.tensor([
+            float((fused["lp"] - reference["lp"]).abs().max()), float((fused["ent"] - reference["ent"]).abs().max()),
+            abs(fused["loss"] - reference["loss"]),
+            max(float((fused["grads"][n] - g).abs().max()) for n, g in reference["grads"].items()),
+            max(float(g.abs().max()) for g in reference["grads"].values()), float(reference["ent"].abs().max())])
+        if info.world_size > 1:
+            dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        result[kind] = {"logprobs": float(diffs[0]), "entropy": float(diffs[1]), "loss": float(diffs[2]),
+                        "grads": float(diffs[3]), "max_grad": float(diffs[4]), "max_entropy": float(diffs[5]),
+                        "fused_packs_segments": fused["segments"],
+                        "reference_packs_segments": reference["segments"], "sequences": len(samples)}
+    out["attention"] = result
 
 
 def check_hf_reference(args, info, out):
@@ -588,10 +627,33 @@ def check_logprob_chunks(args, info, out):
         (lp.sum() + 0.1 * ent.sum()).backward()
         results[chunk] = (lp.detach(), ent.detach(), hidden.grad.clone(), max(saved))
     (lp1, e1, g1, _), (lp2, e2, g2, biggest) = results[300], results[64]
+    # the entropy as a metric only (no entropy term): the same values, log-prob gradients as without
+    # any entropy, and the entropy computed once per chunk (not again when backward recomputes it)
+    from slime_mt.backends.megatron import logprobs as module
+
+    calls, plain = [0], module._entropy_parts
+
+    def counted(*a):
+        calls[0] += 1
+        return plain(*a)
+
+    module._entropy_parts = counted
+    gradients = {}
+    for entropy, grad in (("metric", False), ("none", True)):
+        hidden.grad = None
+        lp, ent = hidden_logprobs(hidden, actor.policy.output_logits, targets, actor.spec.vocab_size, 0.7,
+                                  entropy == "metric", chunk=64, entropy_grad=grad)
+        lp.sum().backward()
+        gradients[entropy] = (ent, hidden.grad.clone())
+    module._entropy_parts = plain
+    metric, (_, no_entropy) = gradients["metric"], gradients["none"]
     out[f"logprob_chunks_tp{info.tp_size}"] = {
         "logprob_diff": float((lp1 - lp2).abs().max()), "entropy_diff": float((e1 - e2).abs().max()),
         "grad_diff": float((g1 - g2).abs().max()), "largest_saved": biggest, "chunk_logits": 64 * local_vocab,
-        "all_logits": 300 * local_vocab}
+        "all_logits": 300 * local_vocab, "metric_entropy_diff": float((metric[0] - e2).abs().max()),
+        "metric_entropy_requires_grad": bool(metric[0].requires_grad),
+        "metric_grad_diff": float((metric[1] - no_entropy).abs().max()), "metric_entropy_calls": calls[0],
+        "chunks": -(-300 // 64)}
 
 
 def check_gpu(args, info, out):
@@ -627,7 +689,7 @@ def check_gpu(args, info, out):
     out["gpu"] = result
 
 
-CHECKS = {"families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
+CHECKS = {"attention": check_attention, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
           "matrix": check_matrix, "hf_reference": check_hf_reference, "dp": check_dp, "bf16": check_bf16,
           "rope": check_rope, "sft": check_sft, "engine_fidelity": check_engine_fidelity,
           "checkpoint": check_checkpoint, "checkpoint_bf16": check_checkpoint_bf16,

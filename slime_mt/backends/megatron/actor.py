@@ -88,9 +88,11 @@ class MegatronActor:
             from slime_mt.backends.megatron.vlm import build_vlm
 
             model = build_vlm(self.hf_config, self.spec, reader, self.info.tp_size, self.info.tp_rank, self.dtype,
-                              self.device, self.te, freeze_vision=frozen or self.train_cfg.freeze_vision_tower)
+                              self.device, self.te, freeze_vision=frozen or self.train_cfg.freeze_vision_tower,
+                              attention=self.train_cfg.local_attention)
         else:
-            gpt = build_gpt(self.spec, self.info.tp_size, self.dtype, self.device, self.te)
+            gpt = build_gpt(self.spec, self.info.tp_size, self.dtype, self.device, self.te,
+                            self.train_cfg.local_attention)
             load_into(gpt, iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te))
             model = TextPolicy(gpt)
         if frozen:
@@ -104,17 +106,24 @@ class MegatronActor:
         """M-RoPE position function of a VLM policy (None for text models)."""
         return getattr(self.policy, "mrope_positions", None)
 
+    @property
+    def layout(self) -> str:
+        """How a packed row isolates its sequences: THD with Transformer Engine, else segments for the
+        fused attention or a dense mask for Megatron's."""
+        return "thd" if self.te else ("segments" if self.train_cfg.local_attention == "fused" else "dense")
+
     def pack(self, samples: list[TrainingSample], indices: list[int]) -> PackedRow:
-        """A packed row of ``samples[indices]`` on the trainer's device (THD with Transformer Engine)."""
-        return pack_row(samples, indices, self._mrope, thd=self.te).to(self.device)
+        """A packed row of ``samples[indices]`` on the trainer's device."""
+        return pack_row(samples, indices, self._mrope, self.layout).to(self.device)
 
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
-        """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens."""
+        """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens; the entropy
+        carries a gradient only when the loss has an entropy term."""
         extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw} if self._mrope else {}
         hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
         return hidden_logprobs(rows, module.output_logits, row.targets, self.spec.vocab_size, temperature,
-                               with_entropy, chunk=self.logit_chunk_rows)
+                               with_entropy, chunk=self.logit_chunk_rows, entropy_grad=self.algo.entropy_coef != 0)
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch

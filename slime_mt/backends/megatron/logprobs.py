@@ -10,7 +10,9 @@ as the engine does. The softmax is always computed in float32, whatever the mode
 ``hidden_logprobs`` starts from the decoder's hidden rows and projects one chunk of rows at a time;
 with gradients each chunk is checkpointed (its logits are recomputed in backward), so no more than
 one ``[chunk, V/tp]`` block of float32 logits exists at any time. The entropy has its own autograd
-function (see ``_VocabParallelEntropy``).
+function (see ``_VocabParallelEntropy``); when it is only a metric (``entropy_grad=False``: no
+entropy term in the loss) it is computed without a graph, once per chunk in the forward pass, and
+not again when backward recomputes the chunk.
 """
 
 from __future__ import annotations
@@ -48,10 +50,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shifted: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
-        log_p = shifted - log_z.unsqueeze(-1)  # [C, V/tp]
-        p = torch.exp(log_p)
-        local = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
-        entropy = _all_reduce_sum_no_grad(local)
+        p, log_p, entropy = _entropy_parts(shifted, log_z)
         ctx.save_for_backward(p, log_p, entropy)
         return entropy
 
@@ -60,6 +59,14 @@ class _VocabParallelEntropy(torch.autograd.Function):
         p, log_p, entropy = ctx.saved_tensors
         log_p = torch.where(p > 0, log_p, torch.zeros_like(log_p))
         return -p * (log_p + entropy.unsqueeze(-1)) * grad.unsqueeze(-1), None
+
+
+def _entropy_parts(shifted: torch.Tensor, log_z: torch.Tensor):
+    """(p, log p, entropy [C]) of softmax over the sharded vocabulary, from max-shifted logits."""
+    log_p = shifted - log_z.unsqueeze(-1)  # [C, V/tp]
+    p = torch.exp(log_p)
+    local = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    return p, log_p, _all_reduce_sum_no_grad(local)
 
 
 def _all_reduce_sum_no_grad(x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +79,11 @@ def _all_reduce_sum_no_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, chunk: int = 1024, entropy_grad: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits [T, V/tp]`` (this rank's vocab slice), ``targets [T]`` (global ids) ->
-    (log-probs ``[T]``, entropy ``[T]`` or None). ``vocab_size``: real vocabulary (padded rows masked)."""
+    (log-probs ``[T]``, entropy ``[T]`` or None). ``vocab_size``: real vocabulary (padded rows masked).
+    ``entropy_grad``: the entropy carries a gradient (else it is a detached metric)."""
     rank, tp = _tp_group_info()
     local = logits.shape[-1]
     start = rank * local
@@ -91,27 +100,37 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
         local_index = (t - start).clamp(0, local - 1)
         picked = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) * owned
         logprob_chunks.append(_reduce_sum(picked) - log_z)
-        if with_entropy:
+        if with_entropy and entropy_grad:
             entropy_chunks.append(_VocabParallelEntropy.apply(shifted, log_z.detach()))
+        elif with_entropy:
+            with torch.no_grad():
+                entropy_chunks.append(_entropy_parts(shifted, log_z)[2])
     logprobs = torch.cat(logprob_chunks) if logprob_chunks else logits.new_zeros(0)
     entropy = torch.cat(entropy_chunks) if with_entropy and entropy_chunks else None
     return logprobs, entropy
 
 
 def hidden_logprobs(hidden: torch.Tensor, project, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, chunk: int = 1024, entropy_grad: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [T, H]`` (the rows whose next token is scored), ``project(hidden) -> [C, V/tp]``
-    (this rank's logits), ``targets [T]`` -> (log-probs ``[T]``, entropy ``[T]`` or None)."""
+    (this rank's logits), ``targets [T]`` -> (log-probs ``[T]``, entropy ``[T]`` or None).
+    ``entropy_grad=False``: the entropy is a detached metric, computed in the forward pass only."""
     from torch.utils.checkpoint import checkpoint
 
-    def score(h, t):
-        lp, ent = token_logprobs(project(h), t, vocab_size, temperature, with_entropy, chunk=h.shape[0] or 1)
+    scored: set[int] = set()  # chunks whose metric entropy exists (a backward recompute skips it)
+
+    def score(h, t, begin):
+        metric_due = with_entropy and not entropy_grad and begin not in scored
+        scored.add(begin)
+        lp, ent = token_logprobs(project(h), t, vocab_size, temperature, with_entropy and (entropy_grad or metric_due),
+                                 chunk=h.shape[0] or 1, entropy_grad=entropy_grad)
         return (lp, ent) if ent is not None else (lp,)
 
     logprob_chunks, entropy_chunks = [], []
     for begin in range(0, hidden.shape[0], chunk):
         h, t = hidden[begin:begin + chunk], targets[begin:begin + chunk]
-        out = checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t)
+        out = checkpoint(score, h, t, begin, use_reentrant=False) if torch.is_grad_enabled() else score(h, t, begin)
         logprob_chunks.append(out[0])
         if with_entropy:
             entropy_chunks.append(out[1])

@@ -188,18 +188,32 @@ def mark_tensor_parallel(model: torch.nn.Module) -> None:
                 set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
-def layer_spec(spec: DecoderSpec, te: bool):
+ATTENTION = ("fused", "megatron")
+
+
+def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused"):
+    """Transformer Engine's layer spec, else Megatron's local one with ``attention``: ``fused``
+    (``attention.FusedCoreAttention``, PyTorch's fused kernels, no ``[L, L]`` scores) or ``megatron``
+    (its ``DotProductAttention``, which materialises them; kept as the reference)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}: use one of {ATTENTION}")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if attention == "fused":
+        from slime_mt.backends.megatron.attention import FusedCoreAttention
+
+        layer.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+    return layer
 
 
 def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-              te: bool | None = None):
+              te: bool | None = None, attention: str = "fused"):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
-    ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set."""
+    ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
+    ``attention``: the core attention without Transformer Engine (``layer_spec``)."""
     from megatron.core.models.gpt import GPTModel
 
     from slime_mt.backends.megatron.parallel import current_device
@@ -208,7 +222,7 @@ def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, de
     te = have_transformer_engine() if te is None else te
     config = transformer_config(spec, tp, dtype)
     with torch.device(device):
-        model = GPTModel(config, layer_spec(spec, te), vocab_size=padded_vocab(spec.vocab_size, tp),
+        model = GPTModel(config, layer_spec(spec, te, attention), vocab_size=padded_vocab(spec.vocab_size, tp),
                          max_sequence_length=spec.max_positions, pre_process=True, post_process=True,
                          share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="mrope")
     model.rotary_pos_emb = PositionRotary(spec.inv_freq, spec.mrope_section, spec.mrope_interleaved, device=device)

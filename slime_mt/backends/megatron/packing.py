@@ -5,11 +5,15 @@ For a row of sequences s_1..s_n laid end to end (``L = sum len(s_i)``): ``tokens
 for the response tokens: the row positions whose logits predict them (``logit_index [T]``), the
 targets (``targets [T]``) and the sequence each belongs to (``seq_ids [T]``).
 
-Sequences are isolated in one of two ways: with Transformer Engine, THD packing
-(``packed_seq_params``: cumulative lengths, the attention kernel restarts causality per sequence);
-otherwise a dense block-diagonal causal mask ``attention_mask [1, 1, L, L]`` (True where attention is
-NOT allowed, Megatron's convention), whose cost grows with L^2 while only
-``useful_attention_fraction`` of its entries are inside a sequence.
+Sequences are isolated in one of three ways (``layout``):
+  ``thd``       Transformer Engine's THD packing (``packed_seq_params``: cumulative lengths, the kernel
+                restarts causality per sequence);
+  ``segments``  ``attention.Segments(lengths)`` in place of the mask, for ``FusedCoreAttention``: one
+                fused causal kernel per sequence, no ``[L, L]`` tensor at all;
+  ``dense``     a block-diagonal causal mask ``attention_mask [1, 1, L, L]`` (True where attention is
+                NOT allowed, Megatron's convention) for Megatron's ``DotProductAttention``, whose cost
+                grows with L^2 while only ``useful_attention_fraction`` of its entries are inside a
+                sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_mt.backends.megatron.attention import Segments
 from slime_mt.types import TrainingSample
 
 
@@ -26,7 +31,7 @@ from slime_mt.types import TrainingSample
 class PackedRow:
     tokens: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L] or [3, 1, L]
-    attention_mask: torch.Tensor | None  # [1, 1, L, L] bool, True = masked (None with THD packing)
+    attention_mask: torch.Tensor | Segments | None  # dense [1, 1, L, L] bool (True = masked), Segments, or None (THD)
     logit_index: torch.Tensor  # [T] row position whose logits predict each response token
     targets: torch.Tensor  # [T]
     seq_ids: torch.Tensor  # [T] index into the packed sequences
@@ -63,10 +68,16 @@ def _thd_params(lengths: list[int], device: torch.device | None = None):
                            max_seqlen_kv=longest)
 
 
-def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None, thd: bool = False) -> PackedRow:
+LAYOUTS = ("segments", "dense", "thd")
+
+
+def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None,
+             layout: str = "segments") -> PackedRow:
     """Pack ``samples[i] for i in indices`` into one row (on the CPU; ``PackedRow.to`` moves it).
     ``mrope_positions(sample) -> [3, len]`` gives M-RoPE positions for VLM sequences (None for text
-    models). ``thd``: isolate sequences with THD packing instead of a dense mask."""
+    models). ``layout``: how sequences are isolated (module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
     tokens, positions, logit_index, targets, seq_ids, lengths = [], [], [], [], [], []
     pixels, grids = [], []
     offset = 0
@@ -86,7 +97,8 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
             pixels.append(s.multimodal_train_inputs["pixel_values"])
             grids.append(s.multimodal_train_inputs["image_grid_thw"])
         offset += n
-    mask = None if thd else block_causal_mask(lengths)[None, None]
+    mask = Segments(tuple(lengths)) if layout == "segments" else \
+        block_causal_mask(lengths)[None, None] if layout == "dense" else None
     position_ids = torch.cat(positions, dim=-1)  # [1, L] or [3, L]
     position_ids = position_ids.unsqueeze(1) if mrope_positions else position_ids
     return PackedRow(
@@ -95,7 +107,7 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
         targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
         seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices), lengths=lengths,
         pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
-        packed_seq_params=_thd_params(lengths) if thd else None)
+        packed_seq_params=_thd_params(lengths) if layout == "thd" else None)
 
 
 def block_causal_mask(lengths: list[int]) -> torch.Tensor:

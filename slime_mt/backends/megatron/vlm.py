@@ -107,7 +107,8 @@ class VLMPolicy(TextPolicy):
 
 
 def build_vlm(hf_config: dict, spec: DecoderSpec, reader: CheckpointReader, tp: int, rank: int,
-              dtype: torch.dtype, device: torch.device, te: bool, freeze_vision: bool = True) -> VLMPolicy:
+              dtype: torch.dtype, device: torch.device, te: bool, freeze_vision: bool = True,
+              attention: str = "fused") -> VLMPolicy:
     """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
     rank's Megatron decoder."""
     import transformers
@@ -123,7 +124,7 @@ def build_vlm(hf_config: dict, spec: DecoderSpec, reader: CheckpointReader, tp: 
     if missing or unexpected:
         raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
     visual.to(device=device)
-    gpt = build_gpt(spec, tp, dtype, device, te)
+    gpt = build_gpt(spec, tp, dtype, device, te, attention)
     load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te))
     policy = VLMPolicy(visual, gpt, spec, int(hf_config["image_token_id"]), vision_prefix,
                        rope_index_function(config, hf_config["model_type"]))

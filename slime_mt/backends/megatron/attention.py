@@ -1,0 +1,91 @@
+"""Core attention on PyTorch's fused kernels, for the layer spec without Transformer Engine.
+
+Megatron's local ``DotProductAttention`` materialises the ``[b, heads, L, L]`` scores of a packed row
+(plus an ``[L, L]`` mask), so its cost and memory grow with the square of the row, not of its
+sequences. ``FusedCoreAttention`` takes the same inputs and computes the same result with
+``torch.nn.functional.scaled_dot_product_attention`` (the flash / memory-efficient kernels on CPU and
+CUDA), never holding the scores:
+
+  ``Segments`` (a packed row of independent sequences)  one causal SDPA call per sequence
+  a boolean mask ``[1, 1, L, L]`` (True = masked)        one SDPA call with that mask
+
+Shapes follow Megatron: ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` (``ng`` key/value
+groups, repeated to the ``np`` heads of this tensor-parallel rank), output ``[sq, b, np * hn]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The attention layout of a packed row: sequences of ``lengths`` laid end to end, each causal
+    and blind to the others. Passed where Megatron passes ``attention_mask``; it holds no tensor."""
+
+    lengths: tuple[int, ...]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.lengths:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def to(self, *args, **kwargs) -> Segments:  # PackedRow.to moves tensors; a layout has none
+        return self
+
+
+class FusedCoreAttention(MegatronModule):
+    """Drop-in ``core_attention`` for Megatron's local layer spec (see the module docstring)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if pg_collection is not None:
+            tp = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(f"TP size {tp} must divide {config.num_attention_heads} heads and "
+                             f"{config.num_query_groups} key/value groups")
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        head_dim = config.kv_channels
+        scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("FusedCoreAttention takes a Segments layout or a boolean mask, not packed_seq_params "
+                             "or an attention bias (those are the Transformer Engine path's)")
+        sq, b = query.shape[:2]
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
+        if self.heads != self.groups:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        if isinstance(attention_mask, Segments):
+            if sum(attention_mask.lengths) != sq:
+                raise ValueError(f"segments cover {sum(attention_mask.lengths)} tokens but the row has {sq}")
+            parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout,
+                                                    is_causal=True, scale=self.scale)
+                     for a, e in attention_mask.bounds()]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        elif isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout,
+                                                 scale=self.scale)
+        else:
+            raise ValueError(f"FusedCoreAttention needs a Segments layout or a boolean mask, got "
+                             f"{type(attention_mask).__name__}")
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * out.shape[-1])  # [sq, b, np * hn]
