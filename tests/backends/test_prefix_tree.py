@@ -1,0 +1,80 @@
+"""Prefix-tree packing (``prefix_tree.build_tree``): a property test over random tries, and a real
+model whose logits on the tree row, gathered per path, equal its logits on each sequence alone."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slime_mt.backends.megatron.prefix_tree import build_tree
+
+# sequences over a 3-token alphabet share prefixes often
+SEQUENCES = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=6)
+
+
+def ancestors(tree, node):
+    chain = []
+    while node >= 0:
+        chain.append(node)
+        node = tree.parents[node]
+    return set(chain)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(SEQUENCES)
+def test_every_path_spells_its_sequence_and_each_prefix_is_one_node(sequences):
+    tree = build_tree(sequences)
+    prefixes = {tuple(seq[:k + 1]) for seq in sequences for k in range(len(seq))}
+    assert tree.num_nodes == len(prefixes) and tree.num_sequence_tokens == sum(map(len, sequences))
+    for seq, path in zip(sequences, tree.paths):
+        assert [tree.tokens[n] for n in path] == seq
+        assert [tree.positions[n] for n in path] == list(range(len(seq)))
+        assert [tree.parents[n] for n in path] == [-1] + path[:-1]
+    assert all(parent < node for node, parent in enumerate(tree.parents))  # parents first: causal order
+    mask = tree.mask()
+    for node in range(tree.num_nodes):  # a node sees exactly its ancestors and itself
+        assert set(torch.nonzero(~mask[node]).flatten().tolist()) == ancestors(tree, node)
+
+
+def test_keys_decide_sharing_and_positions_must_agree():
+    pad = 7
+    # the same pad ids holding different images must not share; equal images do
+    tree = build_tree([[1, pad, pad, 2], [1, pad, pad, 3], [1, pad, pad, 2]],
+                      keys=[[1, (pad, "a", 0), (pad, "a", 1), 2], [1, (pad, "b", 0), (pad, "b", 1), 3],
+                            [1, (pad, "a", 0), (pad, "a", 1), 2]])
+    assert tree.num_nodes == 1 + 2 + 1 + 2 + 1
+    assert tree.paths[0] == tree.paths[2] and tree.paths[0][1] != tree.paths[1][1]
+    with pytest.raises(ValueError, match="positions must depend on the prefix only"):
+        build_tree([[1, 2], [1, 2]], positions=[[0, 1], [0, 5]])
+    with pytest.raises(ValueError, match="sequence 0: 2 tokens but 1 keys"):
+        build_tree([[1, 2]], keys=[[1]])
+    with pytest.raises(ValueError, match="no context"):
+        build_tree([[1, 2]]).logit_nodes(0, 0, 2)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_a_model_on_the_tree_row_gives_each_sequence_its_own_logits(tiny_paths, kind):
+    """A GRPO-like group (a shared prompt, different responses) and step-wise-like sequences (one
+    extending another, one branching early): logits at each path's nodes == the sequence alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths[kind]), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(100, 20000, (n,), generator=g).tolist()  # noqa: E731
+    prompt = ids(24)
+    group = [prompt + ids(6) for _ in range(4)]
+    steps = [prompt + ids(5)]
+    steps += [steps[0] + ids(7), prompt[:9] + ids(4)]
+    sequences = group + steps
+    tree = build_tree(sequences)
+    assert tree.num_nodes == 24 + 4 * 6 + 5 + 7 + 4 < tree.num_sequence_tokens
+    additive = torch.zeros(tree.num_nodes, tree.num_nodes).masked_fill(tree.mask(), float("-inf"))
+    with torch.no_grad():
+        packed = model(input_ids=torch.tensor([tree.tokens]), attention_mask=additive[None, None],
+                       position_ids=torch.tensor([tree.positions])).logits[0]
+        for s, seq in enumerate(sequences):
+            alone = model(input_ids=torch.tensor([seq])).logits[0]
+            assert float((packed[tree.paths[s]] - alone).abs().max()) < 1e-5, s
+            # the logits that predict tokens 1..end are the path's nodes 0..end-1
+            assert tree.logit_nodes(s, 1, len(seq)) == tree.paths[s][:-1]
