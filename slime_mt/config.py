@@ -176,6 +176,9 @@ class TrainConfig:
     freeze_vision_tower: bool = _opt(True, "VLMs: keep the vision tower frozen.")
     sft: bool = _opt(False, "Train with the supervised loss on loss-masked tokens.")
     bf16: bool = _opt(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
+    shared_prefix_training: bool = _opt(
+        False, "Pack each micro-batch as a prefix tree: tokens shared by its sequences (a GRPO group's prompt, "
+        "step-wise histories) are computed once (text models, --local-attention fused, no Transformer Engine).")
     local_attention: str = _opt(
         "fused", "Core attention without Transformer Engine: PyTorch's fused kernels per packed sequence, or "
         "Megatron's DotProductAttention (materialises [L, L] scores; the reference).", choices=["fused", "megatron"])

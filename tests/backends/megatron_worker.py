@@ -186,42 +186,103 @@ def check_matrix(args, info, out):
     out["matrix"] = "saved"
 
 
+def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
+    """One packed forward (log-probs, entropies, the row's attention layout) and one gradient
+    accumulation (loss, this rank's gradient shards) of a fresh actor on ``samples`` in one row."""
+    from slime_mt.backends.megatron.attention import Segments
+
+    everything = list(range(len(samples)))
+    actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+    row = actor.pack(samples, everything)
+    with torch.no_grad():
+        lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
+    sums = actor.accumulate_gradients(samples, everything, advantages)
+    grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
+    return {"lp": lp, "ent": ent, "loss": sums["loss"], "grads": grads, "sums": sums, "row_tokens": row.num_real_tokens,
+            "segments": isinstance(row.attention_mask, Segments)}
+
+
+def compare(a: dict, b: dict, info) -> dict:
+    """Largest differences of two ``step_outputs`` over the TP ranks (and b's scale)."""
+    diffs = torch.tensor([
+        float((a["lp"] - b["lp"]).abs().max()), float((a["ent"] - b["ent"]).abs().max()), abs(a["loss"] - b["loss"]),
+        max(float((a["grads"][n] - g).abs().max()) for n, g in b["grads"].items()),
+        max(float(g.abs().max()) for g in b["grads"].values()), float(b["ent"].abs().max())])
+    if info.world_size > 1:
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return {"logprobs": float(diffs[0]), "entropy": float(diffs[1]), "loss": float(diffs[2]), "grads": float(diffs[3]),
+            "max_grad": float(diffs[4]), "max_entropy": float(diffs[5])}
+
+
 def check_attention(args, info, out):
     """Per family: the fused core attention vs Megatron's DotProductAttention on one packed row of the
     matrix batch (every sequence in it): log-probs, entropies, loss and this rank's gradient shards
     (largest differences over the TP ranks), and the layout each packs with."""
-    from slime_mt.backends.megatron.attention import Segments
-
     result = {}
     for kind in FAMILIES:
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
-        everything = list(range(len(samples)))
-        got = {}
-        for attention in ("fused", "megatron"):
-            actor = MegatronActor(str(path), TrainConfig(lr=1e-5, micro_batch_size=len(samples),
-                                                         local_attention=attention), ALGO, info, temperature=TEMPERATURE)
-            row = actor.pack(samples, everything)
-            with torch.no_grad():
-                lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
-            sums = actor.accumulate_gradients(samples, everything, ADVANTAGES)
-            grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
-            got[attention] = {"lp": lp, "ent": ent, "loss": sums["loss"], "grads": grads,
-                              "segments": isinstance(row.attention_mask, Segments)}
-            del actor
-        fused, reference = got["fused"], got["megatron"]
-        diffs = torch.tensor([
-            float((fused["lp"] - reference["lp"]).abs().max()), float((fused["ent"] - reference["ent"]).abs().max()),
-            abs(fused["loss"] - reference["loss"]),
-            max(float((fused["grads"][n] - g).abs().max()) for n, g in reference["grads"].items()),
-            max(float(g.abs().max()) for g in reference["grads"].values()), float(reference["ent"].abs().max())])
-        if info.world_size > 1:
-            dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-        result[kind] = {"logprobs": float(diffs[0]), "entropy": float(diffs[1]), "loss": float(diffs[2]),
-                        "grads": float(diffs[3]), "max_grad": float(diffs[4]), "max_entropy": float(diffs[5]),
-                        "fused_packs_segments": fused["segments"],
-                        "reference_packs_segments": reference["segments"], "sequences": len(samples)}
+        got = {attention: step_outputs(path, TrainConfig(lr=1e-5, micro_batch_size=len(samples),
+                                                         local_attention=attention), samples, ADVANTAGES, info)
+               for attention in ("fused", "megatron")}
+        result[kind] = {**compare(got["fused"], got["megatron"], info), "sequences": len(samples),
+                        "fused_packs_segments": got["fused"]["segments"],
+                        "reference_packs_segments": got["megatron"]["segments"]}
     out["attention"] = result
+
+
+def tree_batches(vocab: int) -> dict[str, list[TrainingSample]]:
+    """(a) a GRPO group: 8 responses to one 40-token prompt; (b) step-wise strip_thinking steps: step k's
+    prompt is the prompt and the earlier answers and observations (their thinking stripped), its
+    response this turn's thinking and answer."""
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(100, vocab - 100, (n,), generator=g).tolist()  # noqa: E731
+    prompt = ids(40)
+    group = [TrainingSample(prompt, r, [1] * 12, [-11.9] * 12, float(i % 3), f"0/{i}", 0, True)
+             for i, r in enumerate(ids(12) for _ in range(8))]
+    steps, history = [], list(prompt)
+    for k in range(4):
+        thinking, answer, observation = ids(10), ids(4), ids(6)
+        steps.append(TrainingSample(list(history), thinking + answer, [1] * 14, [-11.9] * 14, float(k == 3), "1/0", 1,
+                                    k == 3))
+        history += answer + observation
+    return {"grpo": group, "strip_thinking": steps}
+
+
+def check_tree(args, info, out):
+    """Per text family and batch: prefix-tree packing vs the flat row: log-probs, entropies, loss and
+    gradients, and the tokens each forwards."""
+    result = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        path = tiny_model_dir(kind)
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        for name, samples in tree_batches(vocab).items():
+            advantages = [0.5 - i / len(samples) for i in range(len(samples))]
+            got = {tree: step_outputs(path, TrainConfig(lr=1e-5, micro_batch_size=len(samples),
+                                                        shared_prefix_training=tree), samples, advantages, info)
+                   for tree in (True, False)}
+            result[f"{kind}/{name}"] = {
+                **compare(got[True], got[False], info), "flat_tokens": got[False]["row_tokens"],
+                "tree_tokens": got[True]["row_tokens"], "sums_before": got[True]["sums"]["tokens_before_sharing"],
+                "sums_after": got[True]["sums"]["tokens_after_sharing"]}
+    # a token budget counts tree tokens: 40 + 12 k <= 100 puts five responses in a row (flat: one)
+    group = tree_batches(1000)["grpo"]
+    budget = {tree: MegatronActor(str(tiny_model_dir("qwen3")), TrainConfig(
+        shared_prefix_training=tree, max_tokens_per_micro_batch=100), ALGO, info)._rows(group, list(range(8)))
+        for tree in (True, False)}
+    out["tree_rows"] = {"tree": [len(r) for r in budget[True]], "flat": [len(r) for r in budget[False]]}
+    from slime_mt.backends.megatron.models import ModelConfigError
+
+    refused = {}
+    for kind, train in (("qwen2.5-vl", TrainConfig(shared_prefix_training=True)),
+                        ("qwen3", TrainConfig(shared_prefix_training=True, local_attention="megatron"))):
+        try:
+            MegatronActor(str(tiny_model_dir(kind)), train, ALGO, info)
+            refused[kind] = ""
+        except ModelConfigError as e:
+            refused[kind] = str(e)
+    out["tree"] = result
+    out["tree_refused"] = refused
 
 
 def check_hf_reference(args, info, out):
@@ -689,7 +750,7 @@ def check_gpu(args, info, out):
     out["gpu"] = result
 
 
-CHECKS = {"attention": check_attention, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
+CHECKS = {"attention": check_attention, "tree": check_tree, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
           "matrix": check_matrix, "hf_reference": check_hf_reference, "dp": check_dp, "bf16": check_bf16,
           "rope": check_rope, "sft": check_sft, "engine_fidelity": check_engine_fidelity,
           "checkpoint": check_checkpoint, "checkpoint_bf16": check_checkpoint_bf16,

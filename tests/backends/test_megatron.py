@@ -40,9 +40,9 @@ def launch(tp: int, world: int, checks: str, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
-    tp1 = launch(1, 1, "attention,families,matrix,hf_reference,dp,bf16,rope,sft,logprob_chunks,engine_fidelity,checkpoint,"
+    tp1 = launch(1, 1, "attention,tree,families,matrix,hf_reference,dp,bf16,rope,sft,logprob_chunks,engine_fidelity,checkpoint,"
                        "checkpoint_bf16,reshard_save", out)
-    tp2 = launch(2, 2, "attention,matrix,reshard_load,export_ranks,logprob_chunks", out)
+    tp2 = launch(2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks", out)
     dp2 = launch(1, 2, "dp,reshard_load", out)
     tp2dp2 = launch(2, 4, "dp", out)
     return {"tp1": tp1, "tp2": tp2, "dp2": dp2, "tp2dp2": tp2dp2, "dir": out}
@@ -83,6 +83,30 @@ def test_fused_attention_equals_megatrons_on_a_packed_row(results, kind, tp):
     assert r["fused_packs_segments"] and not r["reference_packs_segments"]
     assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 * max(r["max_entropy"], 1.0) and r["loss"] < 1e-6, r
     assert r["grads"] < 1e-5 * max(r["max_grad"], 1.0), r
+
+
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+@pytest.mark.parametrize("case", [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3")
+                                  for batch in ("grpo", "strip_thinking")])
+def test_prefix_tree_rows_equal_flat_rows_with_fewer_tokens(results, case, tp):
+    """--shared-prefix-training: a GRPO group of 8 sharing a 40-token prompt and four step-wise
+    strip_thinking steps, as one prefix-tree row vs one flat row: log-probs, entropies, loss and
+    gradients equal (fp32, 1e-5), TP=1 and TP=2; the tree forwards each shared token once."""
+    r = results[tp]["tree"][case]
+    assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 * max(r["max_entropy"], 1.0) and r["loss"] < 1e-6, r
+    assert r["grads"] < 1e-5 * max(r["max_grad"], 1.0), r
+    expected = {"grpo": (8 * 52, 40 + 8 * 12), "strip_thinking": (40 + 50 + 60 + 70 + 4 * 14, 40 + 14 + 3 * 24)}
+    assert (r["flat_tokens"], r["tree_tokens"]) == expected[case.split("/")[1]]
+    assert (r["sums_before"], r["sums_after"]) == (r["flat_tokens"], r["tree_tokens"])  # the step's metrics
+
+
+def test_a_token_budget_counts_prefix_tree_tokens(results):
+    assert results["tp1"]["tree_rows"] == {"tree": [5, 3], "flat": [1] * 8}
+
+
+def test_prefix_tree_packing_is_refused_where_it_does_not_apply(results):
+    refused = results["tp1"]["tree_refused"]
+    assert "text model" in refused["qwen2.5-vl"] and "--local-attention fused" in refused["qwen3"]
 
 
 # ---------------------------------------------------------------- the TP matrix

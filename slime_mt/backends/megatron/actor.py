@@ -34,9 +34,9 @@ from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
 from slime_mt.backends.megatron.convert import CheckpointReader, TPGather, iter_hf_to_megatron, \
     iter_megatron_to_hf, load_into, text_prefix
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
-from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, have_transformer_engine, \
-    padded_vocab, read_hf_config
-from slime_mt.backends.megatron.packing import PackedRow, pack_row
+from slime_mt.backends.megatron.models import ModelConfigError, TextPolicy, build_gpt, decoder_spec, \
+    have_transformer_engine, padded_vocab, read_hf_config
+from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_tokens
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
@@ -59,6 +59,9 @@ class MegatronActor:
         self.te = have_transformer_engine()
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
+        if train.shared_prefix_training and (self.te or train.local_attention != "fused" or self.spec.mrope_section):
+            raise ModelConfigError("--shared-prefix-training needs the fused local attention (--local-attention fused, "
+                                   "no Transformer Engine) and a text model; VLM tree packing is not supported yet")
         reader = CheckpointReader(hf_path)
         self.prefix = text_prefix(reader.names())
         self.policy = self._build(reader)
@@ -113,7 +116,10 @@ class MegatronActor:
         return "thd" if self.te else ("segments" if self.train_cfg.local_attention == "fused" else "dense")
 
     def pack(self, samples: list[TrainingSample], indices: list[int]) -> PackedRow:
-        """A packed row of ``samples[indices]`` on the trainer's device."""
+        """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with
+        ``--shared-prefix-training``)."""
+        if self.train_cfg.shared_prefix_training:
+            return pack_tree_row(samples, indices).to(self.device)
         return pack_row(samples, indices, self._mrope, self.layout).to(self.device)
 
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
@@ -127,6 +133,14 @@ class MegatronActor:
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
+        if budget and self.train_cfg.shared_prefix_training:  # in order (a group's samples stay together), by tree size
+            rows: list[list[int]] = []
+            for i in indices:
+                if rows and tree_tokens(samples, rows[-1] + [i]) <= budget:
+                    rows[-1].append(i)
+                else:
+                    rows.append([i])
+            return rows
         if budget:
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in indices]
             return [[indices[k] for k in row] for row in micro_batches_by_tokens(lengths, budget)]
@@ -210,6 +224,9 @@ class MegatronActor:
             (loss * self.info.dp_size).backward()  # DDP averages over DP ranks; the weights are global
             metrics["loss"] = float(loss.detach())
             metrics["tokens"] = sum(len(samples[i].response_ids) for i in row.sample_index)
+            if self.train_cfg.shared_prefix_training:
+                metrics["tokens_before_sharing"] = sum(row.lengths)
+                metrics["tokens_after_sharing"] = row.num_real_tokens
             for k, v in metrics.items():
                 sums[k] += v
         finalize_model_grads([self.model])

@@ -14,6 +14,10 @@ Sequences are isolated in one of three ways (``layout``):
                 NOT allowed, Megatron's convention) for Megatron's ``DotProductAttention``, whose cost
                 grows with L^2 while only ``useful_attention_fraction`` of its entries are inside a
                 sequence.
+
+``pack_tree_row`` packs the sequences as a prefix tree instead (``prefix_tree.py``): the row is the
+trie's nodes, each shared token once, with the tree mask and each node's position; the response
+tokens are gathered per path, so log-probs equal the flat row's.
 """
 
 from __future__ import annotations
@@ -133,3 +137,39 @@ def useful_attention_fraction(lengths: list[int], rows: list[list[int]]) -> floa
     inside = sum(lengths[i] ** 2 for row in rows for i in row)
     computed = sum(sum(lengths[i] for i in row) ** 2 for row in rows)
     return inside / max(computed, 1)
+
+
+def pack_tree_row(samples: list[TrainingSample], indices: list[int]) -> PackedRow:
+    """``samples[indices]`` as one prefix-tree row (text models): tokens and positions of the trie's
+    nodes, the ``[1, 1, N, N]`` tree mask, and per sequence the nodes whose logits predict its
+    response tokens."""
+    from slime_mt.backends.megatron.prefix_tree import build_tree
+
+    batch = [samples[i] for i in indices]
+    for s in batch:
+        if s.multimodal_train_inputs:
+            raise ValueError(f"sample {s.trajectory_id}: prefix-tree packing of image inputs is not supported yet")
+        if not s.prompt_ids:
+            raise ValueError(f"sample {s.trajectory_id}: empty prompt; the first response token has no context")
+    tree = build_tree([s.prompt_ids + s.response_ids for s in batch])
+    logit_index, targets, seq_ids = [], [], []
+    for k, s in enumerate(batch):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        logit_index.extend(tree.logit_nodes(k, p, p + r))
+        targets.extend(s.response_ids)
+        seq_ids.extend([k] * r)
+    return PackedRow(
+        tokens=torch.tensor([tree.tokens], device="cpu"),
+        position_ids=torch.tensor([tree.positions], dtype=torch.long, device="cpu"),
+        attention_mask=tree.mask()[None, None],
+        logit_index=torch.tensor(logit_index, dtype=torch.long, device="cpu"),
+        targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices),
+        lengths=[len(s.prompt_ids) + len(s.response_ids) for s in batch])
+
+
+def tree_tokens(samples: list[TrainingSample], indices: list[int]) -> int:
+    """Nodes of the prefix tree of ``samples[indices]``: the tokens a tree row forwards."""
+    from slime_mt.backends.megatron.prefix_tree import build_tree
+
+    return build_tree([samples[i].prompt_ids + samples[i].response_ids for i in indices]).num_nodes
