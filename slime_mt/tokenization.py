@@ -25,6 +25,7 @@ end-of-turn token).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,18 +253,22 @@ class ObservationEncoder:
                                 f"gave {len(encoded.ids)} tokens")
         return encoded, expanded_mask
 
-    def assistant_spans(self, text: str, count: int) -> list[tuple[int, int]]:
-        """Character spans of the first ``count`` assistant bodies of a render: each starts after the
-        generation prompt's role line (and the rest of the generation prompt when the template put it
-        there too) and ends after the next end-of-turn token."""
+    @functools.cached_property
+    def _assistant_header(self) -> tuple[str, str]:
+        """(the generation prompt's role line, the rest of it), from the template once."""
         prompt = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=False)
         generation = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=True)
         if not generation.startswith(prompt) or len(generation) == len(prompt):
             raise EncodingError(f"the chat template's generation prompt is not an extension of the render: "
                                 f"{prompt[-80:]!r} vs {generation[-80:]!r}")
-        header = generation[len(prompt):].lstrip()
-        role_line, newline, rest = header.partition("\n")
-        role_line += newline
+        role_line, newline, rest = generation[len(prompt):].lstrip().partition("\n")
+        return role_line + newline, rest
+
+    def assistant_spans(self, text: str, count: int) -> list[tuple[int, int]]:
+        """Character spans of the first ``count`` assistant bodies of a render: each starts after the
+        generation prompt's role line (and the rest of the generation prompt when the template put it
+        there too) and ends after the next end-of-turn token."""
+        role_line, rest = self._assistant_header
         spans, position = [], 0
         for k in range(count):
             at = text.find(role_line, position)

@@ -143,7 +143,7 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     })
     if bool(sampled.any()):  # over the tokens that have rollout log-probs; absent when none has
         diff = (x.old_log_probs - x.rollout_log_probs).abs()
-        metrics["train_rollout_logprob_abs_diff"] = float(torch.where(sampled, diff * w, torch.zeros_like(w)).sum())
+        metrics["train_rollout_logprob_abs_diff"] = float((diff * w)[sampled].sum())
     if x.entropy is not None:
         metrics["entropy"] = float((x.entropy.detach() * w).sum())
     return loss, metrics

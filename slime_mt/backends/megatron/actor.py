@@ -36,7 +36,7 @@ from slime_mt.backends.megatron.convert import CheckpointReader, TPGather, iter_
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
 from slime_mt.backends.megatron.models import ModelConfigError, TextPolicy, build_gpt, decoder_spec, \
     have_transformer_engine, padded_vocab, read_hf_config
-from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_tokens
+from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
@@ -134,12 +134,17 @@ class MegatronActor:
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
         if budget and self.train_cfg.shared_prefix_training:  # in order (a group's samples stay together), by tree size
+            from slime_mt.backends.megatron.prefix_tree import PrefixTrie
+
             rows: list[list[int]] = []
+            trie = PrefixTrie()
             for i in indices:
-                if rows and tree_tokens(samples, rows[-1] + [i]) <= budget:
-                    rows[-1].append(i)
-                else:
-                    rows.append([i])
+                seq = samples[i].prompt_ids + samples[i].response_ids
+                if not rows or trie.num_nodes + trie.new_tokens(seq) > budget:
+                    rows.append([])
+                    trie = PrefixTrie()
+                rows[-1].append(i)
+                trie.add(seq)
             return rows
         if budget:
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in indices]

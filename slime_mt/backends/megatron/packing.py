@@ -167,9 +167,3 @@ def pack_tree_row(samples: list[TrainingSample], indices: list[int]) -> PackedRo
         seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices),
         lengths=[len(s.prompt_ids) + len(s.response_ids) for s in batch])
 
-
-def tree_tokens(samples: list[TrainingSample], indices: list[int]) -> int:
-    """Nodes of the prefix tree of ``samples[indices]``: the tokens a tree row forwards."""
-    from slime_mt.backends.megatron.prefix_tree import build_tree
-
-    return build_tree([samples[i].prompt_ids + samples[i].response_ids for i in indices]).num_nodes

@@ -53,44 +53,78 @@ class TreeRow:
         return self.paths[sequence][start - 1:end - 1]
 
 
-def build_tree(sequences: Sequence[Sequence[int]], keys: Sequence[Sequence[Hashable]] | None = None,
-               positions: Sequence[Sequence[int]] | None = None) -> TreeRow:
-    """The trie of ``sequences`` (token ids). ``keys[s][k]``: what token k of sequence s must equal to
-    share a node (default: its id); ``positions[s][k]``: its position id (default: k)."""
-    children: list[dict] = []  # per node: key -> child node (insertion order)
-    roots: dict = {}
-    node_token, node_position, node_parent = [], [], []
-    inserted: list[list[int]] = []
-    for s, seq in enumerate(sequences):
-        seq_keys = keys[s] if keys is not None else seq
-        seq_positions = positions[s] if positions is not None else range(len(seq))
-        if len(seq_keys) != len(seq) or len(seq_positions) != len(seq):
-            raise ValueError(f"sequence {s}: {len(seq)} tokens but {len(seq_keys)} keys and "
-                             f"{len(seq_positions)} positions")
-        level, parent, path = roots, -1, []
-        for token, key, position in zip(seq, seq_keys, seq_positions):
+class PrefixTrie:
+    """The trie being built: ``add`` inserts a sequence, ``new_tokens`` says how many nodes it would
+    add (a token budget's test), ``row`` lays the nodes out depth-first."""
+
+    def __init__(self):
+        self._roots: dict = {}
+        self._children: list[dict] = []  # per node: key -> child node (insertion order)
+        self._token: list[int] = []
+        self._position: list[int] = []
+        self._parent: list[int] = []
+        self._paths: list[list[int]] = []
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._token)
+
+    def new_tokens(self, keys: Sequence[Hashable]) -> int:
+        """Nodes that adding a sequence of ``keys`` would create (its tokens past the shared prefix)."""
+        level, shared = self._roots, 0
+        for key in keys:
             node = level.get(key)
             if node is None:
-                node = len(node_token)
+                break
+            shared += 1
+            level = self._children[node]
+        return len(keys) - shared
+
+    def add(self, seq: Sequence[int], keys: Sequence[Hashable] | None = None,
+            positions: Sequence[int] | None = None) -> None:
+        """Insert ``seq`` (token ids); ``keys[k]``: what token k must equal to share a node (default:
+        its id); ``positions[k]``: its position id (default: k)."""
+        s = len(self._paths)
+        keys = seq if keys is None else keys
+        positions = range(len(seq)) if positions is None else positions
+        if len(keys) != len(seq) or len(positions) != len(seq):
+            raise ValueError(f"sequence {s}: {len(seq)} tokens but {len(keys)} keys and {len(positions)} positions")
+        level, parent, path = self._roots, -1, []
+        for token, key, position in zip(seq, keys, positions):
+            node = level.get(key)
+            if node is None:
+                node = len(self._token)
                 level[key] = node
-                node_token.append(int(token))
-                node_position.append(int(position))
-                node_parent.append(parent)
-                children.append({})
-            elif node_position[node] != int(position):
+                self._token.append(int(token))
+                self._position.append(int(position))
+                self._parent.append(parent)
+                self._children.append({})
+            elif self._position[node] != int(position):
                 raise ValueError(f"sequence {s}: a shared prefix token at position {position} was inserted at "
-                                 f"position {node_position[node]}; positions must depend on the prefix only")
+                                 f"position {self._position[node]}; positions must depend on the prefix only")
             path.append(node)
-            level, parent = children[node], node
-        inserted.append(path)
-    # depth-first order: every node after its parent, siblings in insertion order
-    order, stack = [], list(reversed(list(roots.values())))
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(reversed(list(children[node].values())))
-    rank = {node: i for i, node in enumerate(order)}
-    return TreeRow(tokens=[node_token[n] for n in order],
-                   parents=[rank[node_parent[n]] if node_parent[n] >= 0 else -1 for n in order],
-                   positions=[node_position[n] for n in order],
-                   paths=[[rank[n] for n in path] for path in inserted])
+            level, parent = self._children[node], node
+        self._paths.append(path)
+
+    def row(self) -> TreeRow:
+        """The nodes in depth-first order: every node after its parent, siblings in insertion order."""
+        order, stack = [], list(reversed(list(self._roots.values())))
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(list(self._children[node].values())))
+        rank = {node: i for i, node in enumerate(order)}
+        return TreeRow(tokens=[self._token[n] for n in order],
+                       parents=[rank[self._parent[n]] if self._parent[n] >= 0 else -1 for n in order],
+                       positions=[self._position[n] for n in order],
+                       paths=[[rank[n] for n in path] for path in self._paths])
+
+
+def build_tree(sequences: Sequence[Sequence[int]], keys: Sequence[Sequence[Hashable]] | None = None,
+               positions: Sequence[Sequence[int]] | None = None) -> TreeRow:
+    """The trie of ``sequences`` (token ids) as a row. ``keys[s][k]``: what token k of sequence s must
+    equal to share a node (default: its id); ``positions[s][k]``: its position id (default: k)."""
+    trie = PrefixTrie()
+    for s, seq in enumerate(sequences):
+        trie.add(seq, keys[s] if keys is not None else None, positions[s] if positions is not None else None)
+    return trie.row()
