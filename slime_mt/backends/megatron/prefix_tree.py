@@ -24,7 +24,7 @@ class TreeRow:
 
     tokens: list[int] = field(default_factory=list)  # [N] token id of each node
     parents: list[int] = field(default_factory=list)  # [N] parent node (-1 for a root)
-    positions: list[int] = field(default_factory=list)  # [N] the node's index in its sequences
+    positions: list = field(default_factory=list)  # [N] the node's position id (a (t, h, w) tuple for M-RoPE)
     paths: list[list[int]] = field(default_factory=list)  # per sequence: its tokens' nodes, in order
 
     @property
@@ -83,7 +83,7 @@ class PrefixTrie:
     def add(self, seq: Sequence[int], keys: Sequence[Hashable] | None = None,
             positions: Sequence[int] | None = None) -> None:
         """Insert ``seq`` (token ids); ``keys[k]``: what token k must equal to share a node (default:
-        its id); ``positions[k]``: its position id (default: k)."""
+        its id); ``positions[k]``: its position id (default: k; a tuple for M-RoPE)."""
         s = len(self._paths)
         keys = seq if keys is None else keys
         positions = range(len(seq)) if positions is None else positions
@@ -91,15 +91,16 @@ class PrefixTrie:
             raise ValueError(f"sequence {s}: {len(seq)} tokens but {len(keys)} keys and {len(positions)} positions")
         level, parent, path = self._roots, -1, []
         for token, key, position in zip(seq, keys, positions):
+            position = tuple(position) if isinstance(position, (tuple, list)) else int(position)
             node = level.get(key)
             if node is None:
                 node = len(self._token)
                 level[key] = node
                 self._token.append(int(token))
-                self._position.append(int(position))
+                self._position.append(position)
                 self._parent.append(parent)
                 self._children.append({})
-            elif self._position[node] != int(position):
+            elif self._position[node] != position:
                 raise ValueError(f"sequence {s}: a shared prefix token at position {position} was inserted at "
                                  f"position {self._position[node]}; positions must depend on the prefix only")
             path.append(node)

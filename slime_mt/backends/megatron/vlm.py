@@ -76,18 +76,30 @@ class VLMPolicy(TextPolicy):
         return positions[:, 0]
 
     def hidden(self, tokens, position_ids, attention_mask, packed_seq_params=None, decoder_input=None,
-               pixel_values=None, image_grid_thw=None):
+               pixel_values=None, image_grid_thw=None, image_order=None):
+        """``image_order`` (prefix-tree rows): the images are the row's distinct ones, each run once
+        through the vision tower; pad run r of the row takes image ``image_order[r]``'s embeddings."""
         embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
         self._deepstack = None
         if pixel_values is not None:
             out = self.visual(pixel_values.to(next(self.visual.parameters()).dtype), grid_thw=image_grid_thw)
             image_embeds = out.pooler_output  # [N_pads, H]
+            features = getattr(out, "deepstack_features", None)
+            if image_order is not None:
+                patches = image_grid_thw.prod(-1)
+                sizes = (patches * image_embeds.shape[0] // patches.sum()).tolist()  # pad tokens per image
+
+                def in_row_order(t: torch.Tensor) -> torch.Tensor:
+                    per_image = t.split(sizes)
+                    return torch.cat([per_image[j] for j in image_order])
+
+                image_embeds = in_row_order(image_embeds)
+                features = [in_row_order(f) for f in features] if features else features
             mask = (tokens == self.image_token_id).transpose(0, 1)  # [S, B]
             if int(mask.sum()) != image_embeds.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image pad tokens but {image_embeds.shape[0]} image embeddings")
             embeds = embeds.clone()
             embeds[mask] = image_embeds.to(embeds.dtype)
-            features = getattr(out, "deepstack_features", None)
             if features:
                 self._deepstack = (mask, list(features))
         try:
