@@ -136,7 +136,10 @@ def run_child(args, variant: str, tokens: int) -> dict:
     tail = (proc.stderr or proc.stdout).strip().splitlines()
     out_of_memory = any(s in proc.stderr for s in ("OutOfMemoryError", "MemoryError", "DefaultCPUAllocator",
                                                    "std::bad_alloc")) or proc.returncode in (-9, 137)
-    return {"failed": "out of memory" if out_of_memory else (tail[-1] if tail else f"exit {proc.returncode}")}
+    if out_of_memory:
+        where = "GPU" if torch.cuda.is_available() else f"the {args.cap_gb:g} GB address-space cap"
+        return {"failed": f"out of memory (over {where})"}
+    return {"failed": tail[-1] if tail else f"exit {proc.returncode}"}
 
 
 def main():
