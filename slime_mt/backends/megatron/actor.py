@@ -150,7 +150,7 @@ class MegatronActor:
                     rows.append([])
                     trie = PrefixTrie()
                 rows[-1].append(i)
-                trie.add(seq, keys, range(len(seq)))
+                trie.add(seq, keys)
             return rows
         if budget:
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in indices]

@@ -142,10 +142,15 @@ def useful_attention_fraction(lengths: list[int], rows: list[list[int]]) -> floa
 
 
 def tree_keys(sample: TrainingSample, image_token_id: int | None = None) -> list:
-    """What each token of ``sample`` must equal to share a trie node: its id, or for an image pad the
-    image's content digest and the pad's offset in it (equal images at equal places share)."""
+    """What each token of ``sample`` must equal to share a trie node: its id, or for an image pad
+    ``("image", digest, offset)``, the image's content digest and the pad's offset in it (equal images
+    at equal places share)."""
+    return _keys(sample, _images(sample, image_token_id), image_token_id)
+
+
+def _keys(sample: TrainingSample, images: list, image_token_id: int | None) -> list:
+    """``tree_keys`` given the sample's ``_images``."""
     seq = sample.prompt_ids + sample.response_ids
-    images = _images(sample, image_token_id)
     if not images:
         return seq
     keys, image, offset = [], 0, 0
@@ -206,15 +211,16 @@ def pack_tree_row(samples: list[TrainingSample], indices: list[int], mrope_posit
     positions = None
     if mrope_positions is not None:
         positions = [[tuple(p) for p in mrope_positions(s).T.tolist()] for s in batch]
-    tree = build_tree([s.prompt_ids + s.response_ids for s in batch],
-                      keys=[tree_keys(s, image_token_id) for s in batch], positions=positions)
+    images = [_images(s, image_token_id) for s in batch]  # each image hashed once per row
+    keys = [_keys(s, im, image_token_id) for s, im in zip(batch, images)]
+    tree = build_tree([s.prompt_ids + s.response_ids for s in batch], keys=keys, positions=positions)
     logit_index, targets, seq_ids = [], [], []
     for k, s in enumerate(batch):
         p, r = len(s.prompt_ids), len(s.response_ids)
         logit_index.extend(tree.logit_nodes(k, p, p + r))
         targets.extend(s.response_ids)
         seq_ids.extend([k] * r)
-    pixels, grids, order = _unique_images(tree, batch, image_token_id)
+    pixels, grids, order = _unique_images(tree, keys, images)
     if mrope_positions is not None:
         position_ids = torch.tensor(tree.positions, dtype=torch.long, device="cpu").T.unsqueeze(1)  # [3, 1, N]
     else:
@@ -230,26 +236,21 @@ def pack_tree_row(samples: list[TrainingSample], indices: list[int], mrope_posit
         image_order=order)
 
 
-def _unique_images(tree, batch: list[TrainingSample], image_token_id: int | None):
+def _unique_images(tree, keys: list[list], images: list[list]):
     """(pixel rows and grids of the row's distinct images, first seen first; per pad run of the row,
-    in row order, the index of its image among them)."""
-    if image_token_id is None or not any(s.multimodal_train_inputs for s in batch):
+    in row order, the index of its image among them). ``keys`` / ``images``: per sequence of the
+    tree, its ``_keys`` and ``_images``."""
+    if not any(images):
         return [], [], None
     run_image = {}  # the node of a run's first pad -> (digest, pixels, grid)
-    for s, path in zip(batch, tree.paths):
-        images, seq = _images(s, image_token_id), s.prompt_ids + s.response_ids
-        image, offset = 0, 0
-        for k, token in enumerate(seq):
-            if token != image_token_id:
-                continue
-            if offset == 0:
-                run_image[path[k]] = images[image]
-            offset += 1
-            if offset == images[image][1]:
-                image, offset = image + 1, 0
+    for seq_keys, seq_images, path in zip(keys, images, tree.paths):
+        pictures = {digest: (rows, grid) for digest, _, rows, grid in seq_images}
+        for k, key in enumerate(seq_keys):
+            if isinstance(key, tuple) and key[2] == 0:  # an image's first pad
+                run_image[path[k]] = (key[1], *pictures[key[1]])
     unique, pixels, grids, order = {}, [], [], []
     for node in sorted(run_image):  # nodes are numbered in row (depth-first) order
-        digest, _, rows, grid = run_image[node]
+        digest, rows, grid = run_image[node]
         if digest not in unique:
             unique[digest] = len(unique)
             pixels.append(rows)
