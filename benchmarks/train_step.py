@@ -7,9 +7,11 @@ Both sides run the same RL loss (PPO surrogate on the response tokens, token_mea
 on SmolLM2-135M-Instruct (fp32, or --bf16), on 8 sequences of a multi-turn length mix (packed into
 rows of --row-tokens); tokens/s counts forward+backward tokens. Megatron runs with each
 ``--local-attention`` in turn: ``fused`` (PyTorch's fused kernels per packed sequence) and
-``megatron`` (DotProductAttention: [L, L] scores per packed row). Every rank prints its peak RSS
-after building the actor, after a weight export and after one train step (peak RSS only grows in a
-process, so the second attention's figures include the first's).
+``megatron`` (DotProductAttention: [L, L] scores per packed row). At TP=1 the transformers steps
+alternate with Megatron's, one for one, so a shared machine's load falls on both sides alike; the
+ratio is of the medians. Every rank prints its peak RSS after building the actor, after a weight
+export and after one train step (peak RSS only grows in a process, so the second attention's figures
+include the first's, and at TP=1 all of them include the transformers model).
 (SmolLM2-135M has 9 heads and 3 key/value heads: TP must divide both, so TP=3 is its smallest TP > 1.)
 
 Packing: a mix of 256 trajectories packed first-fit into rows of --pack-tokens (a GPU-sized budget):
@@ -92,7 +94,14 @@ def main():
     samples = batch(args.sequences)
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    throughput = {}
+    hf = None
+    if tp == 1:  # its steps alternate with Megatron's, so the machine's load falls on both alike
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0)
+        hf = lambda: hf_step(model, optimizer, samples, advantages)  # noqa: E731
+    throughput, ratio = {}, {}
     for attention in ("megatron", "fused"):
         actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens,
                                                      bf16=args.bf16, local_attention=attention), AlgoConfig(), info)
@@ -100,43 +109,39 @@ def main():
         for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
             pass
         exported = peak_rss_mb()
-        actor.train(samples, advantages, prompts_per_step=len(samples))  # warm-up
-        trained = peak_rss_mb()
-        mega = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            actor.train(samples, advantages, prompts_per_step=len(samples))
-            mega.append(time.perf_counter() - start)
+        steps = {"megatron": lambda: actor.train(samples, advantages, prompts_per_step=len(samples))}
+        if hf is not None:
+            steps["transformers"] = hf
+        seconds = {name: [] for name in steps}
+        for step in range(args.steps + 1):  # the first is a warm-up
+            for name, run in steps.items():
+                start = time.perf_counter()
+                run()
+                if step:
+                    seconds[name].append(time.perf_counter() - start)
+            if not step:
+                trained = peak_rss_mb()
         for rank in range(info.world_size):
             if rank == info.rank:
                 print(f"rank {rank} ({attention} attention): peak RSS after build {built:.0f} MB, after a weight "
                       f"export {exported:.0f} MB (+{exported - built:.0f}), after a train step {trained:.0f} MB",
                       flush=True)
             dist.barrier()
-        throughput[attention] = tokens / statistics.median(mega)
+        throughput[attention] = tokens / statistics.median(seconds["megatron"])
+        line = (f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / "
+                f"{tokens} tokens: Megatron TP={tp}, {attention} attention: {throughput[attention]:.0f} tok/s")
+        if hf is not None:
+            h = tokens / statistics.median(seconds["transformers"])
+            ratio[attention] = throughput[attention] / h
+            line += f"; transformers in alternate steps {h:.0f} tok/s; Megatron / transformers {ratio[attention]:.2f}x"
         if info.rank == 0:
-            print(f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / "
-                  f"{tokens} tokens: Megatron TP={tp}, {attention} attention: {throughput[attention]:.0f} tok/s",
-                  flush=True)
+            print(line, flush=True)
         del actor
-    m = throughput["fused"]
     if info.rank == 0:
         print(f"fused / megatron attention: {throughput['fused'] / throughput['megatron']:.2f}x")
-    if tp == 1:
-        from transformers import AutoModelForCausalLM
-
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0)
-        hf_step(model, optimizer, samples, advantages)
-        hf = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            hf_step(model, optimizer, samples, advantages)
-            hf.append(time.perf_counter() - start)
-        h = tokens / statistics.median(hf)
-        print(f"transformers {h:.0f} tok/s, Megatron (fused) / transformers {m / h:.2f}x, Megatron (megatron "
-              f"attention) / transformers {throughput['megatron'] / h:.2f}x")
+        if ratio:
+            print(f"Megatron / transformers: {ratio['fused']:.2f}x with the fused attention (goal >= 1.0), "
+                  f"{ratio['megatron']:.2f}x with Megatron's")
     if info.rank == 0:
         mix = length_mix(256)
         lengths = [p + r for p, r in mix]

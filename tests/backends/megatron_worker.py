@@ -704,57 +704,65 @@ def check_export_ranks(args, info, out):
 
 
 def check_logprob_chunks(args, info, out):
-    """Chunked log-probs with recompute equal the one-block computation (values and gradients), and
-    autograd never keeps a logits-sized tensor: the largest saved tensor is one chunk's worth."""
+    """Chunked log-probs and entropy (one autograd function per chunk, analytic backward) equal plain
+    autograd through Megatron's output layer on the gathered logits, in values and in the gradients
+    of the hidden rows and of the output weight; autograd never keeps a logits-sized tensor; a
+    metric-only entropy has no graph and leaves the gradients as without it."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
     from slime_mt.backends.megatron.logprobs import hidden_logprobs
 
     actor = MegatronActor(str(tiny_model_dir("qwen2")), TrainConfig(), AlgoConfig(), info)
+    weight, vocab = actor.policy.output_weight(), actor.spec.vocab_size
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(300, actor.spec.hidden_size, generator=g).requires_grad_(True)
-    targets = torch.randint(0, actor.spec.vocab_size, (300,), generator=g)
-    local_vocab = actor.policy.output_logits(hidden[:1]).shape[-1]
-    results = {}
-    for chunk in (300, 64):
-        saved = []
+    targets = torch.randint(0, vocab, (300,), generator=g)
+    scale = torch.rand(300, generator=g)  # d loss / d log p per token
 
-        def pack(t):
+    def gradients(run):
+        hidden.grad = None
+        actor.model.zero_grad_buffer()  # the DDP hook moves the weight's gradient into main_grad
+        lp, ent = run()
+        loss = (lp * scale).sum() + (0.1 * ent.sum() if ent is not None and ent.requires_grad else 0.0)
+        loss.backward()
+        return (lp.detach().double(), None if ent is None else ent.detach().double(), hidden.grad.clone(),
+                weight.main_grad.clone())
+
+    def reference():
+        logits = gather_from_tensor_model_parallel_region(actor.policy.output_logits(hidden))[:, :vocab] / 0.7
+        log_p = torch.log_softmax(logits.double(), dim=-1)  # float64: the reference's own rounding is not measured
+        return log_p.gather(-1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() != weight.data_ptr():  # the parameter itself costs nothing
             saved.append(t.numel())
-            return t
+        return t
 
-        hidden.grad = None
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            lp, ent = hidden_logprobs(hidden, actor.policy.output_logits, targets, actor.spec.vocab_size, 0.7, True,
-                                      chunk=chunk)
-        (lp.sum() + 0.1 * ent.sum()).backward()
-        results[chunk] = (lp.detach(), ent.detach(), hidden.grad.clone(), max(saved))
-    (lp1, e1, g1, _), (lp2, e2, g2, biggest) = results[300], results[64]
-    # the entropy as a metric only (no entropy term): the same values, log-prob gradients as without
-    # any entropy, and the entropy computed once per chunk (not again when backward recomputes it)
-    from slime_mt.backends.megatron import logprobs as module
-
-    calls, plain = [0], module._entropy_parts
-
-    def counted(*a):
-        calls[0] += 1
-        return plain(*a)
-
-    module._entropy_parts = counted
-    gradients = {}
-    for entropy, grad in (("metric", False), ("none", True)):
-        hidden.grad = None
-        lp, ent = hidden_logprobs(hidden, actor.policy.output_logits, targets, actor.spec.vocab_size, 0.7,
-                                  entropy == "metric", chunk=64, entropy_grad=grad)
-        lp.sum().backward()
-        gradients[entropy] = (ent, hidden.grad.clone())
-    module._entropy_parts = plain
-    metric, (_, no_entropy) = gradients["metric"], gradients["none"]
+    want = gradients(reference)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64))
+    metric = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64,
+                                               entropy_grad=False))
+    with_metric_ent = hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64, entropy_grad=False)[1]
+    none = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, False, chunk=64))
+    # a padded vocabulary (the last 1000 rows of the weight are padding; at TP=2 in rank 1's slice)
+    vocab -= 1000
+    targets.clamp_(max=vocab - 1)
+    padded = (gradients(reference), gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True,
+                                                                      chunk=64)))
+    local_vocab = weight.shape[0]
     out[f"logprob_chunks_tp{info.tp_size}"] = {
-        "logprob_diff": float((lp1 - lp2).abs().max()), "entropy_diff": float((e1 - e2).abs().max()),
-        "grad_diff": float((g1 - g2).abs().max()), "largest_saved": biggest, "chunk_logits": 64 * local_vocab,
-        "all_logits": 300 * local_vocab, "metric_entropy_diff": float((metric[0] - e2).abs().max()),
-        "metric_entropy_requires_grad": bool(metric[0].requires_grad),
-        "metric_grad_diff": float((metric[1] - no_entropy).abs().max()), "metric_entropy_calls": calls[0],
-        "chunks": -(-300 // 64)}
+        **{f"{name}{suffix}": float((b[k] - a[k]).abs().max()) for suffix, (a, b) in (("", (want, got)),
+                                                                                      ("_padded", padded))
+           for k, name in enumerate(("logprob_diff", "entropy_diff", "hidden_grad_diff", "weight_grad_diff"))},
+        "weight_grad_max": float(want[3].abs().max()), "largest_saved": max(saved),
+        "chunk_logits": 64 * local_vocab, "all_logits": 300 * local_vocab,
+        "metric_entropy_diff": float((metric[1] - want[1]).abs().max()),
+        "metric_entropy_requires_grad": bool(with_metric_ent.requires_grad),
+        "metric_grad_diff": max(float((metric[k] - none[k]).abs().max()) for k in (2, 3)),
+        "no_entropy_is_none": none[1] is None}
 
 
 def check_gpu(args, info, out):

@@ -133,7 +133,7 @@ class MegatronActor:
                  "image_order": row.image_order} if self._mrope else {}
         hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
-        return hidden_logprobs(rows, module.output_logits, row.targets, self.spec.vocab_size, temperature,
+        return hidden_logprobs(rows, module.output_weight(), row.targets, self.spec.vocab_size, temperature,
                                with_entropy, chunk=self.logit_chunk_rows, entropy_grad=self.algo.entropy_coef != 0)
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:

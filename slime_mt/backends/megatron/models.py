@@ -10,7 +10,7 @@ Device and dtype policy: parameters are created on ``parallel.current_device()``
 (bf16 with ``--bf16``); nothing else differs between CPU and GPU.
 
 ``TextPolicy`` runs the decoder to its final hidden states and leaves the vocabulary projection to
-the caller (``output_logits``), so log-probs can be computed one chunk of rows at a time
+the caller (``output_weight``), so log-probs can be computed one chunk of rows at a time
 (``logprobs.py``) instead of materialising ``[L, V/tp]`` logits.
 """
 
@@ -257,8 +257,18 @@ class TextPolicy(torch.nn.Module):
         return self.gpt.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary,
                                 packed_seq_params=packed_seq_params)
 
+    def output_weight(self) -> torch.Tensor:
+        """This rank's output projection ``[V/tp, H]`` (the embedding when they are tied); the
+        training log-prob path (``logprobs.hidden_logprobs``) projects with it directly."""
+        if self.gpt.output_layer.bias is not None:
+            raise ModelConfigError("an output layer with a bias is not supported")
+        if self.gpt.share_embeddings_and_output_weights:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [C, H]`` -> this rank's logits ``[C, V/tp]`` (in the parameters' dtype)."""
+        """``hidden [C, H]`` -> this rank's logits ``[C, V/tp]`` (in the parameters' dtype), through
+        Megatron's output layer (parity checks)."""
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else None
         logits, _ = self.gpt.output_layer(hidden.unsqueeze(1), weight=weight)
         return logits[:, 0]
