@@ -64,6 +64,29 @@ def test_the_tree_layout_attends_exactly_like_the_dense_ancestor_mask(sequences,
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, ref_grads))
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_the_flex_block_mask_gives_the_dense_mask_attention(seed):
+    """The block mask CUDA trains with (``Tree.block_mask``), run through flex_attention's eager
+    forward on CPU (its backward exists on CUDA only) over trees of several 128-token blocks: the
+    dense ancestor mask's attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 50, (150,), generator=g).tolist()
+    sequences = [prompt[:int(torch.randint(20, 150, (1,), generator=g))]
+                 + torch.randint(0, 50, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(5)]
+    tree = build_tree(sequences)
+    layout = Tree(tuple(tree.parents))
+    assert tree.num_nodes > 256  # several blocks, some skipped, some partial
+    q, k, v = (torch.randn(1, 2, tree.num_nodes, 16, generator=g) for _ in range(3))
+    out = flex_attention(q, k, v, block_mask=layout.block_mask(torch.device("cpu")), scale=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~tree.mask(), scale=0.25)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert layout.block_mask(torch.device("cpu")) is layout.block_mask(torch.device("cpu"))  # built once
+
+
 def test_keys_decide_sharing_and_positions_must_agree():
     pad = 7
     # the same pad ids holding different images must not share; equal images do
