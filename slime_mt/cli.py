@@ -38,6 +38,8 @@ def build_cli() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="Port (0: any free port).")
     serve.add_argument("--max-batch-size", type=int, default=32, help="Requests decoded together.")
     serve.add_argument("--seed", type=int, default=0, help="Sampling seed for requests without sampling_seed.")
+    serve.add_argument("--cache-tokens", type=int, default=0,
+                       help="Tokens of KV state kept by the prefix cache (LRU); 0: off.")
     plot = sub.add_parser("plot", help=COMMANDS["plot"], description=COMMANDS["plot"])
     plot.add_argument("run_dir", help="Run directory holding metrics.jsonl.")
     prep = sub.add_parser("prepare-data", help=COMMANDS["prepare-data"], description=COMMANDS["prepare-data"])
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "serve":
         from slime_mt.engine.server import serve
 
-        serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed)
+        serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed, ns.cache_tokens)
         return 0
     if ns.command == "plot":
         from slime_mt.metrics import plot_run

@@ -125,6 +125,8 @@ class EngineConfig:
     num_engines: int = _opt(1, "Engines to launch when no --engine-url is given.")
     engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
     engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")
+    engine_cache_tokens: int = _opt(0, "Embedded engine: tokens of KV state kept by its prefix cache (LRU), so a "
+                                       "trajectory's next turn prefills only its new tokens; 0: off.")
     engine_request_timeout: float = _opt(600.0, "Seconds before one /generate request fails.")
     engine_max_retries: int = _opt(3, "Retries of a /generate request on connection errors and 5xx.")
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
@@ -539,6 +541,8 @@ def _validate(cfg: Config) -> None:
              "(optimizer steps take whole prompt groups)")
     _require(t.global_batch_size % t.micro_batch_size == 0, "global_batch_size", t.global_batch_size,
              f"must be a multiple of --micro-batch-size={t.micro_batch_size}")
+    _require(cfg.engine.engine_cache_tokens >= 0, "engine_cache_tokens", cfg.engine.engine_cache_tokens,
+             "must be >= 0 (0: no prefix cache)")
     if cfg.engine.engine == "sglang" and not cfg.engine.engine_url:
         _require(t.hf_checkpoint is not None, "hf_checkpoint", t.hf_checkpoint,
                  "is required to launch SGLang engines (or pass --engine-url)")

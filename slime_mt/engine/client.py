@@ -119,9 +119,10 @@ class EngineClient:
             logger.warning("aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls,
                            ABORT_GRACE)
 
-    async def _post_with_retries(self, base: str, path: str, body: dict) -> Any:
-        """POST with retries on connection errors and 5xx. Raises EngineRequestError (4xx) or
-        EngineError naming ``base + path``; the caller bounds the total time."""
+    async def _post_with_retries(self, base: str, path: str, body: dict, text: bool = False) -> Any:
+        """POST with retries on connection errors and 5xx -> the JSON answer (``text``: the body as
+        text, for endpoints that answer plain text). Raises EngineRequestError (4xx) or EngineError
+        naming ``base + path``; the caller bounds the total time."""
         last = "no attempt"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -142,19 +143,20 @@ class EngineClient:
                 continue
             if response.status_code >= 400:
                 raise EngineRequestError(base + path, response.status_code, _message(response))
-            return _json_of(response, base + path)
+            return response.text if text else _json_of(response, base + path)
         raise EngineError(f"engine {base}{path} failed after {self.max_retries + 1} attempts; last failure: {last}")
 
     # ------------------------------------------------------------------ control endpoints
 
-    async def _broadcast(self, path: str, body: dict | None = None, timeout: float | None = None) -> list[Any]:
+    async def _broadcast(self, path: str, body: dict | None = None, timeout: float | None = None,
+                         text: bool = False) -> list[Any]:
         """POST to every worker (concurrently, each bounded by ``timeout``); an error names every
         worker that failed and why."""
         limit = timeout or self.timeout
 
         async def one(url: str) -> Any:
             try:
-                return await asyncio.wait_for(self._post_with_retries(url, path, body or {}), limit)
+                return await asyncio.wait_for(self._post_with_retries(url, path, body or {}, text), limit)
             except asyncio.TimeoutError:
                 raise EngineTimeoutError(f"engine {url}{path} did not answer within {limit:.1f}s") from None
 
@@ -186,7 +188,8 @@ class EngineClient:
         await self._broadcast("/continue_generation", timeout=timeout)
 
     async def flush_cache(self, timeout: float | None = None) -> None:
-        await self._broadcast("/flush_cache", timeout=timeout)
+        """Drop every worker's prefix cache (SGLang answers plain text; 400 while it cannot)."""
+        await self._broadcast("/flush_cache", timeout=timeout, text=True)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        timeout: float | None = None) -> list[dict]:

@@ -182,7 +182,7 @@ def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed:
             port = cfg.engine_port + i if cfg.engine_port else 0
             if cfg.engine == "local":
                 engine = LocalEngine(model_path, port=port, max_batch_size=cfg.engine_max_batch_size,
-                                     seed=seed + i).start()
+                                     seed=seed + i, cache_tokens=cfg.engine_cache_tokens).start()
                 group.local_engines.append(engine)
             else:
                 engine = SGLangServer(model_path, Path(log_dir), port or None, tp_size,

@@ -38,6 +38,7 @@ class Sequence:
     input_logprobs: list[float | None] | None = None  # from prompt position input_logprob_start on
     input_logprob_start: int = 0
     position: int = 0  # next rotary position
+    cached_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache
 
 
 class ModelRunner:
@@ -105,13 +106,21 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward passes
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence, vision: dict, input_logprob_start: int | None = None
-                ) -> tuple[DynamicCache, torch.Tensor]:
+    def prefill(self, seq: Sequence, vision: dict, input_logprob_start: int | None = None,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[DynamicCache, torch.Tensor]:
         """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
         Sets ``seq.position``; with ``input_logprob_start`` = s in [0, L), ``seq.input_logprobs`` for
-        prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i)."""
+        prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i).
+        ``past``: the KV state of the prompt's first m tokens (a text model's cached prefix, m <= s
+        and m < L): only tokens m..L-1 are computed."""
         ids = torch.tensor([seq.prompt_ids], device=self.device)
         kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
+        if past:
+            reused = past[0][0].shape[-2]
+            cache = DynamicCache()
+            for layer, (keys, values) in enumerate(past):
+                cache.update(keys, values, layer)  # concatenates: the cached tensors are never written
+            kwargs.update(input_ids=ids[:, reused:], past_key_values=cache)
         if vision:
             kwargs["pixel_values"] = vision["pixel_values"].to(self.device, self.dtype)
             kwargs["image_grid_thw"] = vision["image_grid_thw"].to(self.device)

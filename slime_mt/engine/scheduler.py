@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime_mt.engine.prefix_cache import PrefixCache
 from slime_mt.engine.protocol import GenerateRequest, ProtocolError, finish_abort, finish_length, finish_stop
 from slime_mt.engine.runner import Batch, ModelRunner, Sequence
 
@@ -49,8 +50,11 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 32, seed: int = 0, weight_version: str = "0"):
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 32, seed: int = 0, weight_version: str = "0",
+                 cache_tokens: int = 0):
         self.runner = runner
+        # text models only (prefix_cache.py); touched by the engine thread and, under ``lock``, by updates
+        self.prefix_cache = PrefixCache(cache_tokens) if cache_tokens and not runner.is_vlm else None
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.lock = threading.RLock()  # held by a decode step and by weight updates
@@ -190,7 +194,11 @@ class Scheduler:
             start = req.logprob_start_len if req.return_logprob else None
             if start is not None and start < 0:
                 start = len(seq.prompt_ids) - 1  # SGLang's default: the last prompt token
-            cache, logits = self.runner.prefill(seq, vision, start)
+            past = None
+            if self.prefix_cache is not None:  # at least the last prompt token is computed, and every
+                limit = len(seq.prompt_ids) - 1 if start is None else start  # requested input log-prob
+                seq.cached_tokens, past = self.prefix_cache.lookup(seq.prompt_ids, limit)
+            cache, logits = self.runner.prefill(seq, vision, start, past)
             if not generates:
                 self._settle(job, finish_length(0))
                 return
@@ -269,6 +277,7 @@ class Scheduler:
         self.generated_tokens += 1
         reason = self._finish_reason(seq)
         if reason is not None:
+            self._remember(seq, [(layer.keys, layer.values) for layer in cache.layers])
             self._settle(job, reason)
             return
         self._batch.add(seq, cache)
@@ -286,6 +295,7 @@ class Scheduler:
             if reason is None:
                 keep.append(row)
             else:
+                self._remember_row(row)
                 self._complete(job, reason)
         self.generated_tokens += len(jobs)
         if len(keep) != len(jobs):
@@ -314,11 +324,26 @@ class Scheduler:
             job = self._job_of(seq)
             reason = job.abort_reason()
             if reason:
+                self._remember_row(row)  # a resumed turn (partial rollout) reuses what it generated
                 self._complete(job, finish_abort(reason))
             else:
                 rows.append(row)
         if len(rows) != len(self._batch.seqs):
             self._batch.keep(rows)
+
+    def _remember_row(self, row: int) -> None:
+        """Cache the KV state of batch row ``row`` (before it leaves the batch): its columns are the
+        rightmost ones (rows are left-padded), one per prompt token and generated token but the last."""
+        if self.prefix_cache is None:
+            return
+        seq = self._batch.seqs[row]
+        n = len(seq.prompt_ids) + len(seq.output_ids) - 1
+        self._remember(seq, [(layer.keys[row:row + 1, :, -n:].clone(), layer.values[row:row + 1, :, -n:].clone())
+                             for layer in self._batch.cache.layers])
+
+    def _remember(self, seq: Sequence, kv) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv)
 
     def _job_of(self, seq: Sequence) -> Job:
         return self._running[id(seq)]
@@ -364,7 +389,7 @@ class Scheduler:
             "finish_reason": reason,
             "prompt_tokens": len(seq.prompt_ids) if seq else 0,
             "completion_tokens": len(output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": seq.cached_tokens if seq else 0,
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - job.created,
         }

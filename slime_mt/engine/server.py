@@ -245,6 +245,9 @@ class EngineApp:
         return _JSON({"weight_version": self.scheduler.weight_version})
 
     async def flush_cache(self, request: Request):
+        if self.scheduler.prefix_cache is not None:
+            with self.scheduler.lock:
+                self.scheduler.prefix_cache.clear()
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation will not be performed.)")
 
@@ -295,6 +298,8 @@ def update_weights(scheduler: Scheduler, load, weight_version: str | None) -> in
     leaves the weights and the version as they were."""
     with scheduler.lock:
         count = load()
+        if scheduler.prefix_cache is not None:  # states of the old weights must not be reused
+            scheduler.prefix_cache.clear()
         if weight_version is not None:
             scheduler.weight_version = weight_version
     return count
@@ -305,12 +310,13 @@ class LocalEngine:
 
     def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32,
                  seed: int = 0, weight_version: str = "0", dtype: torch.dtype = torch.float32,
-                 device: str | None = None):
+                 device: str | None = None, cache_tokens: int = 0):
         self.model_path = str(model_path)
         self.host, self.port = host, port
         self.max_batch_size, self.seed, self.dtype = max_batch_size, seed, dtype
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.initial_version = weight_version
+        self.cache_tokens = cache_tokens  # the prefix cache's size in tokens (0: off)
         self.scheduler: Scheduler | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -325,7 +331,7 @@ class LocalEngine:
 
     def start(self, timeout: float = 120.0) -> LocalEngine:
         runner = ModelRunner(self.model_path, dtype=self.dtype, device=self.device)
-        self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version)
+        self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version, self.cache_tokens)
         self.scheduler.start()
         app = EngineApp(self.scheduler, self.model_path).app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -377,9 +383,9 @@ def wait_healthy(url: str, timeout: float = 120.0, path: str = "/health") -> Non
     raise TimeoutError(f"engine at {url} not healthy after {timeout:.0f}s (last: {last})")
 
 
-def serve(model_path: str, host: str, port: int, max_batch_size: int, seed: int) -> None:
+def serve(model_path: str, host: str, port: int, max_batch_size: int, seed: int, cache_tokens: int = 0) -> None:
     """``slime-mt serve``: run an embedded engine in the foreground until interrupted."""
-    engine = LocalEngine(model_path, host, port, max_batch_size, seed).start()
+    engine = LocalEngine(model_path, host, port, max_batch_size, seed, cache_tokens=cache_tokens).start()
     print(f"slime-mt engine serving {model_path} at {engine.url}", flush=True)
     try:
         while engine._thread.is_alive():

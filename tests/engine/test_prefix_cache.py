@@ -1,0 +1,141 @@
+"""The embedded engine's prefix cache (``--engine-cache-tokens``): the cache's own rules on real
+tensors, then a real SmolLM2 engine over HTTP: an 8-turn episode reuses the whole previous context
+on every turn and generates exactly what the uncached engine does; an aborted turn resumes from the
+tokens it generated; a weight update and ``/flush_cache`` invalidate it."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine_helpers import run
+from slime_mt.engine.client import EngineClient
+from slime_mt.engine.prefix_cache import PrefixCache, common_prefix
+from slime_mt.engine.server import LocalEngine
+
+GREEDY = {"temperature": 0.0}
+
+
+def kv(n: int, fill: float = 0.0):
+    """Two layers of KV state for ``n`` tokens; token i's value is fill + i."""
+    column = (torch.arange(n, dtype=torch.float32) + fill).view(1, 1, n, 1)
+    return [(column.clone(), -column.clone()) for _ in range(2)]
+
+
+def test_common_prefix_is_exact_and_bounded():
+    assert common_prefix((1, 2, 3, 4), [1, 2, 9, 4], 10) == 2
+    assert common_prefix((1, 2, 3), [1, 2, 3, 4], 10) == 3
+    assert common_prefix((1, 2, 3), [1, 2, 3], 2) == 2
+    assert common_prefix((5,), [1], 3) == 0
+    for cut in range(0, 200, 7):  # the bisection against a plain scan
+        a = tuple(range(200))
+        b = list(range(cut)) + [-1] * (200 - cut)
+        assert common_prefix(a, b, 500) == cut
+
+
+def test_the_cache_serves_the_longest_prefix_and_evicts_by_tokens():
+    cache = PrefixCache(max_tokens=10)
+    cache.insert([1, 2, 3, 4], kv(4))
+    cache.insert([1, 2, 7], kv(3, fill=100))
+    n, state = cache.lookup([1, 2, 3, 4, 5], limit=4)
+    assert n == 4 and state[0][0].flatten().tolist() == [0, 1, 2, 3] and state[1][1].flatten().tolist() == [0, -1, -2, -3]
+    n, state = cache.lookup([1, 2, 7, 8], limit=3)
+    assert n == 3 and state[0][0].flatten().tolist() == [100, 101, 102]
+    n, _ = cache.lookup([1, 2, 3, 4, 5], limit=2)  # the caller's limit (a token must be left to compute)
+    assert n == 2
+    assert cache.lookup([9, 9], limit=1) == (0, None)
+    # an entry that a newer one extends is dropped; one that covers the newer one is only refreshed
+    cache.insert([1, 2, 3, 4, 5, 6], kv(6))
+    assert len(cache) == 2 and cache.tokens == 9
+    cache.insert([1, 2, 3], kv(3))
+    assert len(cache) == 2 and cache.tokens == 9
+    # over the budget (12 > 10 tokens): the least recently used entry, [1, 2, 7], goes
+    cache.insert([4, 4, 4], kv(3))
+    assert cache.tokens == 9 and cache.lookup([1, 2, 7], limit=3)[0] == 2  # only [1..6]'s [1, 2] is left
+    cache.insert(list(range(11)), kv(11))  # larger than the whole cache: not kept
+    assert cache.tokens == 9 and cache.lookup(list(range(11)), limit=11) == (0, None)
+    cache.clear()
+    assert len(cache) == 0 and cache.tokens == 0 and cache.lookup([1, 2], limit=2) == (0, None)
+    with pytest.raises(ValueError, match="must be >= 0 tokens"):
+        PrefixCache(-1)
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_path):
+    """The same model with the prefix cache on and off."""
+    cached = LocalEngine(smollm2_path, max_batch_size=8, cache_tokens=4096).start()
+    plain = LocalEngine(smollm2_path, max_batch_size=8).start()
+    yield cached, plain
+    cached.stop()
+    plain.stop()
+
+
+def observation_ids(tokenizer, turn: int) -> list[int]:
+    """A user message after an assistant turn, as a multi-turn rollout appends it."""
+    text = f"\n<|im_start|>user\nTurn {turn}: the grid moved. What next?<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def episode(url: str, tokenizer, turns: int = 8) -> list[dict]:
+    prompt = tokenizer("<|im_start|>user\nPlay the grid game.<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)["input_ids"]
+    out = []
+    async with EngineClient(url) as client:
+        for turn in range(turns):
+            answer = await client.generate(prompt, {**GREEDY, "max_new_tokens": 12}, return_logprob=True)
+            out.append({"prompt": list(prompt), **answer})
+            prompt = prompt + answer["output_ids"] + observation_ids(tokenizer, turn)
+    return out
+
+
+def test_an_8_turn_episode_reuses_the_previous_context_and_generates_the_same_tokens(engines):
+    from transformers import AutoTokenizer
+
+    cached, plain = engines
+    tokenizer = AutoTokenizer.from_pretrained(cached.model_path)
+    with_cache = run(episode(cached.url, tokenizer))
+    without = run(episode(plain.url, tokenizer))
+    assert [t["output_ids"] for t in with_cache] == [t["output_ids"] for t in without]  # greedy: identical
+    assert with_cache[0]["meta_info"]["cached_tokens"] == 0
+    for before, turn in zip(with_cache, with_cache[1:]):
+        # everything the previous turn computed: its prompt and its output but the last token (sampled,
+        # never fed back), as SGLang's radix cache counts it
+        assert turn["meta_info"]["cached_tokens"] == len(before["prompt"]) + len(before["output_ids"]) - 1
+    assert all(t["meta_info"]["cached_tokens"] == 0 for t in without)
+    for a, b in zip(with_cache, without):  # the reused state gives the same log-probs, to rounding
+        got = torch.tensor([x[0] for x in a["meta_info"]["output_token_logprobs"]])
+        want = torch.tensor([x[0] for x in b["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+def test_an_aborted_turn_resumes_from_its_tokens_and_updates_invalidate(engines):
+    cached, _ = engines
+    prompt = [1, 504, 3458, 282, 260, 1345, 30, 198]
+
+    async def go():
+        async with EngineClient(cached.url) as client:
+            first = asyncio.ensure_future(client.generate(prompt, {**GREEDY, "max_new_tokens": 400,
+                                                                   "ignore_eos": True}))
+            while cached.scheduler.load()["generated_tokens"] == 0 or not cached.scheduler.load()["#running_req"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            await client.abort(abort_all=True)
+            partial = await first
+            resumed = await client.generate(prompt + partial["output_ids"], {**GREEDY, "max_new_tokens": 4})
+            cached.update_weights_from_tensors({}, weight_version="after-update")
+            after_update = await client.generate(prompt + partial["output_ids"], {**GREEDY, "max_new_tokens": 4})
+            again = await client.generate(prompt + partial["output_ids"], {**GREEDY, "max_new_tokens": 4})
+            await client.flush_cache()
+            flushed = await client.generate(prompt + partial["output_ids"], {**GREEDY, "max_new_tokens": 4})
+            return partial, resumed, after_update, again, flushed
+
+    partial, resumed, after_update, again, flushed = run(go())
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    generated = len(partial["output_ids"])
+    assert 0 < generated < 400
+    assert resumed["meta_info"]["cached_tokens"] == len(prompt) + generated - 1
+    assert after_update["meta_info"]["cached_tokens"] == 0 and after_update["meta_info"]["weight_version"] == \
+        "after-update"
+    assert again["meta_info"]["cached_tokens"] == len(prompt) + generated - 1  # from the request before it
+    assert flushed["meta_info"]["cached_tokens"] == 0
+    assert resumed["output_ids"] == after_update["output_ids"] == flushed["output_ids"]
