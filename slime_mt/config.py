@@ -111,6 +111,18 @@ class RolloutConfig:
     mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
     async_mode: bool = _opt(False, "slime's train_async: roll out step k+1 while step k trains (one step "
                             "off-policy).", flag="--async", aliases=["async"])
+    fully_async: bool = _opt(False, "Generate groups continuously into a buffer (rank 0's rollout manager); "
+                             "weights are updated in the middle of generation; each step trains the next "
+                             "--rollout-batch-size finished groups within --max-staleness.")
+    max_staleness: int = _opt(1, "--fully-async: a trained token was generated at most this many weight versions "
+                              "before the one trained (0: on-policy). Generation is throttled to the bound and "
+                              "groups beyond it are dropped and counted (AReaL's max_head_offpolicyness).")
+    partial_rollout: bool = _opt(False, "--fully-async: a turn a weight update interrupts keeps its tokens (with "
+                                 "their log-probs and version) and continues from them; without it the turn is "
+                                 "generated again.")
+    mask_offpolicy_in_partial_rollout: bool = _opt(
+        False, "--partial-rollout: instead of dropping a group with tokens beyond --max-staleness, give those "
+        "tokens loss mask 0 (they stay as context) and train the rest.")
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
     env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
 
@@ -123,6 +135,10 @@ class EngineConfig:
     engine_url: list[str] | None = _opt(
         None, "Running engines: one URL, or a router URL followed by its worker URLs; none: launch.", nargs="+")
     num_engines: int = _opt(1, "Engines to launch when no --engine-url is given.")
+    sglang_router_policy: str = _opt(
+        "cache_aware", "sglang-router policy in front of several launched engines; cache_aware sends the turns "
+        "of one trajectory to the worker holding its prefix.", choices=["cache_aware", "round_robin", "random",
+                                                                        "power_of_two"])
     engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
     engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")
     engine_cache_tokens: int = _opt(0, "Embedded engine: tokens of KV state kept by its prefix cache (LRU), so a "
@@ -472,6 +488,22 @@ def _require(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{flag_name(key)}={value!r}: {why}")
 
 
+def _validate_async(r: RolloutConfig) -> None:
+    _require(r.max_staleness >= 0, "max_staleness", r.max_staleness, "must be >= 0 (0: on-policy)")
+    if r.fully_async and r.async_mode:
+        raise ConfigError("--fully-async and --async are two modes: --async rolls out one step ahead, "
+                          "--fully-async generates continuously; pass one")
+    if r.fully_async and r.rollout_function_path != RolloutConfig.rollout_function_path:
+        raise ConfigError(f"--fully-async streams groups through --custom-generate-function-path; the batch "
+                          f"--rollout-function-path {r.rollout_function_path} cannot be streamed (keep the default)")
+    if r.partial_rollout and not r.fully_async:
+        raise ConfigError("--partial-rollout resumes turns that a weight update interrupts, which only "
+                          "--fully-async does: add --fully-async")
+    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
+        raise ConfigError("--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add "
+                          "--partial-rollout")
+
+
 def _validate(cfg: Config) -> None:
     r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
     for key in ("max_turns", "rollout_max_response_len", "rollout_max_context_len", "n_samples_per_prompt",
@@ -522,6 +554,7 @@ def _validate(cfg: Config) -> None:
     if r.over_sampling_batch_size is not None:
         _require(r.over_sampling_batch_size >= r.rollout_batch_size, "over_sampling_batch_size",
                  r.over_sampling_batch_size, f"must be >= --rollout-batch-size={r.rollout_batch_size}")
+    _validate_async(r)
     _require(a.eps_clip > 0, "eps_clip", a.eps_clip, "must be > 0")
     if a.eps_clip_high is not None:
         _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high,

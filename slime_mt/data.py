@@ -178,6 +178,7 @@ class PromptDataset:
         self.epoch = 0
         self.cursor = 0
         self.next_group = 0
+        self.requeued: list[tuple[int, int]] = []  # (row, group index) drawn but never trained: drawn again first
         self._order = self._epoch_order()
 
     @classmethod
@@ -194,26 +195,36 @@ class PromptDataset:
         """The next ``num_prompts`` prompts, each as a group of ``n_samples_per_prompt`` Samples."""
         groups = []
         for _ in range(num_prompts):
+            if self.requeued:
+                position, group_index = self.requeued.pop(0)
+                groups.append(self._group(self.rows[position], group_index))
+                continue
             if self.cursor >= len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._order = self._epoch_order()
-            row = self.rows[self._order[self.cursor]]
+            groups.append(self._group(self.rows[self._order[self.cursor]], self.next_group))
             self.cursor += 1
-            group = []
-            for k in range(self.n):
-                group.append(Sample(index=self.next_group * self.n + k, group_index=self.next_group,
-                                    prompt=_copy_prompt(row.prompt),
-                                    label=row.label, metadata={**row.metadata, "row": row.index},
-                                    multimodal_inputs={"images": list(row.images)} if row.images else None))
             self.next_group += 1
-            groups.append(group)
         return groups
 
+    def _group(self, row: PromptRow, group_index: int) -> list[Sample]:
+        return [Sample(index=group_index * self.n + k, group_index=group_index, prompt=_copy_prompt(row.prompt),
+                       label=row.label, metadata={**row.metadata, "row": row.index},
+                       multimodal_inputs={"images": list(row.images)} if row.images else None)
+                for k in range(self.n)]
+
+    def requeue(self, groups: list[list[Sample]]) -> None:
+        """Groups drawn but never trained (a fully-async run's buffer and groups in flight, at a
+        checkpoint): the next draws give them again, same rows and group indices."""
+        self.requeued += [(int(g[0].metadata["row"]), int(g[0].group_index)) for g in groups]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "next_group": self.next_group}
+        return {"epoch": self.epoch, "cursor": self.cursor, "next_group": self.next_group,
+                "requeued": [list(pair) for pair in self.requeued]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor, self.next_group = state["epoch"], state["cursor"], state["next_group"]
+        self.requeued = [(int(p), int(g)) for p, g in state.get("requeued", [])]
         self._order = self._epoch_order()
 
 

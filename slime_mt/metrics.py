@@ -45,10 +45,11 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in lines))
         tmp.replace(self.path)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], records: dict | None = None) -> None:
+        """One step's metrics to every sink; ``records`` (lists, ids) to the JSONL line only."""
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         with open(self.path, "a") as fh:
-            fh.write(json.dumps({"step": step, **clean}) + "\n")
+            fh.write(json.dumps({"step": step, **clean, **(records or {})}) + "\n")
         if self._tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
@@ -79,6 +80,8 @@ PLOTS = {
     "lengths.png": ["rollout/response_tokens_mean", "rollout/tokens_per_turn", "rollout/observation_share"],
     "timings.png": ["time/rollout_seconds", "time/train_seconds", "time/sync_seconds", "time/step_seconds"],
     "train.png": ["train/loss", "train/grad_norm", "train/entropy", "train/clip_fraction"],
+    "async.png": ["rollout/token_version_gap_mean", "time/trainer_idle_seconds", "time/rollout_idle_seconds",
+                  "async/dropped_groups", "async/partial_resumes"],
 }
 
 

@@ -9,13 +9,22 @@ data and the rollout; every rank owns its Megatron shard. Per step:
   -> checkpoint every --save-interval and at the end.
 
 ``--async``: the rollout of step k+1 runs (engine thread + rollout loop) while step k trains, one
-step off-policy; the version gap is recorded and TIS (--use-tis) corrects for it. Ctrl-C finishes
-the current step, saves, and stops the engines.
+step off-policy; the version gap is recorded and TIS (--use-tis) corrects for it.
+
+``--fully-async``: rank 0's ``RolloutManager`` generates groups without stopping; each step takes
+the next finished groups within ``--max-staleness`` and the new weights reach the engines in the
+middle of generation through the client's ``UpdateGate`` (pause, abort, update, continue; turns
+resume with ``--partial-rollout``). A checkpoint requeues the groups not yet trained.
+
+Every mode records each trained token's version gap (``rollout/version_gap_tokens/<gap>``) and the
+trained group indices (``trained_groups`` in metrics.jsonl). Ctrl-C finishes the current step, saves,
+and stops the engines.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -31,8 +40,11 @@ import torch.distributed as dist
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.config import Config, ConfigError
 from slime_mt.data import PromptDataset
+from slime_mt.engine.client import UpdateGate
 from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.rollout.staleness import mask_stale, staleness_metrics
 from slime_mt.types import Status
 
 logger = logging.getLogger(__name__)
@@ -127,7 +139,8 @@ def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
 
 def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
     """New weights to every engine (collective: every rank streams its shards to global rank 0, which
-    pushes them): in-process for embedded engines, a safetensors folder otherwise."""
+    pushes them): in-process for embedded engines, a safetensors folder otherwise. With the client's
+    update gate (``--fully-async``) the engines are paused and emptied only around the update itself."""
     from slime_mt.backends.megatron.convert import ShardWriter
 
     stream = actor.iter_hf_weights()
@@ -138,8 +151,9 @@ def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
     engines = side.engines
     if engines.local_engines:
         named = dict(stream)
-        for engine in engines.local_engines:
-            engine.update_weights_from_tensors(named, weight_version=version)
+        with _gate_closed(side):
+            for engine in engines.local_engines:
+                engine.update_weights_from_tensors(named, weight_version=version)
         return
     folder = side.weights_dir / f"v{version}"
     tmp = side.weights_dir / f".tmp_v{version}"
@@ -150,7 +164,22 @@ def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
     writer.close()
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
-    side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=version))
+    with _gate_closed(side):
+        side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=version))
+
+
+@contextlib.contextmanager
+def _gate_closed(side: RolloutSide):
+    """No request inside an engine for the duration (a no-op without an update gate)."""
+    client = side.ctx.client
+    if client.gate is None:
+        yield
+        return
+    side.ctx.run_sync(client.gate.close(client))
+    try:
+        yield
+    finally:
+        side.ctx.run_sync(client.gate.open(client))
 
 
 def _version_metrics(groups, version: int) -> dict[str, float]:
@@ -184,6 +213,7 @@ def train(cfg: Config) -> None:
                           norm_max_len=r.rollout_max_context_len, total_steps=r.num_rollout * steps_per_rollout)
     side = _setup_rollout(cfg, run_dir) if info.is_main else None
     start = 0
+    manager = None
     stop = {"requested": False}
 
     def request_stop(signum, frame):
@@ -202,33 +232,55 @@ def train(cfg: Config) -> None:
             _sync_weights(actor, side, str(start))
         pool = concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout") if cfg.rollout.async_mode and side \
             else None
+        if side is not None and r.fully_async:
+            side.ctx.client.gate = UpdateGate()
+            manager = RolloutManager(side.ctx, side.data, version=start)
+            manager.start()
         pending = None
+        rollout_done = None  # --async: when the last prefetched rollout finished (perf_counter)
         for step in range(start, r.num_rollout):
             t0 = time.perf_counter()
             payload = None
             if side is not None:
-                if pending is not None:
-                    groups, rollout_started, rollout_seconds = pending.result()
+                extra: dict[str, float] = {}
+                if manager is not None:
+                    batch = side.ctx.run_sync(manager.take(step))
+                    groups, rollout_seconds = batch.groups, batch.trainer_wait_seconds
+                    rollout_started = time.time() - rollout_seconds
+                    extra = _batch_metrics(batch)
+                elif pending is not None:
+                    waited = time.perf_counter()
+                    groups, rollout_started, rollout_seconds, rollout_done = pending.result()
+                    extra["time/trainer_idle_seconds"] = time.perf_counter() - waited
                 else:
                     rollout_started = time.time()
                     began = time.perf_counter()
                     groups = side.rollout_fn(side.ctx.args, step, side.data)
                     rollout_seconds = time.perf_counter() - began
+                    extra["time/trainer_idle_seconds"] = rollout_seconds
                 train_samples, advantages, merge_metrics = _prepare(cfg, groups)
+                if r.mask_offpolicy_in_partial_rollout:
+                    extra["rollout/masked_stale_tokens"] = mask_stale(train_samples, step, r.max_staleness)
+                extra.update(staleness_metrics(train_samples, step))
+                trained_groups = sorted(int(g[0].group_index) for g in groups if g)
                 pending = None
                 if pool is not None and step + 1 < r.num_rollout:
+                    if rollout_done is not None:
+                        extra["time/rollout_idle_seconds"] = time.perf_counter() - rollout_done
                     pending = pool.submit(_timed_rollout, side, step + 1)
                 payload = (train_samples, advantages, merge_metrics, rollout_metrics(groups), rollout_seconds,
-                           rollout_started, _version_metrics(groups, step))
+                           rollout_started, {**_version_metrics(groups, step), **extra})
             train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = \
                 _broadcast(payload, info)
             train_started = time.time()
             t_metrics = actor.train(train_samples, advantages, prompts_per_step=prompts_per_step,
-                                    on_policy=not cfg.rollout.async_mode)
+                                    on_policy=not (r.async_mode or r.fully_async))
             train_finished = time.time()
             t_sync = time.perf_counter()
             _sync_weights(actor, side, str(step + 1))
             sync_seconds = time.perf_counter() - t_sync
+            if manager is not None:
+                side.ctx.run_sync(manager.set_version(step + 1))
             if side is not None:
                 metrics = {**r_metrics, **t_metrics, **merge_metrics, **versions,
                            "rollout/weight_version": float(step + 1),
@@ -236,12 +288,16 @@ def train(cfg: Config) -> None:
                            "time/sync_seconds": sync_seconds, "time/step_seconds": time.perf_counter() - t0,
                            "time/rollout_started": rollout_started, "time/train_started": train_started,
                            "time/train_finished": train_finished}
+                if not (r.async_mode or r.fully_async):  # the engines wait while the step trains and syncs
+                    metrics["time/rollout_idle_seconds"] = t_metrics["train/seconds"] + sync_seconds
                 if cfg.checkpoint.eval_interval and (step + 1) % cfg.checkpoint.eval_interval == 0 and side.eval_data:
                     metrics.update(_evaluate(cfg, side, step))
-                side.metrics.log(step, metrics)
+                side.metrics.log(step, metrics, {"trained_groups": trained_groups})
             last = step + 1 == r.num_rollout or stop["requested"]
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
                 data_state = side.data.state_dict() if side is not None else None
+                if manager is not None:  # groups drawn and not yet trained are drawn again by a resumed run
+                    data_state = side.ctx.run_sync(manager.data_state())
                 if pending is not None:  # the prefetched rollout already advanced the data: save the cursor before it
                     data_state = side.data_state_before_prefetch
                 actor.save(cfg.checkpoint.save, _broadcast({"rollout_step": step + 1, "data": data_state}, info))
@@ -249,6 +305,8 @@ def train(cfg: Config) -> None:
                 break
     finally:
         signal.signal(signal.SIGINT, previous)
+        if manager is not None:
+            side.ctx.run_sync(manager.stop())
         if side is not None:
             side.metrics.close()
             side.ctx.close()
@@ -261,7 +319,19 @@ def _timed_rollout(side: RolloutSide, step: int):
     started = time.time()
     began = time.perf_counter()
     groups = side.rollout_fn(side.ctx.args, step, side.data)
-    return groups, started, time.perf_counter() - began
+    finished = time.perf_counter()
+    return groups, started, finished - began, finished
+
+
+def _batch_metrics(batch) -> dict[str, float]:
+    """What a fully-async step's wait for its groups saw."""
+    samples = [s for g in batch.groups for s in g]
+    return {"async/dropped_groups": batch.dropped_groups, "async/stale_groups": batch.stale_groups,
+            "async/filtered_groups": batch.filtered_groups,
+            "async/partial_resumes": sum(s.metadata.get("partial_resumes", 0) for s in samples),
+            "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
+            "time/trainer_idle_seconds": batch.trainer_wait_seconds,
+            "time/rollout_idle_seconds": batch.rollout_idle_seconds}
 
 
 def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:

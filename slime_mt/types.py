@@ -6,6 +6,10 @@ Invariants of a Sample (``Sample.validate`` asserts them):
   None: a re-tokenized history (``--retokenize-chat-history`` with concat) whose assistant tokens
   were never sampled as such;
   loss_mask is 1 exactly on model-generated tokens, 0 on observation tokens (whose log-prob is 0.0);
+  ``token_versions`` is empty (not recorded) or has ``response_length`` entries: the weight version
+  that generated each response token, ``NO_VERSION`` (-1) on observation tokens and where the engine
+  named no numeric version. A turn interrupted by a weight update and resumed (``--partial-rollout``)
+  holds tokens of two versions;
   turns are in order, each turn's output lies inside the response and is all loss_mask 1.
 """
 
@@ -19,6 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+NO_VERSION = -1  # the version of a token no policy generated (observations), or of an unnamed one
+
+
+def parse_version(value: Any) -> int:
+    """An engine's ``weight_version`` (a string in SGLang's protocol) -> int; NO_VERSION unless it is a
+    non-negative decimal number (SGLang's default is "default")."""
+    text = str(value) if value is not None else ""
+    return int(text) if text.isdigit() else NO_VERSION
 
 
 class Status(str, Enum):
@@ -89,6 +103,7 @@ class Sample:
     multimodal_train_inputs: dict | None = None
     weight_versions: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    token_versions: list[int] | None = field(default_factory=list)  # per response token; see module docstring
 
     @property
     def prompt_length(self) -> int:
@@ -100,12 +115,15 @@ class Sample:
             raise SampleError(f"sample {self.index}: prompt set after {self.response_length} response tokens")
         self.tokens = list(ids)
 
-    def append_model_tokens(self, ids: list[int], log_probs: list[float], text: str = "") -> None:
-        """Append tokens the model generated: trainable (mask 1) with their rollout log-probs."""
+    def append_model_tokens(self, ids: list[int], log_probs: list[float], text: str = "",
+                            version: int = NO_VERSION) -> None:
+        """Append tokens the model generated: trainable (mask 1) with their rollout log-probs and the
+        weight version that generated them."""
         if len(ids) != len(log_probs):
             raise SampleError(
                 f"sample {self.index}: {len(ids)} generated tokens but {len(log_probs)} log-probs"
             )
+        self._extend_versions(len(ids), version)
         self.tokens.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.rollout_log_probs.extend(float(x) for x in log_probs)
@@ -114,6 +132,7 @@ class Sample:
 
     def append_observation_tokens(self, ids: list[int], text: str = "") -> None:
         """Append tokens the framework encoded (env observation, template glue): mask 0, log-prob 0.0."""
+        self._extend_versions(len(ids), NO_VERSION)
         self.tokens.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.rollout_log_probs.extend([0.0] * len(ids))
@@ -127,7 +146,21 @@ class Sample:
         self.response_length -= 1
         self.loss_mask.pop()
         self.rollout_log_probs.pop()
+        if self.token_versions:
+            self.token_versions.pop()
         return self.tokens.pop()
+
+    def _extend_versions(self, count: int, version: int) -> None:
+        if self.token_versions is None:
+            return
+        if len(self.token_versions) != self.response_length:  # a response built without versions
+            if self.token_versions:
+                raise SampleError(f"sample {self.index}: {len(self.token_versions)} token versions for "
+                                  f"{self.response_length} response tokens")
+            if self.response_length:
+                self.token_versions = None
+                return
+        self.token_versions.extend([int(version)] * count)
 
     def validate(self) -> None:
         """Raise SampleError on the first broken invariant (see module docstring)."""
@@ -140,6 +173,9 @@ class Sample:
             raise SampleError(
                 f"sample {self.index}: len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}"
             )
+        if self.token_versions and len(self.token_versions) != n:
+            raise SampleError(f"sample {self.index}: len(token_versions)={len(self.token_versions)} != "
+                              f"response_length={n}")
         bad = [m for m in self.loss_mask if m not in (0, 1)]
         if bad:
             raise SampleError(f"sample {self.index}: loss_mask holds {bad[0]!r}; only 0 and 1 are allowed")
@@ -221,8 +257,9 @@ def _decode(value: Any) -> Any:
 class TrainingSample:
     """One sequence to train on: a whole trajectory (concat) or one LLM turn (step-wise).
 
-    ``response_ids``, ``loss_mask`` and ``rollout_log_probs`` have equal lengths; observation tokens
-    inside a response have mask 0 and log-prob 0.0. ``rollout_log_probs`` None: the engine never
+    ``response_ids``, ``loss_mask``, ``rollout_log_probs`` and ``token_versions`` have equal lengths;
+    observation tokens inside a response have mask 0, log-prob 0.0 and version NO_VERSION;
+    ``token_versions`` None: not recorded. ``rollout_log_probs`` None: the engine never
     sampled these tokens as such (a re-tokenized history); the trainer's old log-probs stand in. ``trajectory_id`` ties the steps of one
     trajectory together; ``group_id`` is its prompt group; ``is_last_step`` marks its final step.
     """
@@ -238,6 +275,7 @@ class TrainingSample:
     stop_reason: str | None = None
     multimodal_train_inputs: dict | None = None
     status: Status = Status.COMPLETED
+    token_versions: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -6,6 +6,9 @@ server's message. Each request carries an ``rid`` so it can be aborted. Control 
 continue, weight updates, flush) go to every worker URL, because a router does not forward them
 (sglang-router answers 404 on ``/abort_request``).
 
+With an ``UpdateGate`` (fully-async training), weights change in the middle of generation without a
+request inside an engine while they do: see ``UpdateGate``.
+
 No call outlives its timeout (retries and backoff included): ``generate`` raises
 ``EngineTimeoutError`` after ``timeout`` seconds plus at most ``ABORT_GRACE`` seconds spent
 aborting the request on the engine. Every error names the engine URL that failed; a broadcast names
@@ -15,9 +18,10 @@ each worker that failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 
@@ -45,11 +49,81 @@ class EngineTimeoutError(EngineError):
     """A request that took longer than its timeout (a generate is aborted on the engine)."""
 
 
+UPDATE_ABORT = "weight_update_abort"  # meta_info key marking a generate that a weight update aborted
+DRAIN_ABORT_INTERVAL = 0.5  # seconds between abort-all calls while an update waits for requests to return
+
+
+class UpdateGate:
+    """Weight updates in the middle of generation (``--fully-async``).
+
+    Every ``EngineClient.generate`` passes the gate. ``close`` stops new calls at the gate, pauses
+    the engines with ``mode="abort"`` (requests in flight return at once, finish_reason abort, with
+    the tokens they generated under the old weights) and waits until every call in flight has
+    returned; the caller updates the weights, then ``open`` continues generation and lets the waiting
+    calls through. So no request is inside an engine while its weights change, and the
+    ``weight_version`` of every response names the weights that generated all of its tokens. A
+    response that an update aborted carries ``meta_info["weight_update_abort"] = True``; the rollout
+    resumes it from its tokens (``--partial-rollout``) or generates it again.
+    Its methods run on the client's event loop.
+    """
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.updates = 0  # closes so far
+        self.closed_seconds = 0.0
+        self._closed_at = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @contextlib.asynccontextmanager
+    async def passage(self) -> AsyncIterator[Callable[[], bool]]:
+        """Wait while the gate is closed, then hold a place until the call returns; yields a function
+        telling whether an update began since the call passed."""
+        while not self._open.is_set():
+            await self._open.wait()
+        passed = self.updates
+        self._in_flight += 1
+        self._drained.clear()
+        try:
+            yield lambda: self.updates != passed
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._drained.set()
+
+    async def close(self, client: EngineClient) -> None:
+        """Stop new calls, abort the engines' requests and pause them, wait for every call to return."""
+        self.updates += 1
+        self._open.clear()
+        self._closed_at = asyncio.get_running_loop().time()
+        await client.pause(mode="abort")
+        while not self._drained.is_set():  # a request that reached an engine after the pause waits there
+            try:
+                await asyncio.wait_for(self._drained.wait(), DRAIN_ABORT_INTERVAL)
+            except asyncio.TimeoutError:
+                await client.abort(abort_all=True)
+
+    async def open(self, client: EngineClient) -> None:
+        """Continue generation on every engine and let the waiting calls through."""
+        try:
+            await client.resume()
+        finally:
+            self._open.set()
+            self.closed_seconds += asyncio.get_running_loop().time() - self._closed_at
+
+
 class EngineClient:
     """Async client; share one per run (pooled connections). Use as ``async with`` or call close()."""
 
     def __init__(self, url: str, worker_urls: list[str] | None = None, timeout: float = 600.0,
                  max_retries: int = 3, backoff: float = 0.5, max_connections: int = 256):
+        self.gate: UpdateGate | None = None
         self.url = url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in (worker_urls or [self.url])]
         self.timeout = timeout
@@ -104,6 +178,18 @@ class EngineClient:
         return await self._generate(body, [f"{rid}_{i}" for i in range(len(input_ids))], timeout)
 
     async def _generate(self, body: dict, rids: list[str], timeout: float | None) -> Any:
+        if self.gate is None:
+            return await self._generate_now(body, rids, timeout)
+        async with self.gate.passage() as interrupted:
+            result = await self._generate_now(body, rids, timeout)
+            if interrupted():
+                for response in result if isinstance(result, list) else [result]:
+                    meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
+                    if (meta.get("finish_reason") or {}).get("type") == "abort":
+                        meta[UPDATE_ABORT] = True
+            return result
+
+    async def _generate_now(self, body: dict, rids: list[str], timeout: float | None) -> Any:
         limit = timeout or self.timeout
         try:
             return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), limit)

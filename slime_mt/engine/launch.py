@@ -190,7 +190,7 @@ def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed:
             group._stoppers.append(engine.stop)
             group.worker_urls.append(engine.url)
         if cfg.num_engines > 1:
-            router = Router(Path(log_dir))
+            router = Router(Path(log_dir), policy=cfg.sglang_router_policy)
             group._stoppers.append(router.stop)
             for url in group.worker_urls:
                 router.add_worker(url)

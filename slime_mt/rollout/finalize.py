@@ -9,6 +9,10 @@
 - merge: greedy prefix-aware merge of consecutive steps of a trajectory whose context extends the
   previous step's prompt + response: the observation delta joins with mask 0, log-prob 0.0.
 
+Every format carries each response token's weight version (``token_versions``, NO_VERSION on
+observation tokens) next to its rollout log-prob, so a turn resumed across a weight update trains
+each token against the policy that sampled it.
+
 FAILED samples keep no trainable token (mask all 0); with ``mask_truncated`` TRUNCATED and ABORTED
 samples neither. In step-wise formats a sample without turns (FAILED before its first engine call,
 or TRUNCATED because its prompt already filled the context) has no step: it is counted in the
@@ -22,7 +26,7 @@ import dataclasses
 
 import torch
 
-from slime_mt.types import Sample, Status, TrainingSample
+from slime_mt.types import NO_VERSION, Sample, Status, TrainingSample
 
 
 class StepWiseError(ValueError):
@@ -32,6 +36,14 @@ class StepWiseError(ValueError):
 def _copy(values: list | None, start: int = 0, end: int | None = None) -> list | None:
     """A slice copy of a list that may be None (rollout log-probs that do not exist)."""
     return None if values is None else list(values[start:end])
+
+
+def _versions(sample: Sample, start: int = 0, end: int | None = None) -> list[int] | None:
+    """The sample's per-token versions over a response slice; None when it recorded none."""
+    versions = sample.token_versions
+    if not versions or len(versions) != sample.response_length:
+        return None
+    return list(versions[start:end])
 
 
 def _trainable(sample: Sample, mask_truncated: bool) -> bool:
@@ -61,7 +73,8 @@ def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> li
             prompt_ids=list(s.tokens[:start]), response_ids=list(s.tokens[start:]), loss_mask=mask,
             rollout_log_probs=_copy(s.rollout_log_probs), reward=float(s.reward or 0.0),
             trajectory_id=_trajectory_id(s), group_id=int(s.group_index or 0), is_last_step=True,
-            stop_reason=_stop_reason(s), multimodal_train_inputs=s.multimodal_train_inputs, status=s.status))
+            stop_reason=_stop_reason(s), multimodal_train_inputs=s.multimodal_train_inputs, status=s.status,
+            token_versions=_versions(s)))
     return out
 
 
@@ -97,7 +110,8 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
                 rollout_log_probs=logprobs, reward=float(s.reward or 0.0) if last else 0.0,
                 trajectory_id=_trajectory_id(s), group_id=int(s.group_index or 0), is_last_step=last,
                 stop_reason=_stop_reason(s) if last else turn.finish_reason,
-                multimodal_train_inputs=image_rows(s.multimodal_train_inputs, images), status=s.status))
+                multimodal_train_inputs=image_rows(s.multimodal_train_inputs, images), status=s.status,
+                token_versions=_versions(s, turn.output_start - start, turn.output_end - start)))
     return out
 
 
@@ -110,9 +124,10 @@ def validate_step_wise(samples: list[TrainingSample]) -> None:
     seen: set[str] = set()
     for i, s in enumerate(samples):
         logprobs = len(s.response_ids) if s.rollout_log_probs is None else len(s.rollout_log_probs)
-        if not (len(s.response_ids) == len(s.loss_mask) == logprobs):
+        versions = len(s.response_ids) if s.token_versions is None else len(s.token_versions)
+        if not (len(s.response_ids) == len(s.loss_mask) == logprobs == versions):
             raise StepWiseError(f"entry {i} (trajectory {s.trajectory_id}): response {len(s.response_ids)}, "
-                                f"mask {len(s.loss_mask)}, log-probs {logprobs} differ")
+                                f"mask {len(s.loss_mask)}, log-probs {logprobs}, versions {versions} differ")
         nxt = samples[i + 1] if i + 1 < len(samples) else None
         boundary = nxt is None or nxt.trajectory_id != s.trajectory_id
         if s.is_last_step != boundary:
@@ -138,12 +153,15 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
                     response_ids=current.response_ids + delta + step.response_ids,
                     loss_mask=current.loss_mask + [0] * len(delta) + step.loss_mask,
                     rollout_log_probs=None if None in (current.rollout_log_probs, step.rollout_log_probs) else
-                    current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs)
+                    current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs,
+                    token_versions=None if None in (current.token_versions, step.token_versions) else
+                    current.token_versions + [NO_VERSION] * len(delta) + step.token_versions)
                 continue
         if current is not None:
             merged.append(current)
         current = dataclasses.replace(step, prompt_ids=list(step.prompt_ids), response_ids=list(step.response_ids),
-                                      loss_mask=list(step.loss_mask), rollout_log_probs=_copy(step.rollout_log_probs))
+                                      loss_mask=list(step.loss_mask), rollout_log_probs=_copy(step.rollout_log_probs),
+                                      token_versions=_copy(step.token_versions))
     if current is not None:
         merged.append(current)
     return merged

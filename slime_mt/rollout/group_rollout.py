@@ -48,14 +48,21 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     return ctx.run_sync(rollout_groups(ctx, data_source, evaluation, rollout_id))
 
 
-async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False,
-                         rollout_id: int | None = None) -> list[list[Sample]]:
-    r = ctx.rollout
+def load_plugins(r, evaluation: bool = False) -> tuple:
+    """The run's generate function, reward function (or None) and group filter (None when unset or
+    evaluating)."""
     generate = load_function(r.custom_generate_function_path, _expected_generate, "--custom-generate-function-path")
     rm = load_function(r.custom_rm_path, _expected_rm, "--custom-rm-path") if r.custom_rm_path else None
     keep = None
     if r.dynamic_sampling_filter_path and not evaluation:
         keep = load_function(r.dynamic_sampling_filter_path, _expected_filter, "--dynamic-sampling-filter-path")
+    return generate, rm, keep
+
+
+async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False,
+                         rollout_id: int | None = None) -> list[list[Sample]]:
+    r = ctx.rollout
+    generate, rm, keep = load_plugins(r, evaluation)
     semaphore = asyncio.Semaphore(r.rollout_concurrency)
     sampling_params = ctx.sampling_params()
     target = r.rollout_batch_size
@@ -73,10 +80,10 @@ async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = Fa
             if rollout_id is not None:
                 for s in (s for g in groups for s in g):
                     s.metadata["rollout_id"] = rollout_id
-            done = await asyncio.gather(*(_run_group(ctx, g, generate, rm, sampling_params, semaphore, bar)
+            done = await asyncio.gather(*(run_group(ctx, g, generate, rm, sampling_params, semaphore, bar)
                                           for g in groups))
             for group in done:
-                if keep is None or _kept(keep(ctx.args, group)):
+                if keep is None or kept_by_filter(keep(ctx.args, group)):
                     kept.append(group)
                 else:
                     for s in group:
@@ -84,11 +91,12 @@ async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = Fa
     return kept[:target]
 
 
-def _kept(verdict: Any) -> bool:
+def kept_by_filter(verdict: Any) -> bool:
     return bool(getattr(verdict, "keep", verdict))
 
 
-async def _run_group(ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar) -> list[Sample]:
+async def run_group(ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar=None) -> list[Sample]:
+    """Every sample of a group through ``generate`` (at most ``semaphore`` at once), then its reward."""
     async def one(sample: Sample) -> Sample:
         async with semaphore:
             try:
@@ -101,7 +109,8 @@ async def _run_group(ctx, group: list[Sample], generate, rm, sampling_params, se
         results = result if isinstance(result, list) else [result]
         for s in results:
             await _assign_reward(ctx, s, rm)
-        bar.update(1)
+        if bar is not None:
+            bar.update(1)
         return results
 
     nested = await asyncio.gather(*(one(s) for s in group))

@@ -19,6 +19,12 @@ Three tokenization paths, as SkyRL's generator has them:
   --retokenize-chat-history      each context is the whole conversation rendered by the template and
                                  tokenized anew; see ``retokenize.py`` for what the sample trains
 
+A call that a weight update aborted (``--fully-async``, see ``UpdateGate``) is resumed with
+``--partial-rollout``: its tokens stay, with their log-probs and the version that generated them, and
+the next call continues from them with what is left of the turn's budget, so one turn can hold
+tokens of two versions (``Sample.token_versions``). Without it the turn is generated again from its
+context. Images and the multimodal buffer are untouched by either.
+
 ``rollout_max_context_len`` bounds the context a call sends plus its output (prompt + response
 under the append policy; the rewritten context under another ``--context-policy``, see
 ``context_policy.py``); each turn's ``max_new_tokens`` is the smaller of ``rollout_max_response_len``
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import time
 from typing import Any
@@ -36,7 +43,7 @@ from typing import Any
 import torch
 
 from envs.base import RetryableEnvError
-from slime_mt.engine.client import EngineError
+from slime_mt.engine.client import UPDATE_ABORT, EngineError
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
@@ -44,7 +51,7 @@ from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
 from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
-from slime_mt.types import Sample, Status, Turn
+from slime_mt.types import Sample, Status, Turn, parse_version
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +132,15 @@ class Trajectory:
         self.prompt_messages = messages
         self.image_refs.extend(image_parts(messages or []))
 
-    def add_output(self, ids: list[int], logprobs: list[float], text: str) -> None:
-        self.sample.append_model_tokens(ids, logprobs, text)
+    def add_output(self, ids: list[int], logprobs: list[float], text: str, versions: list[int]) -> None:
+        start = 0
+        for version, run in itertools.groupby(versions):  # one append per run of one version
+            end = start + len(list(run))
+            self.sample.append_model_tokens(ids[start:end], logprobs[start:end], text if end == len(ids) else "",
+                                            version)
+            start = end
+        if not ids:
+            self.sample.append_model_tokens([], [], text)
         self.engine_ids.extend(ids)
         if self.encoder is not None:
             body = ids[:-1] if ids and ids[-1] == self.encoder.eot_id else ids
@@ -285,6 +299,46 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     return sample
 
 
+async def generate_turn(ctx: RolloutContext, sample: Sample, engine_ids: list[int], params: dict,
+                        image_data: list[str] | None) -> tuple[list[int], list[float], list[int], str, dict]:
+    """One turn's engine call(s) -> (output ids, log-probs, per-token versions, text, the last call's
+    meta_info). A call a weight update aborted is resumed from its tokens (``--partial-rollout``) or
+    made again from the turn's context; ``sample.metadata`` counts ``partial_resumes`` and
+    ``regenerated_turns``."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    text = ""
+    budget = params["max_new_tokens"]
+    segment = 0
+    while True:
+        call = dict(params, max_new_tokens=budget - len(ids))
+        if segment and "sampling_seed" in call:  # a resumed call must not replay the first call's draws
+            call["sampling_seed"] = (call["sampling_seed"] + segment) % (2**31 - 1)
+        response = await ctx.client.generate(engine_ids + ids, call, image_data=image_data or None)
+        meta = response["meta_info"]
+        new = list(response["output_ids"])
+        new_logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+        if len(new_logprobs) != len(new):
+            raise EngineError(f"engine returned {len(new)} tokens but {len(new_logprobs)} log-probs")
+        interrupted = bool(meta.get(UPDATE_ABORT))
+        if interrupted and not ctx.rollout.partial_rollout:
+            sample.metadata["regenerated_turns"] = sample.metadata.get("regenerated_turns", 0) + 1
+            ids, logprobs, versions, text = [], [], [], ""
+            segment += 1
+            continue
+        ids += new
+        logprobs += new_logprobs
+        versions += [parse_version(meta.get("weight_version"))] * len(new)
+        text += response.get("text", "")
+        if not interrupted:
+            return ids, logprobs, versions, text, meta
+        sample.metadata["partial_resumes"] = sample.metadata.get("partial_resumes", 0) + 1
+        if len(ids) >= budget:
+            return ids, logprobs, versions, text, {**meta, "finish_reason": {"type": "length", "length": budget}}
+        segment += 1
+
+
 async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r, policy) -> None:
     sample = traj.sample
     for turn_index in range(r.max_turns):
@@ -300,15 +354,10 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             params["sampling_seed"] = turn_seed(ctx.data.rollout_seed, sample.metadata["rollout_id"],
                                                 sample.index or 0, turn_index)
         started = time.perf_counter()
-        response = await ctx.client.generate(engine_ids, params, image_data=image_data or None)
+        ids, logprobs, versions, text, meta = await generate_turn(ctx, sample, engine_ids, params, image_data)
         engine_seconds = time.perf_counter() - started
-        meta = response["meta_info"]
-        ids = list(response["output_ids"])
-        logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
-        if len(logprobs) != len(ids):
-            raise EngineError(f"engine returned {len(ids)} tokens but {len(logprobs)} log-probs")
         start = len(sample.tokens)
-        traj.add_output(ids, logprobs, response.get("text", ""))
+        traj.add_output(ids, logprobs, text, versions)
         finish = meta["finish_reason"]
         turn = Turn(output_start=start, output_end=len(sample.tokens), observation_end=len(sample.tokens),
                     finish_reason=finish["type"], weight_version=meta.get("weight_version"),
@@ -326,7 +375,7 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             sample.status, sample.metadata["termination"] = Status.COMPLETED, "no_env"
             return
         started = time.perf_counter()
-        observation, done, info, retries = await step_with_retries(ctx, env, response.get("text", ""))
+        observation, done, info, retries = await step_with_retries(ctx, env, text)
         turn.env_seconds, turn.env_retries = time.perf_counter() - started, retries
         turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
         if "reward" in info:

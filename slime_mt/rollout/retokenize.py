@@ -63,6 +63,7 @@ def _become(sample: Sample, encoded, runs: list[tuple[int, int]]) -> None:
     sample.response_length = len(ids) - prompt_length
     sample.loss_mask = mask[prompt_length:]
     sample.rollout_log_probs = None
+    sample.token_versions = None
     for k, (turn, (a, b)) in enumerate(zip(sample.turns, runs)):
         turn.output_start, turn.output_end = a, b
         turn.observation_end = runs[k + 1][0] if k + 1 < len(runs) else len(ids)

@@ -127,7 +127,7 @@ def ts(tid, last, n=1):
     ([ts("a", False), ts("b", True)], r"entry 0 \(trajectory a\): is_last_step=False but the trajectory ends here"),
     ([ts("a", True), ts("a", True)], r"entry 0 \(trajectory a\): is_last_step=True but the trajectory continues"),
     ([ts("a", True), ts("b", True), ts("a", True)], "steps of trajectory a are not contiguous"),
-    ([dataclasses.replace(ts("a", True), loss_mask=[1, 1])], r"response 1, mask 2, log-probs 1 differ"),
+    ([dataclasses.replace(ts("a", True), loss_mask=[1, 1])], r"response 1, mask 2, log-probs 1, versions 1 differ"),
 ])
 def test_validation_failures(samples, message):
     with pytest.raises(StepWiseError, match=message):

@@ -139,3 +139,36 @@ def test_an_aborted_turn_resumes_from_its_tokens_and_updates_invalidate(engines)
     assert again["meta_info"]["cached_tokens"] == len(prompt) + generated - 1  # from the request before it
     assert flushed["meta_info"]["cached_tokens"] == 0
     assert resumed["output_ids"] == after_update["output_ids"] == flushed["output_ids"]
+
+
+def test_behind_the_cache_aware_router_every_turn_finds_its_prefix(tiny_paths, tmp_path):
+    """Two cached engines behind the real sglang-router with the run's default policy (cache_aware):
+    six concurrent 4-turn trajectories; every turn after the first lands on the worker that holds
+    its previous context, and both workers serve trajectories."""
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.launch import start_engines
+
+    cfg = EngineConfig(num_engines=2, engine_cache_tokens=100_000)
+    group = start_engines(cfg, str(tiny_paths["qwen2"]), tmp_path)
+
+    async def trajectory(client, k):
+        ids, cached, expected = [100 + 7 * k + i for i in range(30)], [], [0]
+        for turn in range(4):
+            response = await client.generate(ids, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+            cached.append(response["meta_info"]["cached_tokens"])
+            expected.append(len(ids) + len(response["output_ids"]) - 1)  # all but the last sampled token
+            ids = ids + response["output_ids"] + [11, 12, 13]
+        return cached, expected[:4]
+
+    async def main():
+        async with EngineClient(group.url, group.worker_urls) as client:
+            return await asyncio.gather(*(trajectory(client, k) for k in range(6)))
+
+    try:
+        assert cfg.sglang_router_policy == "cache_aware" and group.url not in group.worker_urls
+        for cached, expected in run(main()):
+            assert cached == expected
+        served = [engine.scheduler.load()["#finished_req"] for engine in group.local_engines]
+        assert min(served) > 0 and sum(served) == 24
+    finally:
+        group.stop()

@@ -1,0 +1,156 @@
+"""Weight updates in the middle of a turn (``--fully-async``): a real embedded engine over HTTP, the
+client's UpdateGate, new weights pushed while the turn generates. With ``--partial-rollout`` the
+turn keeps what it generated under version 0 and continues under version 1; without it the turn is
+generated again. Text and VLM (the images go with the resumed call)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout_helpers import make_ctx, picture
+from slime_mt.algo.losses import off_policy_weights
+from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.engine.client import UPDATE_ABORT, EngineClient, UpdateGate
+from slime_mt.engine.server import LocalEngine
+from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.multi_turn import run_episode
+from slime_mt.types import NO_VERSION, Sample
+
+BUDGET = 160
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": BUDGET}
+
+
+def new_weights(path) -> dict:
+    """Version 1: the model with its final norm scaled, so every log-prob moves."""
+    named = load_hf_state(path)
+    norm = next(k for k in named if k.endswith("model.norm.weight") or k == "model.language_model.norm.weight")
+    named[norm] = named[norm] * 1.7
+    return named
+
+
+def prompt_of(kind):
+    if "vl" in kind:
+        return [{"role": "user", "content": [{"type": "image", "image": picture(1)},
+                                             {"type": "text", "text": "Describe the shape."}]}]
+    return [{"role": "user", "content": "Count from one to a hundred."}]
+
+
+def interrupted_episode(kind, path, partial):
+    """One single-turn episode whose turn a weight update interrupts after >= 8 generated tokens
+    -> (ctx, sample, engine); the engine (now version 1) is left running for the caller to stop."""
+    engine = LocalEngine(path, max_batch_size=4).start()
+    ctx = make_ctx(engine.url, path, partial_rollout=partial, fully_async=True, max_turns=1,
+                   rollout_max_response_len=BUDGET, rollout_max_context_len=4096)
+    ctx.client.gate = UpdateGate()
+    named = new_weights(path)
+
+    async def main():
+        sample = Sample(index=0, group_index=0, prompt=prompt_of(kind))
+        episode = asyncio.ensure_future(run_episode(ctx, sample, dict(GREEDY)))
+        while engine.scheduler.load()["generated_tokens"] < 8:
+            assert not episode.done(), sample.metadata
+            await asyncio.sleep(0.002)
+        await ctx.client.gate.close(ctx.client)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: engine.update_weights_from_tensors(named, "1"))
+        await ctx.client.gate.open(ctx.client)
+        return await episode
+
+    try:
+        return ctx, asyncio.run(main()), engine
+    except BaseException:
+        engine.stop()
+        raise
+
+
+async def call(url, ids, image_data=None, **params):
+    async with EngineClient(url) as client:
+        return await client.generate(ids, dict(GREEDY, **params), image_data=image_data)
+
+
+async def score(url, ids, image_data=None):
+    """The engine's log-probs of ``ids[1:]`` under its current weights."""
+    async with EngineClient(url) as client:
+        response = await client.generate(ids, {"max_new_tokens": 0}, image_data=image_data, logprob_start_len=0)
+    return [lp for lp, *_ in response["meta_info"]["input_token_logprobs"][1:]]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2.5-vl"])
+def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version_and_log_prob(tiny_paths, kind):
+    path = tiny_paths[kind]
+    ctx, sample, engine = interrupted_episode(kind, path, partial=True)
+    try:
+        sample.validate()
+        assert len(sample.turns) == 1 and sample.metadata["termination"] == "engine_length"  # the whole budget
+        assert sample.metadata["partial_resumes"] == 1
+        first, second = ctx.client.calls
+        assert first["response"]["meta_info"][UPDATE_ABORT] is True
+        assert first["response"]["meta_info"]["weight_version"] == "0"
+        assert second["response"]["meta_info"]["weight_version"] == "1"
+        a, b = first["response"]["output_ids"], second["response"]["output_ids"]
+        assert len(a) >= 8 and len(b) >= 1 and len(a) + len(b) == BUDGET
+        assert sample.response_length == BUDGET
+        assert sample.token_versions == [0] * len(a) + [1] * len(b)
+        # the resumed call continued from the turn's tokens, with the same images and what was left of the budget
+        assert second["input_ids"] == first["input_ids"] + a
+        assert second["image_data"] == first["image_data"] and len(first["image_data"]) == ("vl" in kind)
+        assert second["sampling_params"]["max_new_tokens"] == BUDGET - len(a)
+        if "vl" in kind:
+            assert sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 1
+        # every token is what the engine produced: the response's tokens and log-probs, call by call
+        start = sample.prompt_length
+        assert sample.tokens[start:] == a + b
+        engine_logprobs = [lp for c in (first, second) for lp, *_ in c["response"]["meta_info"]["output_token_logprobs"]]
+        assert sample.rollout_log_probs == engine_logprobs
+        # ... and what each version's greedy decoding gives from the same context
+        images = first["image_data"] or None
+        assert asyncio.run(call(engine.url, second["input_ids"], images, max_new_tokens=len(b)))["output_ids"] == b
+        with LocalEngine(path, max_batch_size=2) as original:
+            assert asyncio.run(call(original.url, first["input_ids"], images, max_new_tokens=len(a)))["output_ids"] == a
+
+        # finalize carries the versions; the TIS weight of each token uses that token's behaviour log-prob
+        for fmt in ("concat", "step_wise"):
+            (train,), _ = finalize([sample], fmt, merge=False)
+            assert train.token_versions == sample.token_versions
+            assert train.rollout_log_probs == sample.rollout_log_probs
+        old = torch.tensor(asyncio.run(score(engine.url, second["input_ids"] + b, images))[-BUDGET:])
+        behaviour = torch.tensor(train.rollout_log_probs)
+        mask = torch.ones(BUDGET)
+        weights, keep, _ = off_policy_weights(old, behaviour, mask, torch.zeros(BUDGET, dtype=torch.long), 1,
+                                              "token", 0.0, 1e9)
+        assert torch.allclose(weights, torch.exp(old - behaviour), rtol=1e-5)
+        assert torch.allclose(weights[len(a):], torch.ones(len(b)), atol=2e-3)  # version 1 scored by version 1
+        assert (weights[:len(a)] - 1).abs().max() > 0.05  # version 0 tokens against their own, older log-probs
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("kind", ["qwen3"])
+def test_without_partial_rollout_an_interrupted_turn_is_generated_again(tiny_paths, kind):
+    ctx, sample, engine = interrupted_episode(kind, tiny_paths[kind], partial=False)
+    try:
+        sample.validate()
+        first, second = ctx.client.calls
+        assert first["response"]["meta_info"][UPDATE_ABORT] is True and first["response"]["output_ids"]
+        assert second["input_ids"] == first["input_ids"]  # the turn's context again, nothing kept
+        assert second["sampling_params"]["max_new_tokens"] == BUDGET
+        assert sample.metadata["regenerated_turns"] == 1 and "partial_resumes" not in sample.metadata
+        assert sample.tokens[sample.prompt_length:] == second["response"]["output_ids"]
+        assert sample.token_versions == [1] * BUDGET
+    finally:
+        engine.stop()
+
+
+def test_observation_tokens_have_no_version_and_the_sample_checks_lengths():
+    sample = Sample(index=3)
+    sample.set_prompt_tokens([1, 2])
+    sample.append_model_tokens([5, 6], [-0.1, -0.2], version=4)
+    sample.append_observation_tokens([7])
+    sample.append_model_tokens([8], [-0.3], version=5)
+    assert sample.token_versions == [4, 4, NO_VERSION, 5]
+    sample.drop_last_model_token()
+    assert sample.token_versions == [4, 4, NO_VERSION]
+    sample.validate()
+    sample.token_versions.append(9)
+    with pytest.raises(ValueError, match="sample 3: len\\(token_versions\\)=4 != response_length=3"):
+        sample.validate()
