@@ -68,6 +68,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def kill_after_two_steps(cmd, run_dir: Path) -> None:
+    """Start a run and SIGKILL it half a second after its second metrics line (the third step runs)."""
+    child = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and child.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
 def final_weights(run_dir: Path) -> dict:
     """The last checkpoint's weights (an HF-layout folder)."""
     from slime_mt.backends.megatron.convert import load_hf_state
@@ -110,17 +124,7 @@ def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen(train_cmd(geo3k, killed, *deterministic, steps=4), cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # step index 2 (the third step) has started once two lines are logged
-        if (killed / "metrics.jsonl").is_file() and len((killed / "metrics.jsonl").read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    time.sleep(0.5)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
+    kill_after_two_steps(train_cmd(geo3k, killed, *deterministic, steps=4), killed)
     assert (killed / "ckpt" / "latest").read_text() == "iter_0000002"
     resumed = run(train_cmd(geo3k, killed, *deterministic, "--load", str(killed / "ckpt"), steps=4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -144,6 +148,25 @@ def test_async_overlaps_rollout_and_training(geo3k, tmp_path):
         assert current["time/rollout_started"] < previous["time/train_finished"]
         assert current["rollout/weight_version_gap"] == 1.0
     assert rows[0]["rollout/weight_version_gap"] == 0.0
+
+
+def test_fully_async_killed_and_resumed_trains_every_step_once_and_no_group_twice(geo3k, tmp_path):
+    """--fully-async with --partial-rollout: SIGKILL after the second step, then --load. The resumed
+    run trains the remaining steps; the groups that were buffered or in flight at the checkpoint are
+    drawn again (same group indices), none is trained twice, no trained token is staler than S=1."""
+    flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis", "--save-interval", "1"]
+    kill_after_two_steps(train_cmd(geo3k, tmp_path, *flags, steps=5), tmp_path)
+    killed_at = len(metrics(tmp_path))
+    saved = int((tmp_path / "ckpt" / "latest").read_text().removeprefix("iter_"))
+    assert 2 <= saved <= killed_at < 5
+    resumed = run(train_cmd(geo3k, tmp_path, *flags, "--load", str(tmp_path / "ckpt"), steps=5))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 10
+    assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
+    assert rows[saved]["rollout/weight_version"] == saved + 1
 
 
 @pytest.mark.slow
