@@ -134,3 +134,21 @@ def test_with_masking_the_slow_group_trains_without_its_stale_tokens(engine, tmp
         assert staleness_metrics(samples, step).get("rollout/token_version_gap_max", 0) <= 1
     finally:
         ctx.run_sync(manager.stop())
+
+
+def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
+    """A filter that keeps even groups only: every trained group is even, the rejected ones are counted
+    and do not count against the throttle (over-sampling widens it), the bound still holds."""
+    (tmp_path / "even.py").write_text("def keep(args, samples):\n    return samples[0].group_index % 2 == 0\n")
+    batches, manager, _, ctx = run_steps(engine, tmp_path, 4, max_staleness=1,
+                                         dynamic_sampling_filter_path=f"{tmp_path / 'even.py'}:keep",
+                                         over_sampling_batch_size=4)
+    try:
+        trained = [g[0].group_index for _, b in batches for g in b.groups]
+        assert trained and all(k % 2 == 0 for k in trained) and len(trained) == len(set(trained))
+        assert sum(b.filtered_groups for _, b in batches) >= len(trained) - 2
+        assert manager.extra == 2
+        for step, batch in batches:
+            assert all(step - oldest_version(g) <= 1 for g in batch.groups)
+    finally:
+        ctx.run_sync(manager.stop())
