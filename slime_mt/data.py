@@ -213,14 +213,13 @@ class PromptDataset:
                        multimodal_inputs={"images": list(row.images)} if row.images else None)
                 for k in range(self.n)]
 
-    def requeue(self, groups: list[list[Sample]]) -> None:
-        """Groups drawn but never trained (a fully-async run's buffer and groups in flight, at a
-        checkpoint): the next draws give them again, same rows and group indices."""
-        self.requeued += [(int(g[0].metadata["row"]), int(g[0].group_index)) for g in groups]
-
-    def state_dict(self) -> dict:
+    def state_dict(self, untrained: list[list[Sample]] = ()) -> dict:
+        """The cursor; ``untrained``: groups drawn but never trained (a fully-async run's buffer and
+        groups in flight, at a checkpoint), which a loaded dataset draws first, same rows and group
+        indices."""
+        pairs = [[int(g[0].metadata["row"]), int(g[0].group_index)] for g in untrained]
         return {"epoch": self.epoch, "cursor": self.cursor, "next_group": self.next_group,
-                "requeued": [list(pair) for pair in self.requeued]}
+                "requeued": pairs + [list(pair) for pair in self.requeued]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor, self.next_group = state["epoch"], state["cursor"], state["next_group"]

@@ -74,12 +74,6 @@ class UpdateGate:
         self._drained = asyncio.Event()
         self._drained.set()
         self.updates = 0  # closes so far
-        self.closed_seconds = 0.0
-        self._closed_at = 0.0
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
 
     @contextlib.asynccontextmanager
     async def passage(self) -> AsyncIterator[Callable[[], bool]]:
@@ -101,7 +95,6 @@ class UpdateGate:
         """Stop new calls, abort the engines' requests and pause them, wait for every call to return."""
         self.updates += 1
         self._open.clear()
-        self._closed_at = asyncio.get_running_loop().time()
         await client.pause(mode="abort")
         while not self._drained.is_set():  # a request that reached an engine after the pause waits there
             try:
@@ -115,7 +108,6 @@ class UpdateGate:
             await client.resume()
         finally:
             self._open.set()
-            self.closed_seconds += asyncio.get_running_loop().time() - self._closed_at
 
 
 class EngineClient:

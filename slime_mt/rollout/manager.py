@@ -17,8 +17,9 @@ step and S = ``--max-staleness``:
             ``staleness.mask_stale``).
 Filtered and dropped groups do not count against the throttle.
 
-At a checkpoint the groups in the buffer and in flight go back to the dataset (``requeue``): a
-resumed run draws them again, so no group is trained twice and none that was drawn is lost.
+At a checkpoint the groups in the buffer and in flight go into the saved data state
+(``PromptDataset.state_dict(untrained=...)``): a resumed run draws them again, so no group is
+trained twice and none that was drawn is lost.
 """
 
 from __future__ import annotations
@@ -193,13 +194,7 @@ class RolloutManager:
 
     async def data_state(self) -> dict:
         """The dataset's state as a resumed run needs it: every drawn, untrained group requeued."""
-        pending = await self.pending()
-        saved = PromptDataset(self.data.rows, self.data.n, self.data.shuffle, self.data.seed)
-        saved.load_state_dict(self.data.state_dict())
-        saved.requeued = []
-        saved.requeue(pending)
-        saved.requeued += self.data.requeued
-        return saved.state_dict()
+        return self.data.state_dict(untrained=await self.pending())
 
     async def stop(self) -> None:
         """Cancel the generation task and every group in flight, and abort their requests."""
