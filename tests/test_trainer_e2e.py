@@ -150,6 +150,21 @@ def test_async_overlaps_rollout_and_training(geo3k, tmp_path):
     assert rows[0]["rollout/weight_version_gap"] == 0.0
 
 
+def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path):
+    """--fully-async under torchrun (TP=2): rank 0's manager feeds both ranks, the weights reach the
+    engine mid-generation, every group is trained once and no token is staler than S=1."""
+    flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
+    proc = run(train_cmd(geo3k, tmp_path, *flags, tp=2, steps=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 6
+    assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+
+
 def test_fully_async_killed_and_resumed_trains_every_step_once_and_no_group_twice(geo3k, tmp_path):
     """--fully-async with --partial-rollout: SIGKILL after the second step, then --load. The resumed
     run trains the remaining steps; the groups that were buffered or in flight at the checkpoint are
