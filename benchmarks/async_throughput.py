@@ -53,8 +53,13 @@ def build_env(sample=None, args=None, **kw):
 
 def write_workload(folder: Path, prompts: int, seed: int, fast: float, slow: float) -> None:
     rng = random.Random(seed)
-    rows = [{"prompt": f"Task {i}: explore until you are told to stop.",
-             "metadata": {"turns": min(1 + int(rng.paretovariate(1.1)), 12)}} for i in range(prompts)]
+    rows = [
+        {
+            "prompt": f"Task {i}: explore until you are told to stop.",
+            "metadata": {"turns": min(1 + int(rng.paretovariate(1.1)), 12)},
+        }
+        for i in range(prompts)
+    ]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "long_tail_env.py").write_text(textwrap.dedent(ENV).replace("SLOW", str(slow)).replace("FAST", str(fast)))
 
@@ -68,9 +73,24 @@ def run_mode(folder: Path, name: str, flags: list[str], steps: int, batch: int, 
     model = str(tiny_model_dir("qwen2"))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    engine = subprocess.Popen([sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", model, "--port", str(port),
-                               "--max-batch-size", "64"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slime_mt.cli",
+            "serve",
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--max-batch-size",
+            "64",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
         return _train(folder, run_dir, name, model, port, flags, steps, batch, samples, env)
@@ -80,16 +100,49 @@ def run_mode(folder: Path, name: str, flags: list[str], steps: int, batch: int, 
 
 
 def _train(folder, run_dir, name, model, port, flags, steps, batch, samples, env) -> dict:
-    cmd = [sys.executable, "-m", "slime_mt.cli", "train", "--hf-checkpoint", model,
-           "--engine-url", f"http://127.0.0.1:{port}",
-           "--prompt-data", str(folder / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
-           "--rollout-interaction-env-path", str(folder / "long_tail_env.py"), "--max-turns", "12",
-           "--rollout-max-response-len", "16", "--rollout-max-context-len", "2048",
-           "--rollout-stop-token-ids", *STOPS,
-           "--n-samples-per-prompt", str(samples), "--rollout-batch-size", str(batch),
-           "--global-batch-size", str(batch * samples), "--micro-batch-size", str(samples),
-           "--num-rollout", str(steps), "--lr", "1e-5", "--rollout-concurrency", "64", "--use-tis",
-           "--log-dir", str(run_dir), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slime_mt.cli",
+        "train",
+        "--hf-checkpoint",
+        model,
+        "--engine-url",
+        f"http://127.0.0.1:{port}",
+        "--prompt-data",
+        str(folder / "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--apply-chat-template",
+        "--rollout-interaction-env-path",
+        str(folder / "long_tail_env.py"),
+        "--max-turns",
+        "12",
+        "--rollout-max-response-len",
+        "16",
+        "--rollout-max-context-len",
+        "2048",
+        "--rollout-stop-token-ids",
+        *STOPS,
+        "--n-samples-per-prompt",
+        str(samples),
+        "--rollout-batch-size",
+        str(batch),
+        "--global-batch-size",
+        str(batch * samples),
+        "--micro-batch-size",
+        str(samples),
+        "--num-rollout",
+        str(steps),
+        "--lr",
+        "1e-5",
+        "--rollout-concurrency",
+        "64",
+        "--use-tis",
+        "--log-dir",
+        str(run_dir),
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -97,10 +150,15 @@ def _train(folder, run_dir, name, model, port, flags, steps, batch, samples, env
     rows = rows[1:]  # the first step waits for a cold start in every mode
     wall = sum(r["time/step_seconds"] for r in rows)
     idle = sum(r["time/trainer_idle_seconds"] for r in rows)
-    return {"mode": name, "trajectories": sum(r["rollout/samples"] for r in rows), "seconds": wall,
-            "idle_fraction": idle / wall, "dropped": sum(r.get("async/dropped_groups", 0) for r in rows),
-            "resumes": sum(r.get("async/partial_resumes", 0) for r in rows),
-            "gap_max": max(r.get("rollout/token_version_gap_max", 0) for r in rows)}
+    return {
+        "mode": name,
+        "trajectories": sum(r["rollout/samples"] for r in rows),
+        "seconds": wall,
+        "idle_fraction": idle / wall,
+        "dropped": sum(r.get("async/dropped_groups", 0) for r in rows),
+        "resumes": sum(r.get("async/partial_resumes", 0) for r in rows),
+        "gap_max": max(r.get("rollout/token_version_gap_max", 0) for r in rows),
+    }
 
 
 def main() -> None:
@@ -113,22 +171,29 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="slime-mt-async-bench-"))
     write_workload(folder, 400, 0, args.fast, args.slow)
-    modes = [("sync", []), ("async", ["--async"]),
-             ("fully_async_s1", ["--fully-async", "--partial-rollout", "--max-staleness", "1"]),
-             ("fully_async_s2", ["--fully-async", "--partial-rollout", "--max-staleness", "2"])]
+    modes = [
+        ("sync", []),
+        ("async", ["--async"]),
+        ("fully_async_s1", ["--fully-async", "--partial-rollout", "--max-staleness", "1"]),
+        ("fully_async_s2", ["--fully-async", "--partial-rollout", "--max-staleness", "2"]),
+    ]
     results = {}
     for name, flags in modes:
         results[name] = r = run_mode(folder, name, flags, args.steps, args.batch, args.samples)
-        print(f"{name:15s} {r['trajectories'] / r['seconds']:6.2f} trajectories/s  trainer idle "
-              f"{r['idle_fraction']:5.1%}  ({r['trajectories']} in {r['seconds']:.1f} s; dropped groups "
-              f"{r['dropped']:.0f}, partial resumes {r['resumes']:.0f}, max token version gap {r['gap_max']:.0f})",
-              flush=True)
+        print(
+            f"{name:15s} {r['trajectories'] / r['seconds']:6.2f} trajectories/s  trainer idle "
+            f"{r['idle_fraction']:5.1%}  ({r['trajectories']} in {r['seconds']:.1f} s; dropped groups "
+            f"{r['dropped']:.0f}, partial resumes {r['resumes']:.0f}, max token version gap {r['gap_max']:.0f})",
+            flush=True,
+        )
     for name, bound in (("fully_async_s1", 1), ("fully_async_s2", 2)):
         assert results[name]["gap_max"] <= bound, f"{name}: a trained token is {results[name]['gap_max']} versions old"
     rate = {k: v["trajectories"] / v["seconds"] for k, v in results.items()}
     for name in ("fully_async_s1", "fully_async_s2"):
-        print(f"{name}: {rate[name] / rate['sync']:.2f}x sync (goal >= 1.5), "
-              f"{rate[name] / rate['async']:.2f}x --async (goal >= 1.2)")
+        print(
+            f"{name}: {rate[name] / rate['sync']:.2f}x sync (goal >= 1.5), "
+            f"{rate[name] / rate['async']:.2f}x --async (goal >= 1.2)"
+        )
     print("staleness bound held in every fully-async step")
 
 

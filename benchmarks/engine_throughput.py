@@ -27,12 +27,19 @@ from slime_mt.processing import load_tokenizer_or_processor  # noqa: E402
 
 def text_requests(path, n):
     tokenizer = load_tokenizer_or_processor(path)
-    questions = ["Explain why the sky is blue.", "Write a short poem about rivers.", "What is a prime number?",
-                 "Describe a cat.", "How do airplanes fly?", "Give three tips for studying."]
+    questions = [
+        "Explain why the sky is blue.",
+        "Write a short poem about rivers.",
+        "What is a prime number?",
+        "Describe a cat.",
+        "How do airplanes fly?",
+        "Give three tips for studying.",
+    ]
     out = []
     for i in range(n):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
-                                            add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": questions[i % len(questions)]}], add_generation_prompt=True
+        )
         out.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), None))
     return out
 
@@ -48,9 +55,19 @@ def vlm_requests(path, n):
             image = Image.new("RGB", (112, 112), (30 * i % 256, 60 * k % 256, 90))
             ImageDraw.Draw(image).line([(0, 0), (111, 20 + 5 * i)], fill=(255, 255, 255), width=3)
             images.append(image)
-        text = processor.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "image"}, {"type": "text", "text": f"Question {i}: compare the lines."}]}],
-            add_generation_prompt=True)
+        text = processor.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image"},
+                        {"type": "image"},
+                        {"type": "text", "text": f"Question {i}: compare the lines."},
+                    ],
+                }
+            ],
+            add_generation_prompt=True,
+        )
         expanded = processor(text=text, images=images)["input_ids"][0].tolist()
         ids, _ = collapse_image_pads(expanded, processor.image_token_id)
         out.append((ids, [encode_image(im) for im in images]))
@@ -60,10 +77,14 @@ def vlm_requests(path, n):
 async def run_level(url, requests, concurrency, max_new_tokens):
     sem = asyncio.Semaphore(concurrency)
     async with EngineClient(url) as client:
+
         async def one(i, ids, images):
             async with sem:
-                r = await client.generate(ids, {"max_new_tokens": max_new_tokens, "temperature": 1.0,
-                                                "ignore_eos": True, "sampling_seed": i}, image_data=images)
+                r = await client.generate(
+                    ids,
+                    {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i},
+                    image_data=images,
+                )
                 return r["meta_info"]["completion_tokens"]
 
         started = time.perf_counter()
@@ -79,9 +100,13 @@ def bench(name, path, make, args):
         for c in args.concurrency:
             runs = [asyncio.run(run_level(engine.url, requests, c, args.max_new_tokens)) for _ in range(args.repeats)]
             rates[c] = statistics.median(runs)
-    print(f"{name}: " + ", ".join(f"c={c}: {r:.1f} tok/s" for c, r in rates.items())
-          + " | batched/sequential: " + ", ".join(f"c={c}: {rates[c] / rates[1]:.2f}x" for c in rates if c != 1),
-          flush=True)
+    print(
+        f"{name}: "
+        + ", ".join(f"c={c}: {r:.1f} tok/s" for c, r in rates.items())
+        + " | batched/sequential: "
+        + ", ".join(f"c={c}: {rates[c] / rates[1]:.2f}x" for c in rates if c != 1),
+        flush=True,
+    )
     return rates
 
 
@@ -90,16 +115,22 @@ def main():
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[1, 4, 16],
-                        help="comma-separated levels; the first must be 1 (the sequential reference)")
+    parser.add_argument(
+        "--concurrency",
+        type=lambda v: [int(c) for c in v.split(",")],
+        default=[1, 4, 16],
+        help="comma-separated levels; the first must be 1 (the sequential reference)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=32)
     args = parser.parse_args()
     if args.concurrency[0] != 1:
         parser.error("--concurrency must start with 1, the sequential reference")
     torch.set_num_threads(int(os.environ.get("SLIME_MT_THREADS", "2")))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"device={device}, torch threads={torch.get_num_threads()}, requests={args.requests}, "
-          f"max_new_tokens={args.max_new_tokens}")
+    print(
+        f"device={device}, torch threads={torch.get_num_threads()}, requests={args.requests}, "
+        f"max_new_tokens={args.max_new_tokens}"
+    )
     bench("SmolLM2-135M-Instruct", smollm2_dir(), text_requests, args)
     bench("tiny Qwen2.5-VL (2 images/request)", tiny_model_dir("qwen2.5-vl"), vlm_requests, args)
 

@@ -55,8 +55,9 @@ def grpo_batch(tokens: int, vocab: int):
         prompt = ids(PROMPT)
         for i in range(min(GROUP, n - group * GROUP)):
             r = SEQUENCE - PROMPT
-            samples.append(TrainingSample(prompt, ids(r), [1] * r, [-10.0] * r, float(i % 2), f"{group}/{i}", group,
-                                          True))
+            samples.append(
+                TrainingSample(prompt, ids(r), [1] * r, [-10.0] * r, float(i % 2), f"{group}/{i}", group, True)
+            )
     return samples
 
 
@@ -64,7 +65,7 @@ def hf_step(model, optimizer, samples, advantages, device):
     """The same RL surrogate (PPO clip, token mean) on a [n, 1024] batch, one Adam step."""
     optimizer.zero_grad()
     ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=device)
-    logits = model(ids).logits[:, PROMPT - 1:-1].float()
+    logits = model(ids).logits[:, PROMPT - 1 : -1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, PROMPT:, None])[..., 0]
     adv = torch.tensor(advantages, device=device, dtype=torch.float32)[:, None]
     ratio = torch.exp(lp - lp.detach())
@@ -92,8 +93,9 @@ def child(args) -> dict:
     if args.variant == "transformers":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                                     attn_implementation="sdpa").to(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.bfloat16 if args.bf16 else torch.float32, attn_implementation="sdpa"
+        ).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0)
         step = lambda: hf_step(model, optimizer, samples, advantages, device)  # noqa: E731
         forwarded = args.tokens
@@ -101,9 +103,13 @@ def child(args) -> dict:
         from slime_mt.backends.megatron.actor import MegatronActor
         from slime_mt.config import AlgoConfig, TrainConfig
 
-        train = TrainConfig(lr=1e-6, bf16=args.bf16, max_tokens_per_micro_batch=args.tokens,
-                            local_attention="megatron" if args.variant == "megatron" else "fused",
-                            shared_prefix_training=args.variant == "tree")
+        train = TrainConfig(
+            lr=1e-6,
+            bf16=args.bf16,
+            max_tokens_per_micro_batch=args.tokens,
+            local_attention="megatron" if args.variant == "megatron" else "fused",
+            shared_prefix_training=args.variant == "tree",
+        )
         actor = MegatronActor(str(path), train, AlgoConfig(), info)
         everything = list(range(len(samples)))
         rows = actor._rows(samples, everything)
@@ -122,20 +128,38 @@ def child(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     seconds = statistics.median(times[1:]) if args.steps else times[0]
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
     return {"seconds": seconds, "tokens_per_s": args.tokens / seconds, "forwarded": forwarded, "peak_gib": peak}
 
 
 def run_child(args, variant: str, tokens: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--variant", variant, "--tokens", str(tokens), "--model", args.model,
-           "--steps", str(args.steps), "--cap-gb", str(args.cap_gb)] + (["--bf16"] if args.bf16 else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--variant",
+        variant,
+        "--tokens",
+        str(tokens),
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--cap-gb",
+        str(args.cap_gb),
+    ] + (["--bf16"] if args.bf16 else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()
-    out_of_memory = any(s in proc.stderr for s in ("OutOfMemoryError", "MemoryError", "DefaultCPUAllocator",
-                                                   "std::bad_alloc")) or proc.returncode in (-9, 137)
+    out_of_memory = any(
+        s in proc.stderr for s in ("OutOfMemoryError", "MemoryError", "DefaultCPUAllocator", "std::bad_alloc")
+    ) or proc.returncode in (-9, 137)
     if out_of_memory:
         where = "GPU" if torch.cuda.is_available() else f"the {args.cap_gb:g} GB address-space cap"
         return {"failed": f"out of memory (over {where})"}
@@ -148,7 +172,9 @@ def main():
     parser.add_argument("--tokens", default="4096,8192,16384", help="tokens per micro-batch, comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps after a warm-up (default: 0 on CPU, 3 on CUDA)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps after a warm-up (default: 0 on CPU, 3 on CUDA)"
+    )
     parser.add_argument("--cap-gb", type=float, default=16.0, help="CPU: address-space cap per measurement")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -164,10 +190,16 @@ def main():
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     model_path(args.model)  # build the asset once, before the measurements
-    where = f"CUDA ({torch.cuda.get_device_name()}), peak allocated" if torch.cuda.is_available() else \
-        f"CPU, peak RSS (address space capped at {args.cap_gb:g} GB)"
-    print(f"{args.model}, {'bf16' if args.bf16 else 'fp32'}, {where}; one micro-batch per step, "
-          f"{'one step timed' if args.steps == 0 else f'median of {args.steps} steps'}", flush=True)
+    where = (
+        f"CUDA ({torch.cuda.get_device_name()}), peak allocated"
+        if torch.cuda.is_available()
+        else f"CPU, peak RSS (address space capped at {args.cap_gb:g} GB)"
+    )
+    print(
+        f"{args.model}, {'bf16' if args.bf16 else 'fp32'}, {where}; one micro-batch per step, "
+        f"{'one step timed' if args.steps == 0 else f'median of {args.steps} steps'}",
+        flush=True,
+    )
     results = {}
     for tokens in (int(t) for t in args.tokens.split(",")):
         for variant in variants:
@@ -175,14 +207,20 @@ def main():
             if "failed" in r:
                 print(f"  {tokens:>6} tokens  {variant:<12}  {r['failed']}", flush=True)
             else:
-                print(f"  {tokens:>6} tokens  {variant:<12}  peak {r['peak_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s"
-                      f"  ({r['seconds']:.2f} s/step, {r['forwarded']} tokens forwarded)", flush=True)
+                print(
+                    f"  {tokens:>6} tokens  {variant:<12}  peak {r['peak_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s"
+                    f"  ({r['seconds']:.2f} s/step, {r['forwarded']} tokens forwarded)",
+                    flush=True,
+                )
         base = results.get(("transformers", tokens), {})
         for variant in ("megatron", "fused", "tree"):
             r = results.get((variant, tokens), {})
             if "tokens_per_s" in r and "tokens_per_s" in base:
-                print(f"  {tokens:>6} tokens  {variant} / transformers: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                      f"tok/s, {r['peak_gib'] / base['peak_gib']:.2f}x peak memory", flush=True)
+                print(
+                    f"  {tokens:>6} tokens  {variant} / transformers: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                    f"tok/s, {r['peak_gib'] / base['peak_gib']:.2f}x peak memory",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

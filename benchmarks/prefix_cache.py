@@ -21,14 +21,21 @@ from slime_mt.engine.client import EngineClient
 from slime_mt.engine.server import LocalEngine
 from slime_mt.processing import load_tokenizer_or_processor
 
-TASKS = ["Play the grid game: reach the goal.", "Sort the cards you are shown.", "Find the hidden word.",
-         "Guide the robot out of the maze.", "Balance the scales.", "Count the red squares."]
+TASKS = [
+    "Play the grid game: reach the goal.",
+    "Sort the cards you are shown.",
+    "Find the hidden word.",
+    "Guide the robot out of the maze.",
+    "Balance the scales.",
+    "Count the red squares.",
+]
 
 
 async def episode(client: EngineClient, tokenizer, index: int, turns: int, max_new_tokens: int):
     """-> (outputs per turn, prompt tokens sent, prompt tokens cached)."""
-    prompt = tokenizer(f"<|im_start|>user\n{TASKS[index % len(TASKS)]}<|im_end|>\n<|im_start|>assistant\n",
-                       add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(
+        f"<|im_start|>user\n{TASKS[index % len(TASKS)]}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )["input_ids"]
     outputs, sent, cached = [], 0, 0
     for turn in range(turns):
         answer = await client.generate(prompt, {"temperature": 0.0, "max_new_tokens": max_new_tokens})
@@ -43,8 +50,9 @@ async def episode(client: EngineClient, tokenizer, index: int, turns: int, max_n
 async def rollout(url: str, tokenizer, args) -> tuple[float, list, int, int]:
     async with EngineClient(url) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(episode(client, tokenizer, i, args.turns, args.max_new_tokens)
-                                         for i in range(args.episodes)))
+        results = await asyncio.gather(
+            *(episode(client, tokenizer, i, args.turns, args.max_new_tokens) for i in range(args.episodes))
+        )
         seconds = time.perf_counter() - start
     return seconds, [r[0] for r in results], sum(r[1] for r in results), sum(r[2] for r in results)
 
@@ -62,16 +70,22 @@ def main():
     figures = {}
     for name, cache_tokens in (("off", 0), ("on", args.cache_tokens), ("off again", 0)):
         with LocalEngine(path, max_batch_size=args.episodes, cache_tokens=cache_tokens) as engine:
-            asyncio.run(rollout(engine.url, tokenizer, argparse.Namespace(**{**vars(args), "episodes": 1,
-                                                                             "turns": 1})))  # warm-up
+            asyncio.run(
+                rollout(engine.url, tokenizer, argparse.Namespace(**{**vars(args), "episodes": 1, "turns": 1}))
+            )  # warm-up
             figures[name] = asyncio.run(rollout(engine.url, tokenizer, args))
         seconds, _, sent, cached = figures[name]
-        print(f"cache {name:9s}: {seconds:6.1f} s for {args.episodes} episodes x {args.turns} turns; "
-              f"{sent} prompt tokens sent, {cached} served from the cache", flush=True)
+        print(
+            f"cache {name:9s}: {seconds:6.1f} s for {args.episodes} episodes x {args.turns} turns; "
+            f"{sent} prompt tokens sent, {cached} served from the cache",
+            flush=True,
+        )
     off = (figures["off"][0] + figures["off again"][0]) / 2  # before and after: the machine's drift cancels
-    print(f"multi-turn rollout time, cache off / on: {off / figures['on'][0]:.2f}x; prefilled tokens "
-          f"{figures['on'][2]} -> {figures['on'][2] - figures['on'][3]}; identical outputs: "
-          f"{figures['on'][1] == figures['off'][1] == figures['off again'][1]}")
+    print(
+        f"multi-turn rollout time, cache off / on: {off / figures['on'][0]:.2f}x; prefilled tokens "
+        f"{figures['on'][2]} -> {figures['on'][2] - figures['on'][3]}; identical outputs: "
+        f"{figures['on'][1] == figures['off'][1] == figures['off again'][1]}"
+    )
 
 
 if __name__ == "__main__":

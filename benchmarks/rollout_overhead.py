@@ -52,9 +52,13 @@ def per_turn_overhead(url, path, episodes):
     samples = {k: [] for k in (1, 8, 32)}
     for e in range(episodes):
         client = TimedClient(url)
-        ctx = RolloutContext(client, load_tokenizer_or_processor(path),
-                             RolloutConfig(max_turns=TURNS, rollout_max_response_len=32, rollout_max_context_len=8192),
-                             DataConfig(apply_chat_template=True), ap.Namespace())
+        ctx = RolloutContext(
+            client,
+            load_tokenizer_or_processor(path),
+            RolloutConfig(max_turns=TURNS, rollout_max_response_len=32, rollout_max_context_len=8192),
+            DataConfig(apply_chat_template=True),
+            ap.Namespace(),
+        )
         sample = Sample(index=e, prompt=[{"role": "user", "content": "Use the tool repeatedly."}])
         params = {"temperature": 1.0, "sampling_seed": e, "stop_token_ids": STOPS, "no_stop_trim": True}
         asyncio.run(run_episode(ctx, sample, params, env=Echo()))
@@ -71,8 +75,9 @@ def per_turn_overhead(url, path, episodes):
 
 
 def finalize_cost(turns=20, repeats=20):
-    per_turn = [{"pixel_values": torch.randn(256, 1176), "image_grid_thw": torch.tensor([[1, 16, 16]])}
-                for _ in range(turns)]
+    per_turn = [
+        {"pixel_values": torch.randn(256, 1176), "image_grid_thw": torch.tensor([[1, 16, 16]])} for _ in range(turns)
+    ]
 
     def once():
         buffer = MultimodalBuffer()
@@ -105,12 +110,16 @@ def main():
     path = tiny_model_dir("qwen2")
     with LocalEngine(path) as engine:
         overhead = per_turn_overhead(engine.url, path, args.episodes)
-    print("framework overhead per turn (median ms, engine/env excluded): "
-          + ", ".join(f"turn {k}: {v:.2f}" for k, v in overhead.items()))
+    print(
+        "framework overhead per turn (median ms, engine/env excluded): "
+        + ", ".join(f"turn {k}: {v:.2f}" for k, v in overhead.items())
+    )
     print(f"turn 32 / turn 1 overhead ratio: {overhead[32] / overhead[1]:.2f}x (goal <= 1.5x)")
     cost = finalize_cost()
-    print(f"multimodal finalize at 20 turns (256x1176 pixel rows/turn): one concatenation {cost['once']:.2f} ms, "
-          f"concatenating every turn {cost['every_turn']:.2f} ms, ratio {cost['every_turn'] / cost['once']:.1f}x")
+    print(
+        f"multimodal finalize at 20 turns (256x1176 pixel rows/turn): one concatenation {cost['once']:.2f} ms, "
+        f"concatenating every turn {cost['every_turn']:.2f} ms, ratio {cost['every_turn'] / cost['once']:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ def token_source(vocab: int, seed: int):
 
 def grpo_group(ids) -> list[TrainingSample]:
     prompt = ids(1024)
-    return [TrainingSample(prompt, ids(128), [1] * 128, [-10.0] * 128, float(i % 2), f"0/{i}", 0, i == 7)
-            for i in range(8)]
+    return [
+        TrainingSample(prompt, ids(128), [1] * 128, [-10.0] * 128, float(i % 2), f"0/{i}", 0, i == 7) for i in range(8)
+    ]
 
 
 def strip_thinking_steps(ids, turns: int) -> list[TrainingSample]:
@@ -49,15 +50,29 @@ def strip_thinking_steps(ids, turns: int) -> list[TrainingSample]:
     for k in range(turns):
         thinking, answer = ids(THINKING), ids(ANSWER)
         response = thinking + answer
-        steps.append(TrainingSample(list(history), response, [1] * len(response), [-10.0] * len(response),
-                                    float(k == turns - 1), "0/0", 0, k == turns - 1))
+        steps.append(
+            TrainingSample(
+                list(history),
+                response,
+                [1] * len(response),
+                [-10.0] * len(response),
+                float(k == turns - 1),
+                "0/0",
+                0,
+                k == turns - 1,
+            )
+        )
         history += answer + ids(OBSERVATION)
     return steps
 
 
 def measure(path, samples, tree: bool, budget: int, steps: int, info) -> dict:
-    actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=budget,
-                                                 shared_prefix_training=tree), AlgoConfig(), info)
+    actor = MegatronActor(
+        str(path),
+        TrainConfig(lr=1e-6, max_tokens_per_micro_batch=budget, shared_prefix_training=tree),
+        AlgoConfig(),
+        info,
+    )
     everything = list(range(len(samples)))
     rows = actor._rows(samples, everything)
     forwarded = sum(actor.pack(samples, r).num_real_tokens for r in rows)
@@ -88,15 +103,21 @@ def main():
     workloads = {"(a) GRPO group, 8 x 128 on a 1,024-token prompt": grpo_group(ids)}
     for t in (int(t) for t in args.turns.split(",")):
         workloads[f"(b) strip_thinking step-wise, T = {t}"] = strip_thinking_steps(ids, t)
-    print(f"{args.model} fp32, Megatron TP=1, fused attention, --max-tokens-per-micro-batch "
-          f"{args.max_tokens_per_micro_batch}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"{args.model} fp32, Megatron TP=1, fused attention, --max-tokens-per-micro-batch "
+        f"{args.max_tokens_per_micro_batch}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     for name, samples in workloads.items():
         flat = measure(path, samples, False, args.max_tokens_per_micro_batch, args.steps, info)
         tree = measure(path, samples, True, args.max_tokens_per_micro_batch, args.steps, info)
         tokens, seconds = flat["forwarded"] / tree["forwarded"], flat["seconds"] / tree["seconds"]
-        print(f"{name}: tokens {flat['forwarded']} -> {tree['forwarded']} ({tokens:.2f}x fewer), step "
-              f"{flat['seconds']:.1f} s -> {tree['seconds']:.1f} s ({seconds:.2f}x faster); time ratio / token "
-              f"ratio = {seconds / tokens:.2f} (goal >= 0.7); rows {flat['rows']} -> {tree['rows']}", flush=True)
+        print(
+            f"{name}: tokens {flat['forwarded']} -> {tree['forwarded']} ({tokens:.2f}x fewer), step "
+            f"{flat['seconds']:.1f} s -> {tree['seconds']:.1f} s ({seconds:.2f}x faster); time ratio / token "
+            f"ratio = {seconds / tokens:.2f} (goal >= 0.7); rows {flat['rows']} -> {tree['rows']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def trajectory(turns: int, strip_thinking: bool = False) -> Sample:
             s.append_observation_tokens(ids(OBS))
         context = list(stripped) if strip_thinking and k > 0 else None
         s.turns.append(Turn(output_start=start, output_end=end, observation_end=len(s.tokens), context_ids=context))
-        stripped += s.tokens[start + THINKING:len(s.tokens)]
+        stripped += s.tokens[start + THINKING : len(s.tokens)]
     return s
 
 
@@ -64,25 +64,33 @@ def count(sequences) -> int:
 def main():
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir("qwen2"))).eval()
-    print(f"{'turns':>5} {'step-wise tokens':>16} {'merged tokens':>13} {'token ratio':>11} "
-          f"{'step-wise s':>11} {'merged s':>9} {'time ratio':>10}")
+    print(
+        f"{'turns':>5} {'step-wise tokens':>16} {'merged tokens':>13} {'token ratio':>11} "
+        f"{'step-wise s':>11} {'merged s':>9} {'time ratio':>10}"
+    )
     for turns in (1, 2, 4, 8, 16, 32):
         steps = to_step_wise_samples([trajectory(turns)])
         merged = merge_step_wise(steps)
         t_steps, t_merged = forward_seconds(model, steps), forward_seconds(model, merged)
-        print(f"{turns:>5} {count(steps):>16} {count(merged):>13} {count(steps) / count(merged):>10.1f}x "
-              f"{t_steps:>11.3f} {t_merged:>9.3f} {t_steps / t_merged:>9.1f}x")
+        print(
+            f"{turns:>5} {count(steps):>16} {count(merged):>13} {count(steps) / count(merged):>10.1f}x "
+            f"{t_steps:>11.3f} {t_merged:>9.3f} {t_steps / t_merged:>9.1f}x"
+        )
     print(f"\n{THINKING} of each turn's {OUT} tokens are thinking: append + merge vs strip_thinking step-wise")
-    print(f"{'turns':>5} {'append+merge':>12} {'strip steps':>11} {'after merge':>11} {'token ratio':>11} "
-          f"{'append s':>8} {'strip s':>8} {'time ratio':>10}")
+    print(
+        f"{'turns':>5} {'append+merge':>12} {'strip steps':>11} {'after merge':>11} {'token ratio':>11} "
+        f"{'append s':>8} {'strip s':>8} {'time ratio':>10}"
+    )
     for turns in (1, 2, 4, 8, 16, 32):
         appended = merge_step_wise(to_step_wise_samples([trajectory(turns)]))
         steps = to_step_wise_samples([trajectory(turns, strip_thinking=True)])
         unmerged = merge_step_wise(steps)
         assert len(unmerged) == len(steps), "a strip_thinking step merged"
         t_append, t_strip = forward_seconds(model, appended), forward_seconds(model, steps)
-        print(f"{turns:>5} {count(appended):>12} {count(steps):>11} {len(unmerged):>11} "
-              f"{count(steps) / count(appended):>10.1f}x {t_append:>8.3f} {t_strip:>8.3f} {t_strip / t_append:>9.1f}x")
+        print(
+            f"{turns:>5} {count(appended):>12} {count(steps):>11} {len(unmerged):>11} "
+            f"{count(steps) / count(appended):>10.1f}x {t_append:>8.3f} {t_strip:>8.3f} {t_strip / t_append:>9.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,9 @@ def batch(n: int) -> list[TrainingSample]:
     samples = []
     for i, (p, r) in enumerate(length_mix(n, seed=1, max_turns=3)):
         ids = torch.randint(10, 49000, (p + r,), generator=g).tolist()
-        samples.append(TrainingSample(ids[:p], ids[p:], [1] * r, [-2.0] * r, float(i % 2), f"{i // 2}/{i}", i // 2,
-                                      True))
+        samples.append(
+            TrainingSample(ids[:p], ids[p:], [1] * r, [-2.0] * r, float(i % 2), f"{i // 2}/{i}", i // 2, True)
+        )
     return samples
 
 
@@ -65,7 +66,7 @@ def hf_step(model, optimizer, samples, advantages):
     total = sum(len(s.response_ids) for s in samples)
     for s, a in zip(samples, advantages):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1]
+        logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]
         lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
         ratio = torch.exp(lp - lp.detach())
         loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)).sum() / total
@@ -103,8 +104,12 @@ def main():
         hf = lambda: hf_step(model, optimizer, samples, advantages)  # noqa: E731
     throughput, ratio = {}, {}
     for attention in ("megatron", "fused"):
-        actor = MegatronActor(str(path), TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens,
-                                                     bf16=args.bf16, local_attention=attention), AlgoConfig(), info)
+        actor = MegatronActor(
+            str(path),
+            TrainConfig(lr=1e-6, max_tokens_per_micro_batch=args.row_tokens, bf16=args.bf16, local_attention=attention),
+            AlgoConfig(),
+            info,
+        )
         built = peak_rss_mb()
         for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
             pass
@@ -123,13 +128,17 @@ def main():
                 trained = peak_rss_mb()
         for rank in range(info.world_size):
             if rank == info.rank:
-                print(f"rank {rank} ({attention} attention): peak RSS after build {built:.0f} MB, after a weight "
-                      f"export {exported:.0f} MB (+{exported - built:.0f}), after a train step {trained:.0f} MB",
-                      flush=True)
+                print(
+                    f"rank {rank} ({attention} attention): peak RSS after build {built:.0f} MB, after a weight "
+                    f"export {exported:.0f} MB (+{exported - built:.0f}), after a train step {trained:.0f} MB",
+                    flush=True,
+                )
             dist.barrier()
         throughput[attention] = tokens / statistics.median(seconds["megatron"])
-        line = (f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / "
-                f"{tokens} tokens: Megatron TP={tp}, {attention} attention: {throughput[attention]:.0f} tok/s")
+        line = (
+            f"train step on SmolLM2-135M ({'bf16' if args.bf16 else 'fp32'}), {len(samples)} sequences / "
+            f"{tokens} tokens: Megatron TP={tp}, {attention} attention: {throughput[attention]:.0f} tok/s"
+        )
         if hf is not None:
             h = tokens / statistics.median(seconds["transformers"])
             ratio[attention] = throughput[attention] / h
@@ -140,16 +149,20 @@ def main():
     if info.rank == 0:
         print(f"fused / megatron attention: {throughput['fused'] / throughput['megatron']:.2f}x")
         if ratio:
-            print(f"Megatron / transformers: {ratio['fused']:.2f}x with the fused attention (goal >= 1.0), "
-                  f"{ratio['megatron']:.2f}x with Megatron's")
+            print(
+                f"Megatron / transformers: {ratio['fused']:.2f}x with the fused attention (goal >= 1.0), "
+                f"{ratio['megatron']:.2f}x with Megatron's"
+            )
     if info.rank == 0:
         mix = length_mix(256)
         lengths = [p + r for p, r in mix]
         rows = micro_batches_by_tokens(lengths, args.pack_tokens)
-        print(f"packed rows of {args.pack_tokens} tokens for 256 multi-turn trajectories: {len(rows)} rows, "
-              f"padding efficiency {padding_efficiency(lengths, rows, args.pack_tokens):.3f} (goal >= 0.95), "
-              f"useful-attention fraction {useful_attention_fraction(lengths, rows):.3f} "
-              "(score entries inside a sequence / entries of the dense block-diagonal mask)")
+        print(
+            f"packed rows of {args.pack_tokens} tokens for 256 multi-turn trajectories: {len(rows)} rows, "
+            f"padding efficiency {padding_efficiency(lengths, rows, args.pack_tokens):.3f} (goal >= 0.95), "
+            f"useful-attention fraction {useful_attention_fraction(lengths, rows):.3f} "
+            "(score entries inside a sequence / entries of the dense block-diagonal mask)"
+        )
 
 
 if __name__ == "__main__":

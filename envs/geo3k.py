@@ -17,14 +17,23 @@ import re
 
 from envs.base import BaseInteractionEnv
 
-TOOL = {"type": "function", "function": {
-    "name": "calc_score",
-    "description": "Check a candidate answer to the geometry question; returns whether it is correct.",
-    "parameters": {"type": "object", "properties": {"answer": {"type": "string", "description": "The answer"}},
-                   "required": ["answer"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc_score",
+        "description": "Check a candidate answer to the geometry question; returns whether it is correct.",
+        "parameters": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "The answer"}},
+            "required": ["answer"],
+        },
+    },
+}
 
-SYSTEM_PROMPT = ("Solve the geometry problem about the diagram. You may check a candidate answer with the "
-                 "calc_score tool. Give your final answer as \\boxed{answer}.")
+SYSTEM_PROMPT = (
+    "Solve the geometry problem about the diagram. You may check a candidate answer with the "
+    "calc_score tool. Give your final answer as \\boxed{answer}."
+)
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -41,12 +50,17 @@ def last_boxed(text: str) -> str | None:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j].strip()
+                return text[i + 1 : j].strip()
     return None
 
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow}
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 def _eval(node) -> float:
@@ -57,7 +71,12 @@ def _eval(node) -> float:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "sqrt" and len(node.args) == 1:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "sqrt"
+        and len(node.args) == 1
+    ):
         return math.sqrt(_eval(node.args[0]))
     if isinstance(node, ast.Name) and node.id == "pi":
         return math.pi
@@ -121,15 +140,24 @@ class Geo3kEnv(BaseInteractionEnv):
                 if payload.get("name") != "calc_score":
                     raise KeyError(payload.get("name"))
             except (json.JSONDecodeError, KeyError, TypeError):
-                return {"text": 'Invalid tool call. Use {"name": "calc_score", "arguments": {"answer": "..."}}.'}, \
-                    False, {"reward": 0.0}
+                return (
+                    {"text": 'Invalid tool call. Use {"name": "calc_score", "arguments": {"answer": "..."}}.'},
+                    False,
+                    {"reward": 0.0},
+                )
             score = grade(candidate, self.answer)
             self.best_tool_score = max(self.best_tool_score, score)
             verdict = "correct" if score else "incorrect"
-            return {"text": f"calc_score: the answer {candidate} is {verdict}."}, False, \
-                {"reward": self.best_tool_score if self.tool_reward else 0.0, "tool_score": score}
-        return {"text": "Please check an answer with calc_score or give the final answer as \\boxed{...}."}, False, \
-            {"reward": 0.0}
+            return (
+                {"text": f"calc_score: the answer {candidate} is {verdict}."},
+                False,
+                {"reward": self.best_tool_score if self.tool_reward else 0.0, "tool_score": score},
+            )
+        return (
+            {"text": "Please check an answer with calc_score or give the final answer as \\boxed{...}."},
+            False,
+            {"reward": 0.0},
+        )
 
 
 def build_env(sample=None, args=None, **kw) -> Geo3kEnv:

@@ -1,7 +1,7 @@
 """Prepare geo3k data: convert the real geo3k parquet from a local path, or draw synthetic problems.
 
-    python scripts/prepare_geo3k.py --parquet /data/geo3k/train-*.parquet --out data/geo3k
-    python scripts/prepare_geo3k.py --synthetic 200 --out data/geo3k_synthetic
+python scripts/prepare_geo3k.py --parquet /data/geo3k/train-*.parquet --out data/geo3k
+python scripts/prepare_geo3k.py --synthetic 200 --out data/geo3k_synthetic
 """
 
 import sys

@@ -17,7 +17,7 @@ COMMANDS = {
     "plot": "Write PNG curves (reward, turns, lengths, timings) of a run directory's metrics.",
     "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
     "check-template": "Which tokenization path (append, strip_thinking, step-wise, retokenize) is exact for a "
-                      "model's chat template.",
+    "model's chat template.",
 }
 
 
@@ -29,8 +29,12 @@ def build_cli() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
-    train.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS,
-                       help="Print the resolved configuration as YAML and exit.")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="Print the resolved configuration as YAML and exit.",
+    )
     add_config_arguments(train)
     serve = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"])
     serve.add_argument("--model-path", required=True, help="Hugging Face model folder.")
@@ -38,8 +42,9 @@ def build_cli() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=30000, help="Port (0: any free port).")
     serve.add_argument("--max-batch-size", type=int, default=32, help="Requests decoded together.")
     serve.add_argument("--seed", type=int, default=0, help="Sampling seed for requests without sampling_seed.")
-    serve.add_argument("--cache-tokens", type=int, default=0,
-                       help="Tokens of KV state kept by the prefix cache (LRU); 0: off.")
+    serve.add_argument(
+        "--cache-tokens", type=int, default=0, help="Tokens of KV state kept by the prefix cache (LRU); 0: off."
+    )
     plot = sub.add_parser("plot", help=COMMANDS["plot"], description=COMMANDS["plot"])
     plot.add_argument("run_dir", help="Run directory holding metrics.jsonl.")
     prep = sub.add_parser("prepare-data", help=COMMANDS["prepare-data"], description=COMMANDS["prepare-data"])
@@ -52,14 +57,18 @@ def build_cli() -> argparse.ArgumentParser:
     check.add_argument("--hf-checkpoint", required=True, help="Model folder holding the tokenizer (and processor).")
     check.add_argument("--chat-template", help="A Jinja chat template file to check instead of the folder's.")
     check.add_argument("--tools", help="A JSON file with a list of tool schemas for the tool scenarios.")
-    parser.epilog = "Commands:\n" + "\n".join(f"  {k:<14} {v}" for k, v in COMMANDS.items()) + \
-        "\n\nFlags of 'train', grouped by concern:\n" + _indent(_flag_sections(train.format_help()))
+    parser.epilog = (
+        "Commands:\n"
+        + "\n".join(f"  {k:<14} {v}" for k, v in COMMANDS.items())
+        + "\n\nFlags of 'train', grouped by concern:\n"
+        + _indent(_flag_sections(train.format_help()))
+    )
     return parser
 
 
 def _flag_sections(help_text: str) -> str:
     """The option sections of a subcommand's help, without its long usage line."""
-    return help_text[help_text.index("\noptions:") + 1:]
+    return help_text[help_text.index("\noptions:") + 1 :]
 
 
 def _indent(text: str) -> str:
@@ -83,8 +92,16 @@ def _user_errors() -> tuple[type, ...]:
     from slime_mt.plugins import PluginError
     from slime_mt.trainer import TrainSetupError
 
-    return (ConfigError, DatasetError, PluginError, ModelConfigError, LaunchError, TrainSetupError, AssetError,
-            CheckpointError)
+    return (
+        ConfigError,
+        DatasetError,
+        PluginError,
+        ModelConfigError,
+        LaunchError,
+        TrainSetupError,
+        AssetError,
+        CheckpointError,
+    )
 
 
 def run_train(cfg) -> int:

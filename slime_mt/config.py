@@ -95,34 +95,57 @@ class RolloutConfig:
     )
     merge_step_wise: bool = _opt(False, "Merge step-wise samples whose context extends the previous one.")
     context_policy: str = _opt(
-        "append", "What the model sees each turn: append, strip_thinking, keep_last_images:K or window:N "
-        "(any but append needs --sample-format step_wise).")
+        "append",
+        "What the model sees each turn: append, strip_thinking, keep_last_images:K or window:N "
+        "(any but append needs --sample-format step_wise).",
+    )
     context_policy_path: str | None = _opt(
-        None, "A user context policy policy(args, sample, prompt, turns) -> messages: module.fn or file.py:fn.")
+        None, "A user context policy policy(args, sample, prompt, turns) -> messages: module.fn or file.py:fn."
+    )
     conversation_multi_turn: bool = _opt(
-        True, "Each observation is its own chat message; --no-conversation-multi-turn keeps every turn in one "
-        "assistant message, observations as raw text in --observation-template (token-in/token-out).")
+        True,
+        "Each observation is its own chat message; --no-conversation-multi-turn keeps every turn in one "
+        "assistant message, observations as raw text in --observation-template (token-in/token-out).",
+    )
     observation_template: str = _opt(
         "\n<observation>{observation}</observation>\n",
-        "--no-conversation-multi-turn: the text around an observation, with {observation} where it goes.")
+        "--no-conversation-multi-turn: the text around an observation, with {observation} where it goes.",
+    )
     retokenize_chat_history: bool = _opt(
-        False, "Render and tokenize the whole conversation for every turn (no token-in/token-out); concat "
-        "samples are the final render with its assistant mask and no rollout log-probs.")
+        False,
+        "Render and tokenize the whole conversation for every turn (no token-in/token-out); concat "
+        "samples are the final render with its assistant mask and no rollout log-probs.",
+    )
     mask_truncated: bool = _opt(False, "Give TRUNCATED and ABORTED samples loss mask 0.")
-    async_mode: bool = _opt(False, "slime's train_async: roll out step k+1 while step k trains (one step "
-                            "off-policy).", flag="--async", aliases=["async"])
-    fully_async: bool = _opt(False, "Generate groups continuously into a buffer (rank 0's rollout manager); "
-                             "weights are updated in the middle of generation; each step trains the next "
-                             "--rollout-batch-size finished groups within --max-staleness.")
-    max_staleness: int = _opt(1, "--fully-async: a trained token was generated at most this many weight versions "
-                              "before the one trained (0: on-policy). Generation is throttled to the bound and "
-                              "groups beyond it are dropped and counted (AReaL's max_head_offpolicyness).")
-    partial_rollout: bool = _opt(False, "--fully-async: a turn a weight update interrupts keeps its tokens (with "
-                                 "their log-probs and version) and continues from them; without it the turn is "
-                                 "generated again.")
+    async_mode: bool = _opt(
+        False,
+        "slime's train_async: roll out step k+1 while step k trains (one step off-policy).",
+        flag="--async",
+        aliases=["async"],
+    )
+    fully_async: bool = _opt(
+        False,
+        "Generate groups continuously into a buffer (rank 0's rollout manager); "
+        "weights are updated in the middle of generation; each step trains the next "
+        "--rollout-batch-size finished groups within --max-staleness.",
+    )
+    max_staleness: int = _opt(
+        1,
+        "--fully-async: a trained token was generated at most this many weight versions "
+        "before the one trained (0: on-policy). Generation is throttled to the bound and "
+        "groups beyond it are dropped and counted (AReaL's max_head_offpolicyness).",
+    )
+    partial_rollout: bool = _opt(
+        False,
+        "--fully-async: a turn a weight update interrupts keeps its tokens (with "
+        "their log-probs and version) and continues from them; without it the turn is "
+        "generated again.",
+    )
     mask_offpolicy_in_partial_rollout: bool = _opt(
-        False, "--partial-rollout: instead of dropping a group with tokens beyond --max-staleness, give those "
-        "tokens loss mask 0 (they stay as context) and train the rest.")
+        False,
+        "--partial-rollout: instead of dropping a group with tokens beyond --max-staleness, give those "
+        "tokens loss mask 0 (they stay as context) and train the rest.",
+    )
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
     env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
 
@@ -133,16 +156,22 @@ class EngineConfig:
 
     engine: str = _opt("local", "Inference engine.", choices=["local", "sglang"])
     engine_url: list[str] | None = _opt(
-        None, "Running engines: one URL, or a router URL followed by its worker URLs; none: launch.", nargs="+")
+        None, "Running engines: one URL, or a router URL followed by its worker URLs; none: launch.", nargs="+"
+    )
     num_engines: int = _opt(1, "Engines to launch when no --engine-url is given.")
     sglang_router_policy: str = _opt(
-        "cache_aware", "sglang-router policy in front of several launched engines; cache_aware sends the turns "
-        "of one trajectory to the worker holding its prefix.", choices=["cache_aware", "round_robin", "random",
-                                                                        "power_of_two"])
+        "cache_aware",
+        "sglang-router policy in front of several launched engines; cache_aware sends the turns "
+        "of one trajectory to the worker holding its prefix.",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+    )
     engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
     engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")
-    engine_cache_tokens: int = _opt(0, "Embedded engine: tokens of KV state kept by its prefix cache (LRU), so a "
-                                       "trajectory's next turn prefills only its new tokens; 0: off.")
+    engine_cache_tokens: int = _opt(
+        0,
+        "Embedded engine: tokens of KV state kept by its prefix cache (LRU), so a "
+        "trajectory's next turn prefills only its new tokens; 0: off.",
+    )
     engine_request_timeout: float = _opt(600.0, "Seconds before one /generate request fails.")
     engine_max_retries: int = _opt(3, "Retries of a /generate request on connection errors and 5xx.")
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
@@ -167,8 +196,11 @@ class AlgoConfig:
     use_tis: bool = _opt(False, "Truncated importance sampling against the rollout log-probs.")
     tis_clip: float = _opt(2.0, "TIS weight upper clip.")
     tis_clip_low: float = _opt(0.0, "TIS weight lower clip.")
-    tis_mode: str = _opt("token", "Off-policy correction: clip token or sequence weights, or mask outside the band.",
-                         choices=["token", "sequence", "token_mask", "geo_mean_mask"])
+    tis_mode: str = _opt(
+        "token",
+        "Off-policy correction: clip token or sequence weights, or mask outside the band.",
+        choices=["token", "sequence", "token_mask", "geo_mean_mask"],
+    )
     loss_reduction: str = _opt(
         "token_mean",
         "How token losses are averaged over the global batch.",
@@ -195,11 +227,16 @@ class TrainConfig:
     sft: bool = _opt(False, "Train with the supervised loss on loss-masked tokens.")
     bf16: bool = _opt(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
     shared_prefix_training: bool = _opt(
-        False, "Pack each micro-batch as a prefix tree: tokens shared by its sequences (a GRPO group's prompt, "
-        "step-wise histories) are computed once (text models, --local-attention fused, no Transformer Engine).")
+        False,
+        "Pack each micro-batch as a prefix tree: tokens shared by its sequences (a GRPO group's prompt, "
+        "step-wise histories) are computed once (text models, --local-attention fused, no Transformer Engine).",
+    )
     local_attention: str = _opt(
-        "fused", "Core attention without Transformer Engine: PyTorch's fused kernels per packed sequence, or "
-        "Megatron's DotProductAttention (materialises [L, L] scores; the reference).", choices=["fused", "megatron"])
+        "fused",
+        "Core attention without Transformer Engine: PyTorch's fused kernels per packed sequence, or "
+        "Megatron's DotProductAttention (materialises [L, L] scores; the reference).",
+        choices=["fused", "megatron"],
+    )
 
 
 @dataclass
@@ -358,8 +395,13 @@ def _json_arg(text: str) -> dict:
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every config field as a flag, one argument group per concern; defaults are SUPPRESSed
     so that the parsed namespace holds only what the user typed (needed for CLI > YAML)."""
-    parser.add_argument("--config", action="append", default=argparse.SUPPRESS, metavar="YAML",
-                        help="YAML file of settings (repeatable; later files win; CLI beats YAML).")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="YAML",
+        help="YAML file of settings (repeatable; later files win; CLI beats YAML).",
+    )
     for group, cls in GROUPS.items():
         arg_group = parser.add_argument_group(group, (cls.__doc__ or "").strip())
         for f in dataclasses.fields(cls):
@@ -379,8 +421,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 if is_list:
                     kw["nargs"] = f.metadata.get("nargs", "+")
             arg_group.add_argument(flag_name(f.name), **kw)
-    parser.add_argument("--custom-config-path", dest="custom_config_path", default=argparse.SUPPRESS,
-                        metavar="YAML", help="slime's name for a YAML of settings; applied after --config.")
+    parser.add_argument(
+        "--custom-config-path",
+        dest="custom_config_path",
+        default=argparse.SUPPRESS,
+        metavar="YAML",
+        help="slime's name for a YAML of settings; applied after --config.",
+    )
 
 
 class _StrictParser(argparse.ArgumentParser):
@@ -391,8 +438,11 @@ class _StrictParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "slime-mt train") -> argparse.ArgumentParser:
-    parser = _StrictParser(prog=prog, description="Multi-turn RL training flags (slime names).",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _StrictParser(
+        prog=prog,
+        description="Multi-turn RL training flags (slime names).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_config_arguments(parser)
     return parser
 
@@ -409,7 +459,9 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     given = vars(ns)
     values: dict[str, Any] = {}
     custom: dict[str, Any] = {}
-    yaml_paths = list(given.get("config", [])) + ([given["custom_config_path"]] if "custom_config_path" in given else [])
+    yaml_paths = list(given.get("config", [])) + (
+        [given["custom_config_path"]] if "custom_config_path" in given else []
+    )
     for path in yaml_paths:
         known, unknown = load_yaml(path)
         values.update(known)
@@ -491,91 +543,162 @@ def _require(ok: bool, key: str, value: Any, why: str) -> None:
 def _validate_async(r: RolloutConfig) -> None:
     _require(r.max_staleness >= 0, "max_staleness", r.max_staleness, "must be >= 0 (0: on-policy)")
     if r.fully_async and r.async_mode:
-        raise ConfigError("--fully-async and --async are two modes: --async rolls out one step ahead, "
-                          "--fully-async generates continuously; pass one")
+        raise ConfigError(
+            "--fully-async and --async are two modes: --async rolls out one step ahead, "
+            "--fully-async generates continuously; pass one"
+        )
     if r.fully_async and r.rollout_function_path != RolloutConfig.rollout_function_path:
-        raise ConfigError(f"--fully-async streams groups through --custom-generate-function-path; the batch "
-                          f"--rollout-function-path {r.rollout_function_path} cannot be streamed (keep the default)")
+        raise ConfigError(
+            f"--fully-async streams groups through --custom-generate-function-path; the batch "
+            f"--rollout-function-path {r.rollout_function_path} cannot be streamed (keep the default)"
+        )
     if r.partial_rollout and not r.fully_async:
-        raise ConfigError("--partial-rollout resumes turns that a weight update interrupts, which only "
-                          "--fully-async does: add --fully-async")
+        raise ConfigError(
+            "--partial-rollout resumes turns that a weight update interrupts, which only "
+            "--fully-async does: add --fully-async"
+        )
     if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
-        raise ConfigError("--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add "
-                          "--partial-rollout")
+        raise ConfigError(
+            "--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add --partial-rollout"
+        )
 
 
 def _validate(cfg: Config) -> None:
     r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
-    for key in ("max_turns", "rollout_max_response_len", "rollout_max_context_len", "n_samples_per_prompt",
-                "rollout_batch_size", "num_rollout", "rollout_concurrency"):
+    for key in (
+        "max_turns",
+        "rollout_max_response_len",
+        "rollout_max_context_len",
+        "n_samples_per_prompt",
+        "rollout_batch_size",
+        "num_rollout",
+        "rollout_concurrency",
+    ):
         _require(getattr(r, key) > 0, key, getattr(r, key), "must be a positive integer")
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):
         value = getattr(t, key)
         _require(value is None or value > 0, key, value, "must be a positive integer")
-    for key, value in (("save_interval", c.save_interval), ("eval_interval", c.eval_interval),
-                       ("over_sampling_batch_size", r.over_sampling_batch_size)):
+    for key, value in (
+        ("save_interval", c.save_interval),
+        ("eval_interval", c.eval_interval),
+        ("over_sampling_batch_size", r.over_sampling_batch_size),
+    ):
         _require(value is None or value > 0, key, value, "must be a positive integer")
-    _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn,
-             "must be >= 0")
-    _require(r.env_step_timeout is None or r.env_step_timeout > 0, "env_step_timeout", r.env_step_timeout,
-             "must be > 0 seconds")
-    _require(r.rollout_temperature > 0, "rollout_temperature", r.rollout_temperature,
-             "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)")
+    _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")
+    _require(
+        r.env_step_timeout is None or r.env_step_timeout > 0,
+        "env_step_timeout",
+        r.env_step_timeout,
+        "must be > 0 seconds",
+    )
+    _require(
+        r.rollout_temperature > 0,
+        "rollout_temperature",
+        r.rollout_temperature,
+        "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)",
+    )
     _require(0 < r.rollout_top_p <= 1, "rollout_top_p", r.rollout_top_p, "must be in (0, 1]")
-    _require(r.rollout_top_k == -1 or r.rollout_top_k > 0, "rollout_top_k", r.rollout_top_k,
-             "must be -1 (off) or positive")
-    _require(r.rollout_max_response_len <= r.rollout_max_context_len, "rollout_max_response_len",
-             r.rollout_max_response_len, f"exceeds --rollout-max-context-len={r.rollout_max_context_len}")
+    _require(
+        r.rollout_top_k == -1 or r.rollout_top_k > 0, "rollout_top_k", r.rollout_top_k, "must be -1 (off) or positive"
+    )
+    _require(
+        r.rollout_max_response_len <= r.rollout_max_context_len,
+        "rollout_max_response_len",
+        r.rollout_max_response_len,
+        f"exceeds --rollout-max-context-len={r.rollout_max_context_len}",
+    )
     try:
         rewrites = rewrites_history(r.context_policy, r.context_policy_path)
     except ContextPolicyError as e:
         raise ConfigError(str(e)) from None
     if rewrites and r.sample_format == "concat":
-        policy = f"--context-policy-path={r.context_policy_path!r}" if r.context_policy_path else \
-            f"--context-policy={r.context_policy!r}"
-        raise ConfigError(f"{policy} rewrites what the model sees, so one concatenated sequence per trajectory "
-                          f"would train contexts the model never saw: use --sample-format step_wise")
-    _require(r.observation_template.count("{observation}") == 1, "observation_template", r.observation_template,
-             "must contain {observation} exactly once")
+        policy = (
+            f"--context-policy-path={r.context_policy_path!r}"
+            if r.context_policy_path
+            else f"--context-policy={r.context_policy!r}"
+        )
+        raise ConfigError(
+            f"{policy} rewrites what the model sees, so one concatenated sequence per trajectory "
+            f"would train contexts the model never saw: use --sample-format step_wise"
+        )
+    _require(
+        r.observation_template.count("{observation}") == 1,
+        "observation_template",
+        r.observation_template,
+        "must contain {observation} exactly once",
+    )
     if not r.conversation_multi_turn and (rewrites or r.retokenize_chat_history):
         other = "--retokenize-chat-history" if r.retokenize_chat_history else "a context policy that rewrites history"
-        raise ConfigError(f"--no-conversation-multi-turn keeps every turn in one assistant message, token-in/"
-                          f"token-out; it cannot be combined with {other}")
+        raise ConfigError(
+            f"--no-conversation-multi-turn keeps every turn in one assistant message, token-in/"
+            f"token-out; it cannot be combined with {other}"
+        )
     if rewrites and r.retokenize_chat_history:
-        raise ConfigError("--retokenize-chat-history renders the whole conversation every turn; it cannot be "
-                          "combined with a context policy that rewrites history (use one or the other)")
+        raise ConfigError(
+            "--retokenize-chat-history renders the whole conversation every turn; it cannot be "
+            "combined with a context policy that rewrites history (use one or the other)"
+        )
     if r.retokenize_chat_history and r.sample_format == "concat" and a.use_tis:
-        raise ConfigError("--use-tis needs the rollout log-probs of the trained tokens, but with "
-                          "--retokenize-chat-history and --sample-format concat the trained assistant tokens are "
-                          "re-tokenized and were never sampled as such: drop --use-tis or use --sample-format "
-                          "step_wise (which trains the generated tokens with their log-probs)")
+        raise ConfigError(
+            "--use-tis needs the rollout log-probs of the trained tokens, but with "
+            "--retokenize-chat-history and --sample-format concat the trained assistant tokens are "
+            "re-tokenized and were never sampled as such: drop --use-tis or use --sample-format "
+            "step_wise (which trains the generated tokens with their log-probs)"
+        )
     if r.over_sampling_batch_size is not None:
-        _require(r.over_sampling_batch_size >= r.rollout_batch_size, "over_sampling_batch_size",
-                 r.over_sampling_batch_size, f"must be >= --rollout-batch-size={r.rollout_batch_size}")
+        _require(
+            r.over_sampling_batch_size >= r.rollout_batch_size,
+            "over_sampling_batch_size",
+            r.over_sampling_batch_size,
+            f"must be >= --rollout-batch-size={r.rollout_batch_size}",
+        )
     _validate_async(r)
     _require(a.eps_clip > 0, "eps_clip", a.eps_clip, "must be > 0")
     if a.eps_clip_high is not None:
-        _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high,
-                 f"must be >= --eps-clip={a.eps_clip}")
+        _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high, f"must be >= --eps-clip={a.eps_clip}")
     if a.eps_clip_c is not None:
         _require(a.eps_clip_c > 1, "eps_clip_c", a.eps_clip_c, "dual-clip constant must be > 1")
     _require(a.kl_loss_coef >= 0, "kl_loss_coef", a.kl_loss_coef, "must be >= 0")
     _require(a.tis_clip > 0, "tis_clip", a.tis_clip, "must be > 0")
-    _require(0 <= a.tis_clip_low <= 1 <= a.tis_clip, "tis_clip_low", a.tis_clip_low,
-             f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}")
+    _require(
+        0 <= a.tis_clip_low <= 1 <= a.tis_clip,
+        "tis_clip_low",
+        a.tis_clip_low,
+        f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}",
+    )
     _require(t.lr > 0, "lr", t.lr, "must be > 0")
     samples = r.rollout_batch_size * r.n_samples_per_prompt
-    _require(samples % t.global_batch_size == 0, "global_batch_size", t.global_batch_size,
-             f"must divide --rollout-batch-size x --n-samples-per-prompt = {samples}")
-    _require(t.global_batch_size % r.n_samples_per_prompt == 0, "global_batch_size", t.global_batch_size,
-             f"must be a multiple of --n-samples-per-prompt={r.n_samples_per_prompt} "
-             "(optimizer steps take whole prompt groups)")
-    _require(t.global_batch_size % t.micro_batch_size == 0, "global_batch_size", t.global_batch_size,
-             f"must be a multiple of --micro-batch-size={t.micro_batch_size}")
-    _require(cfg.engine.engine_cache_tokens >= 0, "engine_cache_tokens", cfg.engine.engine_cache_tokens,
-             "must be >= 0 (0: no prefix cache)")
+    _require(
+        samples % t.global_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must divide --rollout-batch-size x --n-samples-per-prompt = {samples}",
+    )
+    _require(
+        t.global_batch_size % r.n_samples_per_prompt == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --n-samples-per-prompt={r.n_samples_per_prompt} "
+        "(optimizer steps take whole prompt groups)",
+    )
+    _require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --micro-batch-size={t.micro_batch_size}",
+    )
+    _require(
+        cfg.engine.engine_cache_tokens >= 0,
+        "engine_cache_tokens",
+        cfg.engine.engine_cache_tokens,
+        "must be >= 0 (0: no prefix cache)",
+    )
     if cfg.engine.engine == "sglang" and not cfg.engine.engine_url:
-        _require(t.hf_checkpoint is not None, "hf_checkpoint", t.hf_checkpoint,
-                 "is required to launch SGLang engines (or pass --engine-url)")
+        _require(
+            t.hf_checkpoint is not None,
+            "hf_checkpoint",
+            t.hf_checkpoint,
+            "is required to launch SGLang engines (or pass --engine-url)",
+        )

@@ -81,8 +81,12 @@ def _load_image(value: Any, base_dir: Path, where: str) -> Image.Image:
             image = Image.open(io.BytesIO(value))
         elif isinstance(value, str) and value.startswith("data:"):
             image = Image.open(io.BytesIO(base64.b64decode(value.partition(",")[2], validate=True)))
-        elif isinstance(value, str) and (os.path.isabs(value) or (base_dir / value).exists() or "/" in value
-                                         or value.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".gif"))):
+        elif isinstance(value, str) and (
+            os.path.isabs(value)
+            or (base_dir / value).exists()
+            or "/" in value
+            or value.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".gif"))
+        ):
             image = Image.open(value if os.path.isabs(value) else base_dir / value)
         elif isinstance(value, str):
             image = Image.open(io.BytesIO(base64.b64decode(value, validate=True)))
@@ -208,18 +212,29 @@ class PromptDataset:
         return groups
 
     def _group(self, row: PromptRow, group_index: int) -> list[Sample]:
-        return [Sample(index=group_index * self.n + k, group_index=group_index, prompt=_copy_prompt(row.prompt),
-                       label=row.label, metadata={**row.metadata, "row": row.index},
-                       multimodal_inputs={"images": list(row.images)} if row.images else None)
-                for k in range(self.n)]
+        return [
+            Sample(
+                index=group_index * self.n + k,
+                group_index=group_index,
+                prompt=_copy_prompt(row.prompt),
+                label=row.label,
+                metadata={**row.metadata, "row": row.index},
+                multimodal_inputs={"images": list(row.images)} if row.images else None,
+            )
+            for k in range(self.n)
+        ]
 
     def state_dict(self, untrained: list[list[Sample]] = ()) -> dict:
         """The cursor; ``untrained``: groups drawn but never trained (a fully-async run's buffer and
         groups in flight, at a checkpoint), which a loaded dataset draws first, same rows and group
         indices."""
         pairs = [[int(g[0].metadata["row"]), int(g[0].group_index)] for g in untrained]
-        return {"epoch": self.epoch, "cursor": self.cursor, "next_group": self.next_group,
-                "requeued": pairs + [list(pair) for pair in self.requeued]}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "next_group": self.next_group,
+            "requeued": pairs + [list(pair) for pair in self.requeued],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor, self.next_group = state["epoch"], state["cursor"], state["next_group"]

@@ -25,8 +25,11 @@ def _with_chat(row: dict) -> dict:
     """Add the chat form the recipes train on: a system prompt and the problem, plus the tool schema."""
     from envs.geo3k import SYSTEM_PROMPT, TOOL
 
-    return {**row, "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                                {"role": "user", "content": row["problem"]}], "tools": [TOOL]}
+    return {
+        **row,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["problem"]}],
+        "tools": [TOOL],
+    }
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -65,8 +68,10 @@ def convert_parquet(paths: list[str], out: Path) -> list[dict]:
                 files.append(_save_image(Image.open(io.BytesIO(data)), images_dir, len(rows) * 4 + len(files)))
             problem = record["problem"]
             if problem.count("<image>") != len(files):
-                raise ValueError(f"row {i} of {Path(path).name}: {problem.count('<image>')} <image> placeholders "
-                                 f"but {len(files)} images")
+                raise ValueError(
+                    f"row {i} of {Path(path).name}: {problem.count('<image>')} <image> placeholders "
+                    f"but {len(files)} images"
+                )
             rows.append({"problem": problem, "answer": str(record["answer"]), "images": files})
     return rows
 
@@ -104,8 +109,7 @@ def _circle(rng: random.Random):
     d.ellipse([32, 32, 192, 192], outline="black", width=2)
     d.line([(112, 112), (192, 112)], fill="black", width=2)
     d.text((140, 96), str(r), fill="black")
-    return image, "<image>Find the circumference of the circle. Round to the nearest tenth.", \
-        f"{2 * math.pi * r:.1f}"
+    return image, "<image>Find the circumference of the circle. Round to the nearest tenth.", f"{2 * math.pi * r:.1f}"
 
 
 def _rectangle(rng: random.Random):
@@ -132,8 +136,13 @@ def synthetic_rows(n: int, out: Path, seed: int = 0) -> list[dict]:
     return rows
 
 
-def prepare(out: str | Path, parquet: list[str] | None = None, synthetic: int | None = None, seed: int = 0,
-            test_fraction: float = 0.1) -> str:
+def prepare(
+    out: str | Path,
+    parquet: list[str] | None = None,
+    synthetic: int | None = None,
+    seed: int = 0,
+    test_fraction: float = 0.1,
+) -> str:
     """Write train/test jsonl from parquet files or ``synthetic`` drawn problems -> a summary line."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,13 +10,25 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_KEYS = [("rollout/reward_mean", "reward"), ("rollout/turns_mean", "turns"), ("train/loss", "loss"),
-                ("train/grad_norm", "gnorm"), ("train/entropy", "entropy"), ("time/step_seconds", "s")]
+SUMMARY_KEYS = [
+    ("rollout/reward_mean", "reward"),
+    ("rollout/turns_mean", "turns"),
+    ("train/loss", "loss"),
+    ("train/grad_norm", "gnorm"),
+    ("train/entropy", "entropy"),
+    ("time/step_seconds", "s"),
+]
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, use_tensorboard: bool = True, use_wandb: bool = False,
-                 wandb_project: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        use_tensorboard: bool = True,
+        use_wandb: bool = False,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -80,8 +92,13 @@ PLOTS = {
     "lengths.png": ["rollout/response_tokens_mean", "rollout/tokens_per_turn", "rollout/observation_share"],
     "timings.png": ["time/rollout_seconds", "time/train_seconds", "time/sync_seconds", "time/step_seconds"],
     "train.png": ["train/loss", "train/grad_norm", "train/entropy", "train/clip_fraction"],
-    "async.png": ["rollout/token_version_gap_mean", "time/trainer_idle_seconds", "time/rollout_idle_seconds",
-                  "async/dropped_groups", "async/partial_resumes"],
+    "async.png": [
+        "rollout/token_version_gap_mean",
+        "time/trainer_idle_seconds",
+        "time/rollout_idle_seconds",
+        "async/dropped_groups",
+        "async/partial_resumes",
+    ],
 }
 
 

@@ -27,8 +27,12 @@ def load_module(spec: str) -> ModuleType:
         path = os.path.abspath(os.path.expanduser(spec))
         if not os.path.isfile(path):
             raise PluginError(f"plug-in file not found: {spec} (tried {path})")
-        name = "slime_mt_user_" + os.path.splitext(os.path.basename(path))[0] + "_" + \
-            hashlib.sha1(path.encode()).hexdigest()[:8]
+        name = (
+            "slime_mt_user_"
+            + os.path.splitext(os.path.basename(path))[0]
+            + "_"
+            + hashlib.sha1(path.encode()).hexdigest()[:8]
+        )
         if name in sys.modules:
             return sys.modules[name]
         module_spec = importlib.util.spec_from_file_location(name, path)

@@ -26,9 +26,11 @@ class ProcessorError(ValueError):
 def image_processor_class():
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
         return Qwen2VLImageProcessorPil
     except ImportError:  # transformers 4.x: the slow processor is the PIL one
         from transformers import Qwen2VLImageProcessor
+
         return Qwen2VLImageProcessor
 
 
@@ -45,10 +47,15 @@ class QwenVLProcessor:
 
     def num_image_tokens(self, image_grid_thw: torch.Tensor) -> list[int]:
         """Pads per image: ``prod(t, h, w) / merge_size**2`` for each row of ``image_grid_thw [N, 3]``."""
-        return (image_grid_thw.prod(dim=-1) // (self.merge_size ** 2)).tolist()
+        return (image_grid_thw.prod(dim=-1) // (self.merge_size**2)).tolist()
 
-    def __call__(self, text: str | list[str] | None = None, images: list | None = None,
-                 return_tensors: str | None = "pt", **kwargs: Any) -> BatchFeature:
+    def __call__(
+        self,
+        text: str | list[str] | None = None,
+        images: list | None = None,
+        return_tensors: str | None = "pt",
+        **kwargs: Any,
+    ) -> BatchFeature:
         texts = [text] if isinstance(text, str) else list(text or [])
         images = list(images or [])
         out: dict[str, Any] = {}
@@ -75,8 +82,11 @@ class QwenVLProcessor:
             out.update(enc)
             # transformers >= 5 computes M-RoPE positions from this: 1 marks image tokens, 0 text.
             ids = enc["input_ids"]
-            out["mm_token_type_ids"] = (ids == self.image_token_id).long() if isinstance(ids, torch.Tensor) \
+            out["mm_token_type_ids"] = (
+                (ids == self.image_token_id).long()
+                if isinstance(ids, torch.Tensor)
                 else [[int(t == self.image_token_id) for t in row] for row in ids]
+            )
         return BatchFeature(out)
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:

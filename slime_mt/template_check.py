@@ -28,9 +28,20 @@ from slime_mt.tokenization import ObservationEncoder
 logger = logging.getLogger(__name__)
 
 PATHS = ("append", "strip_thinking", "step-wise", "retokenize")
-CALCULATOR = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALCULATOR = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 @dataclass
@@ -60,31 +71,81 @@ def scenarios() -> list[Scenario]:
     """The conformance scenarios (the images one runs only for models with an image processor)."""
     think = "<think>\n{}\n</think>\n\n{}"
     return [
-        Scenario("tools", [{"role": "user", "content": "What is 17 * 23 + 4? Use the calculator."}], [
-            (_call("17 * 23"), True, [{"role": "tool", "content": "391"}]),
-            (_call("391 + 4"), True, [{"role": "tool", "content": "395"}]),
-            ("17 * 23 + 4 = 395.", True, [])], tools=True),
-        Scenario("system+tools", [{"role": "system", "content": "You are a careful solver."},
-                                  {"role": "user", "content": "What is 2 ** 10?"}], [
-            (_call("2 ** 10"), True, [{"role": "tool", "content": "1024"}]),
-            ("2 ** 10 = 1024.", True, [])], tools=True),
-        Scenario("thinking", [{"role": "system", "content": "Answer with one word."},
-                              {"role": "user", "content": "Name a color."}], [
-            (think.format("The user wants a color.", "Blue."), True, [{"role": "user", "content": "Another one?"}]),
-            (think.format("A different one.", "Green."), True, [{"role": "user", "content": "And a third?"}]),
-            (think.format("One more.", "Red."), True, [])]),
-        Scenario("tools+thinking", [{"role": "user", "content": "What is 12 * 12? Use the calculator."}], [
-            (think.format("I should call the calculator.", _call("12 * 12")), True,
-             [{"role": "tool", "content": "144"}]),
-            (think.format("The tool said 144.", "12 * 12 = 144."), True, [])], tools=True),
-        Scenario("stop_string", [{"role": "user", "content": "Say a number, then STOP."}], [
-            ("Seven STOP", False, [{"role": "user", "content": "Are you sure?"}]),
-            ("Yes.", True, [])]),
-        Scenario("images", [{"role": "user", "content": [{"type": "image", "image": _diagram(1)},
-                                                         {"type": "text", "text": "What shape is this?"}]}], [
-            ("A rectangle.", True, [{"role": "user", "content": [{"type": "image", "image": _diagram(2)},
-                                                                 {"type": "text", "text": "And this one?"}]}]),
-            ("A wider rectangle.", True, [])], images=True),
+        Scenario(
+            "tools",
+            [{"role": "user", "content": "What is 17 * 23 + 4? Use the calculator."}],
+            [
+                (_call("17 * 23"), True, [{"role": "tool", "content": "391"}]),
+                (_call("391 + 4"), True, [{"role": "tool", "content": "395"}]),
+                ("17 * 23 + 4 = 395.", True, []),
+            ],
+            tools=True,
+        ),
+        Scenario(
+            "system+tools",
+            [
+                {"role": "system", "content": "You are a careful solver."},
+                {"role": "user", "content": "What is 2 ** 10?"},
+            ],
+            [(_call("2 ** 10"), True, [{"role": "tool", "content": "1024"}]), ("2 ** 10 = 1024.", True, [])],
+            tools=True,
+        ),
+        Scenario(
+            "thinking",
+            [{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Name a color."}],
+            [
+                (think.format("The user wants a color.", "Blue."), True, [{"role": "user", "content": "Another one?"}]),
+                (think.format("A different one.", "Green."), True, [{"role": "user", "content": "And a third?"}]),
+                (think.format("One more.", "Red."), True, []),
+            ],
+        ),
+        Scenario(
+            "tools+thinking",
+            [{"role": "user", "content": "What is 12 * 12? Use the calculator."}],
+            [
+                (
+                    think.format("I should call the calculator.", _call("12 * 12")),
+                    True,
+                    [{"role": "tool", "content": "144"}],
+                ),
+                (think.format("The tool said 144.", "12 * 12 = 144."), True, []),
+            ],
+            tools=True,
+        ),
+        Scenario(
+            "stop_string",
+            [{"role": "user", "content": "Say a number, then STOP."}],
+            [("Seven STOP", False, [{"role": "user", "content": "Are you sure?"}]), ("Yes.", True, [])],
+        ),
+        Scenario(
+            "images",
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": _diagram(1)},
+                        {"type": "text", "text": "What shape is this?"},
+                    ],
+                }
+            ],
+            [
+                (
+                    "A rectangle.",
+                    True,
+                    [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image", "image": _diagram(2)},
+                                {"type": "text", "text": "And this one?"},
+                            ],
+                        }
+                    ],
+                ),
+                ("A wider rectangle.", True, []),
+            ],
+            images=True,
+        ),
     ]
 
 
@@ -106,9 +167,11 @@ class ScenarioResult:
 
 def _first_difference(tokenizer, got: list[int], want: list[int], turn: int) -> str:
     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    show = lambda ids: repr(tokenizer.decode(ids[at:at + 6])) if at < len(ids) else "(end)"  # noqa: E731
-    return (f"turn {turn}, token {at}: path {show(got)} {got[at:at + 1] or ''} vs template {show(want)} "
-            f"{want[at:at + 1] or ''}")
+    show = lambda ids: repr(tokenizer.decode(ids[at : at + 6])) if at < len(ids) else "(end)"  # noqa: E731
+    return (
+        f"turn {turn}, token {at}: path {show(got)} {got[at : at + 1] or ''} vs template {show(want)} "
+        f"{want[at : at + 1] or ''}"
+    )
 
 
 def check_scenario(processor: Any, scenario: Scenario, tools: list[dict] | None) -> ScenarioResult:
@@ -127,8 +190,11 @@ def check_scenario(processor: Any, scenario: Scenario, tools: list[dict] | None)
         renders.append(encoder.encode_context(history, {}).ids)
         appends.append(list(append_ctx))
         # as the rollout does: an unchanged conversation is sent token-in/token-out
-        strips.append(list(append_ctx) if stripped == history else
-                      encoder.encode_context(stripped, kept_outputs(stripped, turns, generated)).ids)
+        strips.append(
+            list(append_ctx)
+            if stripped == history
+            else encoder.encode_context(stripped, kept_outputs(stripped, turns, generated)).ids
+        )
         if not observations:
             break
         turns.append([{"role": "assistant", "content": text}, *observations])
@@ -136,15 +202,19 @@ def check_scenario(processor: Any, scenario: Scenario, tools: list[dict] | None)
     result = ScenarioResult(scenario.name)
     for path, contexts in (("append", appends), ("strip_thinking", strips)):
         bad = next((k for k, (got, want) in enumerate(zip(contexts, renders)) if got != want), None)
-        result.paths[path] = PathResult(True, "contexts == template render") if bad is None else \
-            PathResult(False, _first_difference(tokenizer, contexts[bad], renders[bad], bad))
+        result.paths[path] = (
+            PathResult(True, "contexts == template render")
+            if bad is None
+            else PathResult(False, _first_difference(tokenizer, contexts[bad], renders[bad], bad))
+        )
     result.paths["step-wise"] = PathResult(True, "each step trains the context sent")
     result.paths["retokenize"] = PathResult(True, "re-render is prefix-stable")
     for k in range(len(renders) - 1):
         want = renders[k] + generated[k]
-        if renders[k + 1][:len(want)] != want:
-            result.paths["retokenize"] = PathResult(False, "not prefix-stable: " + _first_difference(
-                tokenizer, renders[k + 1][:len(want)], want, k + 1))
+        if renders[k + 1][: len(want)] != want:
+            result.paths["retokenize"] = PathResult(
+                False, "not prefix-stable: " + _first_difference(tokenizer, renders[k + 1][: len(want)], want, k + 1)
+            )
             break
     return result
 
@@ -160,8 +230,15 @@ def check_template(processor: Any, tools: list[dict] | None = None) -> list[Scen
             out.append(check_scenario(processor, scenario, tools or CALCULATOR))
         except Exception as e:  # a template may refuse a scenario's messages (jinja errors, raise_exception)
             failed = ScenarioResult(scenario.name)
-            failed.paths = {p: PathResult(p == "step-wise", "each step trains the context sent" if p == "step-wise"
-                                          else f"template cannot render the scenario: {e}") for p in PATHS}
+            failed.paths = {
+                p: PathResult(
+                    p == "step-wise",
+                    "each step trains the context sent"
+                    if p == "step-wise"
+                    else f"template cannot render the scenario: {e}",
+                )
+                for p in PATHS
+            }
             out.append(failed)
     return out
 
@@ -172,16 +249,22 @@ def verdict(results: list[ScenarioResult]) -> list[str]:
 
 
 def report(results: list[ScenarioResult]) -> str:
-    lines = [f"{r.scenario:<15} {path:<15} {'exact  ' if res.exact else 'INEXACT'} {res.detail}"
-             for r in results for path, res in r.paths.items()]
+    lines = [
+        f"{r.scenario:<15} {path:<15} {'exact  ' if res.exact else 'INEXACT'} {res.detail}"
+        for r in results
+        for path, res in r.paths.items()
+    ]
     exact = verdict(results)
-    lines.append(f"verdict: exact for this template: {', '.join(exact)}; not exact: "
-                 f"{', '.join(p for p in PATHS if p not in exact) or 'none'}")
+    lines.append(
+        f"verdict: exact for this template: {', '.join(exact)}; not exact: "
+        f"{', '.join(p for p in PATHS if p not in exact) or 'none'}"
+    )
     return "\n".join(lines)
 
 
-def path_of(context_policy: str, context_policy_path: str | None, retokenize: bool = False,
-            single_message: bool = False) -> str | None:
+def path_of(
+    context_policy: str, context_policy_path: str | None, retokenize: bool = False, single_message: bool = False
+) -> str | None:
     """The check's path for a rollout configuration. None: nothing to check (one assistant message
     appends raw tokens, no template between turns) or a user policy, which the check cannot know."""
     if single_message:
@@ -200,8 +283,13 @@ def warn_if_inexact(processor: Any, path: str | None, tools: list[dict] | None =
     results = check_template(processor, tools)
     bad = [r for r in results if not r.paths[path].exact]
     for r in bad:
-        logger.warning("template check: the %s path is not exact for this chat template in scenario %r: %s "
-                       "(run `slime-mt check-template` for every path)", path, r.scenario, r.paths[path].detail)
+        logger.warning(
+            "template check: the %s path is not exact for this chat template in scenario %r: %s "
+            "(run `slime-mt check-template` for every path)",
+            path,
+            r.scenario,
+            r.paths[path].detail,
+        )
     return results
 
 

@@ -78,8 +78,9 @@ def image_parts(messages: list[dict]) -> list[Any]:
 class ObservationEncoder:
     """Built once per run from a tokenizer (or a QwenVLProcessor) and its chat template."""
 
-    def __init__(self, tokenizer_or_processor: Any, tools: list[dict] | None = None,
-                 chat_template_kwargs: dict | None = None):
+    def __init__(
+        self, tokenizer_or_processor: Any, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+    ):
         self.processor = tokenizer_or_processor if isinstance(tokenizer_or_processor, QwenVLProcessor) else None
         self.tokenizer = tokenizer_of(tokenizer_or_processor)
         self.tools = tools
@@ -104,15 +105,22 @@ class ObservationEncoder:
         return self.tokenizer.eos_token_id
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  tools=self.tools, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=self.tools,
+            **self.template_kwargs,
+        )
 
     def _tokenize(self, text: str, images: list[Any]) -> Encoded:
         if images:
             if self.processor is None:
                 raise EncodingError(f"{len(images)} images in a conversation but the model has no image processor")
-            pil = [load_image(im, f"image {k}") if not hasattr(im, "convert") else im.convert("RGB")
-                   for k, im in enumerate(images)]
+            pil = [
+                load_image(im, f"image {k}") if not hasattr(im, "convert") else im.convert("RGB")
+                for k, im in enumerate(images)
+            ]
             out = self.processor(text=text, images=pil)
             tensors = {k: out[k] for k in ("pixel_values", "image_grid_thw")}
             return Encoded(out["input_ids"][0].tolist(), pil, tensors, text)
@@ -153,22 +161,26 @@ class ObservationEncoder:
         def add_text(segment: str) -> None:
             nonlocal used
             count = segment.count(image_text) if image_text else 0
-            pieces.append(self._tokenize(segment, images[used:used + count]))
+            pieces.append(self._tokenize(segment, images[used : used + count]))
             used += count
 
         for i in sorted(kept):
             sentinel = _KEPT.format(i)
             at = text.find(sentinel, position)
             if at < 0 or text.find(sentinel, at + 1) >= 0:
-                raise EncodingError(f"the chat template did not render assistant message {i} exactly once as given; "
-                                    f"its generated ids cannot be kept: {text[:300]!r}")
+                raise EncodingError(
+                    f"the chat template did not render assistant message {i} exactly once as given; "
+                    f"its generated ids cannot be kept: {text[:300]!r}"
+                )
             add_text(text[position:at])
             pieces.append(list(kept[i]))
             position = at + len(sentinel)
             if kept[i] and kept[i][-1] == self.eot_id:
                 if not text.startswith(self.eot_text, position):
-                    raise EncodingError(f"assistant message {i} ends with {self.eot_text!r} but the template renders "
-                                        f"{text[position:position + 40]!r} after it")
+                    raise EncodingError(
+                        f"assistant message {i} ends with {self.eot_text!r} but the template renders "
+                        f"{text[position : position + 40]!r} after it"
+                    )
                 position += len(self.eot_text)
         add_text(text[position:])
         if used != len(images):
@@ -193,13 +205,22 @@ class ObservationEncoder:
             if self.processor is None:
                 raise EncodingError("an image in an observation but the model has no image processor")
             left, right = "\ue000slime_mt left\ue001", "\ue000slime_mt right\ue001"
-            text = self.render([{"role": "user", "content": [{"type": "text", "text": left}, {"type": "image"},
-                                                             {"type": "text", "text": right}]}], False)
+            text = self.render(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": left}, {"type": "image"}, {"type": "text", "text": right}],
+                    }
+                ],
+                False,
+            )
             start, end = text.find(left), text.find(right)
-            placeholder = text[start + len(left):end] if 0 <= start < end else ""
+            placeholder = text[start + len(left) : end] if 0 <= start < end else ""
             if placeholder.count(self.processor.image_token) != 1:
-                raise EncodingError(f"the chat template renders no single {self.processor.image_token} for an image "
-                                    f"part: {text[:300]!r}")
+                raise EncodingError(
+                    f"the chat template renders no single {self.processor.image_token} for an image "
+                    f"part: {text[:300]!r}"
+                )
             self._image_placeholder = placeholder
         return self._image_placeholder
 
@@ -214,8 +235,11 @@ class ObservationEncoder:
             if isinstance(content, str):
                 pieces.append(content)
             elif isinstance(content, list):
-                pieces.append("".join(self.image_placeholder if is_image_part(part) else str(part.get("text", ""))
-                                      for part in content))
+                pieces.append(
+                    "".join(
+                        self.image_placeholder if is_image_part(part) else str(part.get("text", "")) for part in content
+                    )
+                )
             else:
                 raise EncodingError(f"observation content must be a string or a list of parts, got {content!r:.100}")
         return self._tokenize(template.replace("{observation}", "\n".join(pieces)), image_parts(messages))
@@ -231,8 +255,14 @@ class ObservationEncoder:
         assistants = sum(1 for m in messages if m.get("role") == "assistant")
         template = self.template_kwargs.get("chat_template") or self.tokenizer.chat_template
         if isinstance(template, str) and _GENERATION_TAG.search(template):
-            out = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True, **self.template_kwargs)
+            out = self.tokenizer.apply_chat_template(
+                messages,
+                tools=self.tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs,
+            )
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             out = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -240,8 +270,10 @@ class ObservationEncoder:
             mask = [int(any(start < b and end > a for a, b in spans)) for start, end in out["offset_mapping"]]
         runs = mask_runs(mask)
         if len(runs) != assistants:
-            raise EncodingError(f"the chat template marks {len(runs)} assistant spans for {assistants} assistant "
-                                f"messages: {text[:300]!r}")
+            raise EncodingError(
+                f"the chat template marks {len(runs)} assistant spans for {assistants} assistant "
+                f"messages: {text[:300]!r}"
+            )
         if not images:
             return Encoded(ids, [], {}, text), mask
         encoded = self._tokenize(text, images)
@@ -249,8 +281,10 @@ class ObservationEncoder:
         pad = self.processor.image_token_id
         expanded_mask = [m for t, m in zip(ids, mask) for _ in range(next(counts) if t == pad else 1)]
         if len(expanded_mask) != len(encoded.ids):
-            raise EncodingError(f"{len(expanded_mask)} mask entries after expanding image pads but the processor "
-                                f"gave {len(encoded.ids)} tokens")
+            raise EncodingError(
+                f"{len(expanded_mask)} mask entries after expanding image pads but the processor "
+                f"gave {len(encoded.ids)} tokens"
+            )
         return encoded, expanded_mask
 
     @functools.cached_property
@@ -259,9 +293,11 @@ class ObservationEncoder:
         prompt = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=False)
         generation = self.render([{"role": "user", "content": _BASE_USER}], add_generation_prompt=True)
         if not generation.startswith(prompt) or len(generation) == len(prompt):
-            raise EncodingError(f"the chat template's generation prompt is not an extension of the render: "
-                                f"{prompt[-80:]!r} vs {generation[-80:]!r}")
-        role_line, newline, rest = generation[len(prompt):].lstrip().partition("\n")
+            raise EncodingError(
+                f"the chat template's generation prompt is not an extension of the render: "
+                f"{prompt[-80:]!r} vs {generation[-80:]!r}"
+            )
+        role_line, newline, rest = generation[len(prompt) :].lstrip().partition("\n")
         return role_line + newline, rest
 
     def assistant_spans(self, text: str, count: int) -> list[tuple[int, int]]:
@@ -273,8 +309,9 @@ class ObservationEncoder:
         for k in range(count):
             at = text.find(role_line, position)
             if at < 0:
-                raise EncodingError(f"assistant message {k}: {role_line!r} not found in the render after "
-                                    f"character {position}")
+                raise EncodingError(
+                    f"assistant message {k}: {role_line!r} not found in the render after character {position}"
+                )
             start = at + len(role_line)
             if rest and text.startswith(rest, start):
                 start += len(rest)

@@ -79,8 +79,9 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
     if not Path(t.hf_checkpoint).is_dir():
         raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
-    check_tp(decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"),
-             t.tensor_model_parallel_size)
+    check_tp(
+        decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"), t.tensor_model_parallel_size
+    )
     if not cfg.data.prompt_data:
         raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
     load_rows(cfg.data.prompt_data, cfg.data)
@@ -96,8 +97,10 @@ def preflight(cfg: Config) -> None:
     if r.rollout_interaction_env_path:
         module = load_module(r.rollout_interaction_env_path)
         if not callable(getattr(module, "build_env", None)):
-            raise TrainSetupError(f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
-                                  "the module defines no build_env(sample=None, args=None, **kw)")
+            raise TrainSetupError(
+                f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
+                "the module defines no build_env(sample=None, args=None, **kw)"
+            )
     for url in cfg.engine.engine_url or []:
         from slime_mt.engine.server import wait_healthy
 
@@ -121,8 +124,13 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
 
     data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
     eval_data = PromptDataset.from_config(cfg.data.eval_prompt_data, cfg.data, 1) if cfg.data.eval_prompt_data else None
-    engines = start_engines(cfg.engine, cfg.train.hf_checkpoint, run_dir / "logs", seed=cfg.train.seed,
-                            tp_size=cfg.train.tensor_model_parallel_size)
+    engines = start_engines(
+        cfg.engine,
+        cfg.train.hf_checkpoint,
+        run_dir / "logs",
+        seed=cfg.train.seed,
+        tp_size=cfg.train.tensor_model_parallel_size,
+    )
     ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
     rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
     metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
@@ -131,8 +139,9 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
 
 def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
     samples = [s for g in groups for s in g]
-    train_samples, merge_metrics = finalize(samples, cfg.rollout.sample_format, cfg.rollout.merge_step_wise,
-                                            cfg.rollout.mask_truncated)
+    train_samples, merge_metrics = finalize(
+        samples, cfg.rollout.sample_format, cfg.rollout.merge_step_wise, cfg.rollout.mask_truncated
+    )
     advantages = compute_advantages(train_samples, cfg.algo.advantage_estimator, cfg.algo.normalize_advantages_std)
     return train_samples, advantages, merge_metrics
 
@@ -187,9 +196,11 @@ def _version_metrics(groups, version: int) -> dict[str, float]:
     versions = [int(v) for g in groups for s in g for v in s.weight_versions if str(v).isdigit()]
     if not versions:
         return {"rollout/weight_version_gap": 0.0}
-    return {"rollout/weight_version_gap": float(version - min(versions)),
-            "rollout/sample_weight_version_min": float(min(versions)),
-            "rollout/sample_weight_version_max": float(max(versions))}
+    return {
+        "rollout/weight_version_gap": float(version - min(versions)),
+        "rollout/sample_weight_version_min": float(min(versions)),
+        "rollout/sample_weight_version_max": float(max(versions)),
+    }
 
 
 def _broadcast(obj, info):
@@ -209,8 +220,15 @@ def train(cfg: Config) -> None:
     r = cfg.rollout
     prompts_per_step = cfg.train.global_batch_size // r.n_samples_per_prompt
     steps_per_rollout = max(r.rollout_batch_size // prompts_per_step, 1)
-    actor = MegatronActor(cfg.train.hf_checkpoint, cfg.train, cfg.algo, info, temperature=r.rollout_temperature,
-                          norm_max_len=r.rollout_max_context_len, total_steps=r.num_rollout * steps_per_rollout)
+    actor = MegatronActor(
+        cfg.train.hf_checkpoint,
+        cfg.train,
+        cfg.algo,
+        info,
+        temperature=r.rollout_temperature,
+        norm_max_len=r.rollout_max_context_len,
+        total_steps=r.num_rollout * steps_per_rollout,
+    )
     side = _setup_rollout(cfg, run_dir) if info.is_main else None
     start = 0
     manager = None
@@ -230,8 +248,11 @@ def train(cfg: Config) -> None:
                 side.metrics.truncate_after(start)
         if cfg.checkpoint.load:
             _sync_weights(actor, side, str(start))
-        pool = concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout") if cfg.rollout.async_mode and side \
+        pool = (
+            concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout")
+            if cfg.rollout.async_mode and side
             else None
+        )
         if side is not None and r.fully_async:
             side.ctx.client.gate = UpdateGate()
             manager = RolloutManager(side.ctx, side.data, version=start)
@@ -268,13 +289,25 @@ def train(cfg: Config) -> None:
                     if rollout_done is not None:
                         extra["time/rollout_idle_seconds"] = time.perf_counter() - rollout_done
                     pending = pool.submit(_timed_rollout, side, step + 1)
-                payload = (train_samples, advantages, merge_metrics, rollout_metrics(groups), rollout_seconds,
-                           rollout_started, {**_version_metrics(groups, step), **extra})
-            train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = \
+                payload = (
+                    train_samples,
+                    advantages,
+                    merge_metrics,
+                    rollout_metrics(groups),
+                    rollout_seconds,
+                    rollout_started,
+                    {**_version_metrics(groups, step), **extra},
+                )
+            train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = (
                 _broadcast(payload, info)
+            )
             train_started = time.time()
-            t_metrics = actor.train(train_samples, advantages, prompts_per_step=prompts_per_step,
-                                    on_policy=not (r.async_mode or r.fully_async))
+            t_metrics = actor.train(
+                train_samples,
+                advantages,
+                prompts_per_step=prompts_per_step,
+                on_policy=not (r.async_mode or r.fully_async),
+            )
             train_finished = time.time()
             t_sync = time.perf_counter()
             _sync_weights(actor, side, str(step + 1))
@@ -282,19 +315,29 @@ def train(cfg: Config) -> None:
             if manager is not None:
                 side.ctx.run_sync(manager.set_version(step + 1))
             if side is not None:
-                metrics = {**r_metrics, **t_metrics, **merge_metrics, **versions,
-                           "rollout/weight_version": float(step + 1),
-                           "time/rollout_seconds": rollout_seconds, "time/train_seconds": t_metrics["train/seconds"],
-                           "time/sync_seconds": sync_seconds, "time/step_seconds": time.perf_counter() - t0,
-                           "time/rollout_started": rollout_started, "time/train_started": train_started,
-                           "time/train_finished": train_finished}
+                metrics = {
+                    **r_metrics,
+                    **t_metrics,
+                    **merge_metrics,
+                    **versions,
+                    "rollout/weight_version": float(step + 1),
+                    "time/rollout_seconds": rollout_seconds,
+                    "time/train_seconds": t_metrics["train/seconds"],
+                    "time/sync_seconds": sync_seconds,
+                    "time/step_seconds": time.perf_counter() - t0,
+                    "time/rollout_started": rollout_started,
+                    "time/train_started": train_started,
+                    "time/train_finished": train_finished,
+                }
                 if not (r.async_mode or r.fully_async):  # the engines wait while the step trains and syncs
                     metrics["time/rollout_idle_seconds"] = t_metrics["train/seconds"] + sync_seconds
                 if cfg.checkpoint.eval_interval and (step + 1) % cfg.checkpoint.eval_interval == 0 and side.eval_data:
                     metrics.update(_evaluate(cfg, side, step))
                 side.metrics.log(step, metrics, {"trained_groups": trained_groups})
             last = step + 1 == r.num_rollout or stop["requested"]
-            if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)):
+            if cfg.checkpoint.save and (
+                last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
+            ):
                 data_state = side.data.state_dict() if side is not None else None
                 if manager is not None:  # groups drawn and not yet trained are drawn again by a resumed run
                     data_state = side.ctx.run_sync(manager.data_state())
@@ -326,23 +369,32 @@ def _timed_rollout(side: RolloutSide, step: int):
 def _batch_metrics(batch) -> dict[str, float]:
     """What a fully-async step's wait for its groups saw."""
     samples = [s for g in batch.groups for s in g]
-    return {"async/dropped_groups": batch.dropped_groups, "async/stale_groups": batch.stale_groups,
-            "async/filtered_groups": batch.filtered_groups,
-            "async/partial_resumes": sum(s.metadata.get("partial_resumes", 0) for s in samples),
-            "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
-            "time/trainer_idle_seconds": batch.trainer_wait_seconds,
-            "time/rollout_idle_seconds": batch.rollout_idle_seconds}
+    return {
+        "async/dropped_groups": batch.dropped_groups,
+        "async/stale_groups": batch.stale_groups,
+        "async/filtered_groups": batch.filtered_groups,
+        "async/partial_resumes": sum(s.metadata.get("partial_resumes", 0) for s in samples),
+        "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
+        "time/trainer_idle_seconds": batch.trainer_wait_seconds,
+        "time/rollout_idle_seconds": batch.rollout_idle_seconds,
+    }
 
 
 def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:
-    eval_rollout = dataclasses.replace(cfg.rollout, n_samples_per_prompt=1, rollout_batch_size=len(side.eval_data.rows),
-                                       dynamic_sampling_filter_path=None)
+    eval_rollout = dataclasses.replace(
+        cfg.rollout,
+        n_samples_per_prompt=1,
+        rollout_batch_size=len(side.eval_data.rows),
+        dynamic_sampling_filter_path=None,
+    )
     ctx = dataclasses.replace(side.ctx, rollout=eval_rollout)
     side.eval_data.load_state_dict({"epoch": 0, "cursor": 0, "next_group": 0})
     from slime_mt.rollout.group_rollout import rollout_groups
 
     groups = ctx.run_sync(rollout_groups(ctx, side.eval_data, evaluation=True, rollout_id=10_000_000 + step))
     rewards = [float(s.reward or 0.0) for g in groups for s in g if s.status != Status.FAILED]
-    return {"eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-            "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1), "eval/samples": len(rewards)}
-
+    return {
+        "eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1),
+        "eval/samples": len(rewards),
+    }

@@ -115,14 +115,13 @@ class Sample:
             raise SampleError(f"sample {self.index}: prompt set after {self.response_length} response tokens")
         self.tokens = list(ids)
 
-    def append_model_tokens(self, ids: list[int], log_probs: list[float], text: str = "",
-                            version: int = NO_VERSION) -> None:
+    def append_model_tokens(
+        self, ids: list[int], log_probs: list[float], text: str = "", version: int = NO_VERSION
+    ) -> None:
         """Append tokens the model generated: trainable (mask 1) with their rollout log-probs and the
         weight version that generated them."""
         if len(ids) != len(log_probs):
-            raise SampleError(
-                f"sample {self.index}: {len(ids)} generated tokens but {len(log_probs)} log-probs"
-            )
+            raise SampleError(f"sample {self.index}: {len(ids)} generated tokens but {len(log_probs)} log-probs")
         self._extend_versions(len(ids), version)
         self.tokens.extend(ids)
         self.loss_mask.extend([1] * len(ids))
@@ -155,8 +154,10 @@ class Sample:
             return
         if len(self.token_versions) != self.response_length:  # a response built without versions
             if self.token_versions:
-                raise SampleError(f"sample {self.index}: {len(self.token_versions)} token versions for "
-                                  f"{self.response_length} response tokens")
+                raise SampleError(
+                    f"sample {self.index}: {len(self.token_versions)} token versions for "
+                    f"{self.response_length} response tokens"
+                )
             if self.response_length:
                 self.token_versions = None
                 return
@@ -174,8 +175,9 @@ class Sample:
                 f"sample {self.index}: len(rollout_log_probs)={len(self.rollout_log_probs)} != response_length={n}"
             )
         if self.token_versions and len(self.token_versions) != n:
-            raise SampleError(f"sample {self.index}: len(token_versions)={len(self.token_versions)} != "
-                              f"response_length={n}")
+            raise SampleError(
+                f"sample {self.index}: len(token_versions)={len(self.token_versions)} != response_length={n}"
+            )
         bad = [m for m in self.loss_mask if m not in (0, 1)]
         if bad:
             raise SampleError(f"sample {self.index}: loss_mask holds {bad[0]!r}; only 0 and 1 are allowed")
@@ -189,10 +191,10 @@ class Sample:
                     f"observation_end={turn.observation_end} out of order (previous end {previous_end}, "
                     f"{len(self.tokens)} tokens)"
                 )
-            mask = self.loss_mask[turn.output_start - start: turn.output_end - start]
+            mask = self.loss_mask[turn.output_start - start : turn.output_end - start]
             if any(m != 1 for m in mask):
                 raise SampleError(f"{where}: generated tokens with loss_mask 0")
-            obs = self.loss_mask[turn.output_end - start: turn.observation_end - start]
+            obs = self.loss_mask[turn.output_end - start : turn.observation_end - start]
             if any(m != 0 for m in obs):
                 raise SampleError(f"{where}: observation tokens with loss_mask 1")
             previous_end = turn.observation_end
@@ -243,7 +245,9 @@ def _decode(value: Any) -> Any:
         dtype = getattr(torch, value["__tensor__"])
         raw = base64.b64decode(value["data"])
         if dtype == torch.bfloat16:
-            return torch.from_numpy(np.frombuffer(raw, dtype=np.int16).copy()).view(torch.bfloat16).reshape(value["shape"])
+            return (
+                torch.from_numpy(np.frombuffer(raw, dtype=np.int16).copy()).view(torch.bfloat16).reshape(value["shape"])
+            )
         np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         return torch.from_numpy(np.frombuffer(raw, dtype=np_dtype).copy()).reshape(value["shape"])
     if isinstance(value, dict):

@@ -15,18 +15,60 @@ def write(tmp_path, name, text):
 
 
 SLIME_FLAGS = [
-    "--prompt-data", "--input-key", "--label-key", "--metadata-key", "--multimodal-keys",
-    "--apply-chat-template", "--rollout-function-path", "--custom-generate-function-path",
-    "--custom-rm-path", "--rollout-interaction-env-path", "--custom-config-path", "--max-turns",
-    "--rollout-max-response-len", "--rollout-max-context-len", "--rollout-temperature", "--rollout-top-p",
-    "--rollout-top-k", "--rollout-stop", "--rollout-stop-token-ids", "--n-samples-per-prompt",
-    "--rollout-batch-size", "--global-batch-size", "--num-rollout", "--rollout-shuffle", "--rollout-seed",
-    "--over-sampling-batch-size", "--dynamic-sampling-filter-path", "--advantage-estimator", "--eps-clip",
-    "--eps-clip-high", "--eps-clip-c", "--kl-loss-coef", "--kl-loss-type", "--use-kl-loss", "--entropy-coef",
-    "--use-tis", "--tis-clip", "--tis-clip-low", "--tensor-model-parallel-size", "--micro-batch-size", "--lr",
-    "--seed", "--hf-checkpoint", "--load", "--save", "--save-interval",
-    "--sample-format", "--merge-step-wise", "--loss-reduction", "--max-env-retries-per-turn",
-    "--env-step-timeout", "--engine", "--engine-url", "--mask-truncated",
+    "--prompt-data",
+    "--input-key",
+    "--label-key",
+    "--metadata-key",
+    "--multimodal-keys",
+    "--apply-chat-template",
+    "--rollout-function-path",
+    "--custom-generate-function-path",
+    "--custom-rm-path",
+    "--rollout-interaction-env-path",
+    "--custom-config-path",
+    "--max-turns",
+    "--rollout-max-response-len",
+    "--rollout-max-context-len",
+    "--rollout-temperature",
+    "--rollout-top-p",
+    "--rollout-top-k",
+    "--rollout-stop",
+    "--rollout-stop-token-ids",
+    "--n-samples-per-prompt",
+    "--rollout-batch-size",
+    "--global-batch-size",
+    "--num-rollout",
+    "--rollout-shuffle",
+    "--rollout-seed",
+    "--over-sampling-batch-size",
+    "--dynamic-sampling-filter-path",
+    "--advantage-estimator",
+    "--eps-clip",
+    "--eps-clip-high",
+    "--eps-clip-c",
+    "--kl-loss-coef",
+    "--kl-loss-type",
+    "--use-kl-loss",
+    "--entropy-coef",
+    "--use-tis",
+    "--tis-clip",
+    "--tis-clip-low",
+    "--tensor-model-parallel-size",
+    "--micro-batch-size",
+    "--lr",
+    "--seed",
+    "--hf-checkpoint",
+    "--load",
+    "--save",
+    "--save-interval",
+    "--sample-format",
+    "--merge-step-wise",
+    "--loss-reduction",
+    "--max-env-retries-per-turn",
+    "--env-step-timeout",
+    "--engine",
+    "--engine-url",
+    "--mask-truncated",
 ]
 
 
@@ -46,11 +88,25 @@ def test_defaults_and_typed_groups():
 
 
 def test_cli_values_are_typed():
-    cfg = parse_config([
-        "--max-turns", "3", "--rollout-stop", "</answer>", "\n\n", "--rollout-stop-token-ids", "1", "2",
-        "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--eps-clip-high", "0.28",
-        "--engine-url", "http://127.0.0.1:3000",
-    ])
+    cfg = parse_config(
+        [
+            "--max-turns",
+            "3",
+            "--rollout-stop",
+            "</answer>",
+            "\n\n",
+            "--rollout-stop-token-ids",
+            "1",
+            "2",
+            "--multimodal-keys",
+            '{"image": "images"}',
+            "--apply-chat-template",
+            "--eps-clip-high",
+            "0.28",
+            "--engine-url",
+            "http://127.0.0.1:3000",
+        ]
+    )
     assert cfg.rollout.max_turns == 3
     assert cfg.rollout.rollout_stop == ["</answer>", "\n\n"]
     assert cfg.rollout.rollout_stop_token_ids == [1, 2]
@@ -83,8 +139,9 @@ def test_unknown_cli_flag_is_an_error():
 
 
 def test_unknown_cli_flag_exits_nonzero_from_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "slime_mt.cli", "train", "--no-such-flag"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_mt.cli", "train", "--no-such-flag"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "--no-such-flag" in proc.stderr
 
@@ -100,11 +157,14 @@ def test_unknown_yaml_key_is_kept_as_custom_and_logged(tmp_path, caplog):
     assert "did you mean" not in caplog.text
 
 
-@pytest.mark.parametrize("key,suggestion", [
-    ("eps_clip_hihg", "--eps-clip-high"),
-    ("max-turn", "--max-turns"),
-    ("rollout_temprature", "--rollout-temperature"),
-])
+@pytest.mark.parametrize(
+    "key,suggestion",
+    [
+        ("eps_clip_hihg", "--eps-clip-high"),
+        ("max-turn", "--max-turns"),
+        ("rollout_temprature", "--rollout-temperature"),
+    ],
+)
 def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
     path = write(tmp_path, "x.yaml", f"{key}: 3\n")
     with caplog.at_level(logging.WARNING, logger="slime_mt.config"):
@@ -113,53 +173,65 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
     assert f"did you mean {suggestion}?" in caplog.text
 
 
-@pytest.mark.parametrize("argv,pattern", [
-    (["--rollout-batch-size", "-1"], r"--rollout-batch-size=-1: must be a positive integer"),
-    (["--n-samples-per-prompt", "0"], r"--n-samples-per-prompt=0: must be a positive integer"),
-    (["--micro-batch-size", "0"], r"--micro-batch-size=0"),
-    (["--max-turns", "0"], r"--max-turns=0"),
-    (["--eps-clip", "0.2", "--eps-clip-high", "0.1"], r"--eps-clip-high=0.1: must be >= --eps-clip=0.2"),
-    (["--eps-clip-c", "0.5"], r"--eps-clip-c=0.5: dual-clip constant must be > 1"),
-    (["--rollout-temperature", "0"], r"--rollout-temperature=0.0: must be > 0"),
-    (["--rollout-temperature", "-1"], r"--rollout-temperature=-1.0"),
-    (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
-    (["--global-batch-size", "100"], r"--global-batch-size=100: must divide --rollout-batch-size x "
-                                     r"--n-samples-per-prompt = 256"),
-    (["--global-batch-size", "4", "--n-samples-per-prompt", "8"], r"multiple of --n-samples-per-prompt=8"),
-    (["--global-batch-size", "64", "--micro-batch-size", "3"], r"multiple of --micro-batch-size=3"),
-    (["--rollout-max-response-len", "9000"], r"exceeds --rollout-max-context-len=4096"),
-    (["--lr", "0"], r"--lr=0.0"),
-    (["--env-step-timeout", "-2"], r"--env-step-timeout=-2.0"),
-    (["--max-env-retries-per-turn", "-1"], r"--max-env-retries-per-turn=-1"),
-    (["--tis-clip-low", "1.5"], r"--tis-clip-low=1.5"),
-    (["--engine", "sglang"], r"--hf-checkpoint=None: is required to launch SGLang"),
-    (["--over-sampling-batch-size", "8"], r"--over-sampling-batch-size=8: must be >= --rollout-batch-size=32"),
-])
+@pytest.mark.parametrize(
+    "argv,pattern",
+    [
+        (["--rollout-batch-size", "-1"], r"--rollout-batch-size=-1: must be a positive integer"),
+        (["--n-samples-per-prompt", "0"], r"--n-samples-per-prompt=0: must be a positive integer"),
+        (["--micro-batch-size", "0"], r"--micro-batch-size=0"),
+        (["--max-turns", "0"], r"--max-turns=0"),
+        (["--eps-clip", "0.2", "--eps-clip-high", "0.1"], r"--eps-clip-high=0.1: must be >= --eps-clip=0.2"),
+        (["--eps-clip-c", "0.5"], r"--eps-clip-c=0.5: dual-clip constant must be > 1"),
+        (["--rollout-temperature", "0"], r"--rollout-temperature=0.0: must be > 0"),
+        (["--rollout-temperature", "-1"], r"--rollout-temperature=-1.0"),
+        (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
+        (
+            ["--global-batch-size", "100"],
+            r"--global-batch-size=100: must divide --rollout-batch-size x "
+            r"--n-samples-per-prompt = 256",
+        ),
+        (["--global-batch-size", "4", "--n-samples-per-prompt", "8"], r"multiple of --n-samples-per-prompt=8"),
+        (["--global-batch-size", "64", "--micro-batch-size", "3"], r"multiple of --micro-batch-size=3"),
+        (["--rollout-max-response-len", "9000"], r"exceeds --rollout-max-context-len=4096"),
+        (["--lr", "0"], r"--lr=0.0"),
+        (["--env-step-timeout", "-2"], r"--env-step-timeout=-2.0"),
+        (["--max-env-retries-per-turn", "-1"], r"--max-env-retries-per-turn=-1"),
+        (["--tis-clip-low", "1.5"], r"--tis-clip-low=1.5"),
+        (["--engine", "sglang"], r"--hf-checkpoint=None: is required to launch SGLang"),
+        (["--over-sampling-batch-size", "8"], r"--over-sampling-batch-size=8: must be >= --rollout-batch-size=32"),
+    ],
+)
 def test_invalid_values_name_flag_and_value(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):
         parse_config(argv)
 
 
-@pytest.mark.parametrize("argv,pattern", [
-    (["--max-turns", "three"], r"--max-turns: invalid int value: 'three'"),
-    (["--sample-format", "stepwise"], r"--sample-format: invalid choice: 'stepwise'"),
-    (["--multimodal-keys", "{image: x}"], r"--multimodal-keys: not valid JSON"),
-    (["--multimodal-keys", "[1]"], r"--multimodal-keys: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "argv,pattern",
+    [
+        (["--max-turns", "three"], r"--max-turns: invalid int value: 'three'"),
+        (["--sample-format", "stepwise"], r"--sample-format: invalid choice: 'stepwise'"),
+        (["--multimodal-keys", "{image: x}"], r"--multimodal-keys: not valid JSON"),
+        (["--multimodal-keys", "[1]"], r"--multimodal-keys: expected a JSON object"),
+    ],
+)
 def test_malformed_cli_values(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):
         parse_config(argv)
 
 
-@pytest.mark.parametrize("text,pattern", [
-    ("lr: fast\n", r"key 'lr' expects float, got 'fast'"),
-    ("max_turns: 2.5\n", r"key 'max_turns' expects int, got 2.5"),
-    ("use_tis: maybe\n", r"key 'use_tis' expects bool"),
-    ("multimodal_keys: [1, 2]\n", r"key 'multimodal_keys' must be a mapping"),
-    ("- a\n- b\n", r"top level must be a mapping"),
-    ("lr: [\n", r"not valid YAML"),
-    ("eps_clip_high: 0.1\n", r"--eps-clip-high=0.1"),
-])
+@pytest.mark.parametrize(
+    "text,pattern",
+    [
+        ("lr: fast\n", r"key 'lr' expects float, got 'fast'"),
+        ("max_turns: 2.5\n", r"key 'max_turns' expects int, got 2.5"),
+        ("use_tis: maybe\n", r"key 'use_tis' expects bool"),
+        ("multimodal_keys: [1, 2]\n", r"key 'multimodal_keys' must be a mapping"),
+        ("- a\n- b\n", r"top level must be a mapping"),
+        ("lr: [\n", r"not valid YAML"),
+        ("eps_clip_high: 0.1\n", r"--eps-clip-high=0.1"),
+    ],
+)
 def test_bad_yaml_names_file_and_key(tmp_path, text, pattern):
     path = write(tmp_path, "bad.yaml", text)
     with pytest.raises(ConfigError, match=pattern) as info:
@@ -174,8 +246,11 @@ def test_missing_yaml_file(tmp_path):
 
 
 def test_yaml_lists_and_bools(tmp_path):
-    path = write(tmp_path, "x.yaml", "rollout_stop: '</s>'\nrollout_stop_token_ids: [3, 4]\nuse_tis: true\n"
-                                     "multimodal_keys: {image: images}\n")
+    path = write(
+        tmp_path,
+        "x.yaml",
+        "rollout_stop: '</s>'\nrollout_stop_token_ids: [3, 4]\nuse_tis: true\nmultimodal_keys: {image: images}\n",
+    )
     cfg = parse_config(["--config", path, "--no-use-tis"])
     assert cfg.rollout.rollout_stop == ["</s>"]
     assert cfg.rollout.rollout_stop_token_ids == [3, 4]

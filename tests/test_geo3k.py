@@ -16,11 +16,23 @@ from envs.geo3k import Geo3kEnv, grade, last_boxed, to_number
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("candidate,reference,expected", [
-    ("5", "5", 1.0), ("5.0", "5", 1.0), ("\\frac{7}{2}", "3.5", 1.0), ("3\\sqrt{2}", "4.24", 1.0),
-    ("2\\sqrt{13}", "7.21", 1.0), ("12\\pi", "37.70", 1.0), ("45^\\circ", "45", 1.0), ("x = 8", "8", 1.0),
-    ("\\dfrac{1}{3}", "0.333", 1.0), ("6", "5", 0.0), ("banana", "5", 0.0), (None, "5", 0.0),
-])
+@pytest.mark.parametrize(
+    "candidate,reference,expected",
+    [
+        ("5", "5", 1.0),
+        ("5.0", "5", 1.0),
+        ("\\frac{7}{2}", "3.5", 1.0),
+        ("3\\sqrt{2}", "4.24", 1.0),
+        ("2\\sqrt{13}", "7.21", 1.0),
+        ("12\\pi", "37.70", 1.0),
+        ("45^\\circ", "45", 1.0),
+        ("x = 8", "8", 1.0),
+        ("\\dfrac{1}{3}", "0.333", 1.0),
+        ("6", "5", 0.0),
+        ("banana", "5", 0.0),
+        (None, "5", 0.0),
+    ],
+)
 def test_grading(candidate, reference, expected):
     assert grade(candidate, reference) == expected
 
@@ -33,15 +45,21 @@ def test_boxed_and_numbers():
 
 def test_env_tool_turns_and_final_reward():
     env = Geo3kEnv("59")
-    obs, done, info = env.step('Let me check. <tool_call>{"name": "calc_score", "arguments": {"answer": "60"}}</tool_call>')
+    obs, done, info = env.step(
+        'Let me check. <tool_call>{"name": "calc_score", "arguments": {"answer": "60"}}</tool_call>'
+    )
     assert not done and "incorrect" in obs["text"] and info["reward"] == 0.0
     assert env.format_observation(obs)["role"] == "tool"
     obs, done, info = env.step('<tool_call>{"name": "calc_score", "arguments": {"answer": "59"}}</tool_call>')
     assert not done and "is correct" in obs["text"] and info["reward"] == 0.0  # tool feedback is not the reward
     obs, done, info = env.step("So x = \\boxed{59}.")
     assert done and info["reward"] == 1.0
-    assert Geo3kEnv("59", tool_reward=True).step('<tool_call>{"name": "calc_score", "arguments": {"answer": "59"}}'
-                                                 '</tool_call>')[2]["reward"] == 1.0
+    assert (
+        Geo3kEnv("59", tool_reward=True).step(
+            '<tool_call>{"name": "calc_score", "arguments": {"answer": "59"}}</tool_call>'
+        )[2]["reward"]
+        == 1.0
+    )
     obs, done, info = Geo3kEnv("59").step("I think it is 58.")
     assert not done and "boxed" in obs["text"]
 
@@ -53,13 +71,29 @@ def png(color):
 
 
 def test_prepare_from_parquet(tmp_path):
-    table = pa.table({"problem": ["<image>Find x.", "<image>Find the area."], "answer": ["4", "12.5"],
-                      "images": [[{"bytes": png((1, 1, 1)), "path": None}], [{"bytes": png((2, 2, 2)), "path": None}]]})
+    table = pa.table(
+        {
+            "problem": ["<image>Find x.", "<image>Find the area."],
+            "answer": ["4", "12.5"],
+            "images": [[{"bytes": png((1, 1, 1)), "path": None}], [{"bytes": png((2, 2, 2)), "path": None}]],
+        }
+    )
     pq.write_table(table, tmp_path / "train-00000.parquet")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--parquet",
-                           str(tmp_path / "train-00000.parquet"), "--out", str(out), "--test-fraction", "0.5"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/prepare_geo3k.py"),
+            "--parquet",
+            str(tmp_path / "train-00000.parquet"),
+            "--out",
+            str(out),
+            "--test-fraction",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for f in ("train.jsonl", "test.jsonl") for x in (out / f).read_text().splitlines()]
     assert sorted(r["answer"] for r in rows) == ["12.5", "4"]
@@ -70,8 +104,18 @@ def test_prepare_from_parquet(tmp_path):
 
 def test_prepare_rejects_bad_parquet(tmp_path):
     pq.write_table(pa.table({"question": ["x"]}), tmp_path / "bad.parquet")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--parquet",
-                           str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "o")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/prepare_geo3k.py"),
+            "--parquet",
+            str(tmp_path / "bad.parquet"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "missing geo3k columns ['problem', 'answer', 'images']" in proc.stderr
 
 

@@ -10,8 +10,16 @@ from slime_mt.metrics import MetricsLogger, read_metrics
 def test_jsonl_lines_truncate_and_plots(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, use_tensorboard=False)
     for step in range(4):
-        logger.log(step, {"rollout/reward_mean": step / 4, "rollout/turns_mean": 2.0, "train/loss": 1.0 - step / 10,
-                          "time/step_seconds": 3.0, "rollout/response_tokens_mean": 40 + step})
+        logger.log(
+            step,
+            {
+                "rollout/reward_mean": step / 4,
+                "rollout/turns_mean": 2.0,
+                "train/loss": 1.0 - step / 10,
+                "time/step_seconds": 3.0,
+                "rollout/response_tokens_mean": 40 + step,
+            },
+        )
     assert "[step 3] reward 0.75 | turns 2 | loss 0.7 | s 3" in capsys.readouterr().out
     logger.truncate_after(2)  # a resumed run rewrites steps 2 and 3
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]

@@ -16,7 +16,8 @@ def expected_rollout(args, rollout_id, data_source, evaluation=False):
 @pytest.fixture
 def user_file(tmp_path):
     path = tmp_path / "my_plugins.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         THRESHOLD = 3
 
         async def generate(args, sample, sampling_params):
@@ -33,7 +34,8 @@ def user_file(tmp_path):
 
         class Helper:
             pass
-    """))
+    """)
+    )
     return path
 
 

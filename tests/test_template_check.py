@@ -15,22 +15,42 @@ from slime_mt.template_check import CALCULATOR, check_template, scenarios, verdi
 ALL = {"append", "strip_thinking", "step-wise", "retokenize"}
 NO_STRIP = {"append", "step-wise", "retokenize"}
 # Qwen3 keeps the thinking of turns after the last user query (tool loops) and drops it before it
-QWEN3_SCENARIOS = {"tools": ALL, "system+tools": ALL, "thinking": {"strip_thinking", "step-wise"},
-                   "tools+thinking": NO_STRIP, "stop_string": ALL, "images": ALL}
-PLAIN_SCENARIOS = {"tools": ALL, "system+tools": ALL, "thinking": NO_STRIP, "tools+thinking": NO_STRIP,
-                   "stop_string": ALL, "images": ALL}
+QWEN3_SCENARIOS = {
+    "tools": ALL,
+    "system+tools": ALL,
+    "thinking": {"strip_thinking", "step-wise"},
+    "tools+thinking": NO_STRIP,
+    "stop_string": ALL,
+    "images": ALL,
+}
+PLAIN_SCENARIOS = {
+    "tools": ALL,
+    "system+tools": ALL,
+    "thinking": NO_STRIP,
+    "tools+thinking": NO_STRIP,
+    "stop_string": ALL,
+    "images": ALL,
+}
 
 
 def model_dir(name):
-    return {"smollm2": smollm2_dir, "qwen3": qwen3_reference_tokenizer_dir,
-            "qwen2.5": lambda: qwen_tokenizer_dir("qwen2.5")}.get(name, lambda: tiny_model_dir(name))()
+    return {
+        "smollm2": smollm2_dir,
+        "qwen3": qwen3_reference_tokenizer_dir,
+        "qwen2.5": lambda: qwen_tokenizer_dir("qwen2.5"),
+    }.get(name, lambda: tiny_model_dir(name))()
 
 
-@pytest.mark.parametrize("name,per_scenario,overall", [
-    ("smollm2", PLAIN_SCENARIOS, NO_STRIP), ("qwen2.5", PLAIN_SCENARIOS, NO_STRIP),
-    ("qwen3", QWEN3_SCENARIOS, {"step-wise"}), ("qwen2.5-vl", PLAIN_SCENARIOS, NO_STRIP),
-    ("qwen3-vl", QWEN3_SCENARIOS, {"step-wise"}),
-])
+@pytest.mark.parametrize(
+    "name,per_scenario,overall",
+    [
+        ("smollm2", PLAIN_SCENARIOS, NO_STRIP),
+        ("qwen2.5", PLAIN_SCENARIOS, NO_STRIP),
+        ("qwen3", QWEN3_SCENARIOS, {"step-wise"}),
+        ("qwen2.5-vl", PLAIN_SCENARIOS, NO_STRIP),
+        ("qwen3-vl", QWEN3_SCENARIOS, {"step-wise"}),
+    ],
+)
 def test_verdicts(name, per_scenario, overall):
     processor = load_tokenizer_or_processor(model_dir(name))
     results = check_template(processor)
@@ -57,8 +77,18 @@ def test_a_template_that_drops_the_newline_after_end_of_turn_on_re_render():
 
 def test_the_cli_prints_a_line_per_scenario_and_path_and_the_verdict(capsys, tmp_path):
     (tmp_path / "tools.json").write_text('[{"type": "function", "function": {"name": "search", "parameters": {}}}]')
-    assert main(["check-template", "--hf-checkpoint", str(qwen3_reference_tokenizer_dir()),
-                 "--tools", str(tmp_path / "tools.json")]) == 0
+    assert (
+        main(
+            [
+                "check-template",
+                "--hf-checkpoint",
+                str(qwen3_reference_tokenizer_dir()),
+                "--tools",
+                str(tmp_path / "tools.json"),
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5 * 4 + 1
     assert lines[0].split()[:3] == ["tools", "append", "exact"]
@@ -102,9 +132,13 @@ def test_the_bundled_qwen3_template_is_the_official_one_byte_for_byte():
     checked = 0
     for scenario, messages, generation in conversations():
         for extra in ({}, {"enable_thinking": False}):
-            kw = dict(tools=CALCULATOR if scenario.tools else None, tokenize=False,
-                      add_generation_prompt=generation, **extra)
-            assert bundled.apply_chat_template(messages, **kw) == official.apply_chat_template(messages, **kw), \
-                (scenario.name, len(messages), extra)
+            kw = dict(
+                tools=CALCULATOR if scenario.tools else None, tokenize=False, add_generation_prompt=generation, **extra
+            )
+            assert bundled.apply_chat_template(messages, **kw) == official.apply_chat_template(messages, **kw), (
+                scenario.name,
+                len(messages),
+                extra,
+            )
             checked += 1
     assert checked >= 40

@@ -18,11 +18,28 @@ from slime_mt.engine.launch import free_port
 REPO = Path(__file__).resolve().parents[1]
 STOPS = [str(t) for t in list(range(3, 151643, 37)) + [151645]]
 REQUIRED = [
-    "rollout/reward_mean", "rollout/reward_std", "rollout/pass_rate", "rollout/turns_mean", "rollout/env_retries",
-    "rollout/env_failures", "rollout/response_tokens_mean", "rollout/observation_tokens", "rollout/engine_seconds",
-    "rollout/env_seconds", "time/train_seconds", "time/sync_seconds", "time/rollout_seconds", "train/loss",
-    "train/pg_loss", "train/entropy", "train/clip_fraction", "train/grad_norm", "train/approx_kl",
-    "train/train_rollout_logprob_abs_diff", "train/sequences_before_merge", "train/sequences_after_merge",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/pass_rate",
+    "rollout/turns_mean",
+    "rollout/env_retries",
+    "rollout/env_failures",
+    "rollout/response_tokens_mean",
+    "rollout/observation_tokens",
+    "rollout/engine_seconds",
+    "rollout/env_seconds",
+    "time/train_seconds",
+    "time/sync_seconds",
+    "time/rollout_seconds",
+    "train/loss",
+    "train/pg_loss",
+    "train/entropy",
+    "train/clip_fraction",
+    "train/grad_norm",
+    "train/approx_kl",
+    "train/train_rollout_logprob_abs_diff",
+    "train/sequences_before_merge",
+    "train/sequences_after_merge",
     "rollout/weight_version_gap",
 ]
 PLUGINS = '''
@@ -35,8 +52,11 @@ async def rm(args, sample):
 @pytest.fixture(scope="module")
 def geo3k(tmp_path_factory):
     out = tmp_path_factory.mktemp("geo3k")
-    subprocess.run([sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--synthetic", "16", "--out", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--synthetic", "16", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     (out / "plugins.py").write_text(PLUGINS)
     return out
 
@@ -46,17 +66,65 @@ def train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int = 2) 
 
     launch = [sys.executable, "-m", "slime_mt.cli"]
     if tp > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr",
-                  "127.0.0.1", "--master-port", str(free_port()), "-m", "slime_mt.cli"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(tp),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "slime_mt.cli",
+        ]
     return launch + [
-        "train", "--hf-checkpoint", str(tiny_model_dir("qwen2.5-vl")),
-        "--prompt-data", str(geo3k / "train.jsonl"), "--input-key", "messages", "--label-key", "answer",
-        "--tool-key", "tools", "--multimodal-keys", '{"image": "images"}',
-        "--rollout-interaction-env-path", str(REPO / "envs/geo3k.py"), "--custom-rm-path", f"{geo3k}/plugins.py:rm",
-        "--max-turns", "3", "--rollout-max-response-len", "24", "--rollout-max-context-len", "1024",
-        "--rollout-stop-token-ids", *STOPS, "--n-samples-per-prompt", "2", "--rollout-batch-size", "2",
-        "--global-batch-size", "4", "--micro-batch-size", "2", "--num-rollout", str(steps), "--lr", "1e-4",
-        "--tensor-model-parallel-size", str(tp), "--save", str(run / "ckpt"), "--log-dir", str(run), *extra]
+        "train",
+        "--hf-checkpoint",
+        str(tiny_model_dir("qwen2.5-vl")),
+        "--prompt-data",
+        str(geo3k / "train.jsonl"),
+        "--input-key",
+        "messages",
+        "--label-key",
+        "answer",
+        "--tool-key",
+        "tools",
+        "--multimodal-keys",
+        '{"image": "images"}',
+        "--rollout-interaction-env-path",
+        str(REPO / "envs/geo3k.py"),
+        "--custom-rm-path",
+        f"{geo3k}/plugins.py:rm",
+        "--max-turns",
+        "3",
+        "--rollout-max-response-len",
+        "24",
+        "--rollout-max-context-len",
+        "1024",
+        "--rollout-stop-token-ids",
+        *STOPS,
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--num-rollout",
+        str(steps),
+        "--lr",
+        "1e-4",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--save",
+        str(run / "ckpt"),
+        "--log-dir",
+        str(run),
+        *extra,
+    ]
 
 
 def run(cmd, timeout=600, **kw):
@@ -70,8 +138,14 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def kill_after_two_steps(cmd, run_dir: Path) -> None:
     """Start a run and SIGKILL it half a second after its second metrics line (the third step runs)."""
-    child = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    child = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and child.poll() is None:
         if (run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
@@ -131,8 +205,14 @@ def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path):
 
     a, b = metrics(straight), metrics(killed)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
-    for key in ("rollout/reward_mean", "rollout/generated_tokens", "rollout/observation_tokens", "rollout/turns_mean",
-                "train/loss", "train/grad_norm"):
+    for key in (
+        "rollout/reward_mean",
+        "rollout/generated_tokens",
+        "rollout/observation_tokens",
+        "rollout/turns_mean",
+        "train/loss",
+        "train/grad_norm",
+    ):
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-6), key
     wa, wb = final_weights(straight), final_weights(killed)
     assert wa.keys() == wb.keys()
@@ -186,9 +266,14 @@ def test_fully_async_killed_and_resumed_trains_every_step_once_and_no_group_twic
 
 @pytest.mark.slow
 def test_cpu_recipe_runs(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "1"],
-                          capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env=dict(os.environ, RUN_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(REPO)))
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=dict(os.environ, RUN_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 3 and "eval/reward_mean" in rows[1]
@@ -197,8 +282,13 @@ def test_cpu_recipe_runs(tmp_path):
 def test_gpu_recipe_parses_and_dry_runs():
     script = REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    proc = subprocess.run(["bash", str(script), "4", "--dry-run"], capture_output=True, text=True, cwd=REPO,
-                          env=dict(os.environ, MODEL="/models/Qwen3-VL-2B-Instruct", PYTHON=sys.executable))
+    proc = subprocess.run(
+        ["bash", str(script), "4", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, MODEL="/models/Qwen3-VL-2B-Instruct", PYTHON=sys.executable),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tensor_model_parallel_size: 4" in proc.stdout and "engine: sglang" in proc.stdout
     assert "eps_clip_high: 0.28" in proc.stdout and "hf_checkpoint: /models/Qwen3-VL-2B-Instruct" in proc.stdout
@@ -244,14 +334,38 @@ def test_demo_config_trains_in_bf16(tmp_path):
     from slime_mt.assets import smollm2_dir
 
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True,
-                   capture_output=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True, capture_output=True, cwd=REPO
+    )
     (tmp_path / "plugins.py").write_text(PLUGINS)  # varied rewards: a group of 4 always has an advantage
-    proc = run([sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/demo/config.yaml"),
-                "--hf-checkpoint", str(smollm2_dir()), "--prompt-data", str(data / "train.jsonl"),
-                "--log-dir", str(tmp_path / "run"), "--num-rollout", "2", "--n-samples-per-prompt", "4",
-                "--rollout-batch-size", "1", "--global-batch-size", "4", "--custom-rm-path", f"{tmp_path}/plugins.py:rm",
-                "--bf16"], timeout=1200)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "slime_mt.cli",
+            "train",
+            "--config",
+            str(REPO / "examples/demo/config.yaml"),
+            "--hf-checkpoint",
+            str(smollm2_dir()),
+            "--prompt-data",
+            str(data / "train.jsonl"),
+            "--log-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-batch-size",
+            "1",
+            "--global-batch-size",
+            "4",
+            "--custom-rm-path",
+            f"{tmp_path}/plugins.py:rm",
+            "--bf16",
+        ],
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
@@ -264,7 +378,7 @@ def test_demo_config_trains_in_bf16(tmp_path):
     assert rows[1]["rollout/sample_weight_version_min"] == 1.0
 
 
-FAILING_ENV = '''
+FAILING_ENV = """
 from slime_mt.plugins import load_module
 
 hint_env = load_module("{path}")
@@ -274,7 +388,7 @@ def build_env(sample=None, args=None, **kw):
     if sample.label == "unbuildable":
         raise RuntimeError("no env can be built for this row")
     return hint_env.build_env(sample=sample, args=args)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -286,21 +400,51 @@ def test_context_management_example_trains_step_wise(tmp_path):
     from slime_mt.assets import smollm2_dir
 
     data = tmp_path / "data"
-    subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True,
-                   capture_output=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True, capture_output=True, cwd=REPO
+    )
     rows = data.joinpath("train.jsonl").read_text()
-    special = [{"prompt": "Guess the secret word.", "secret": "unbuildable"},
-               {"prompt": "word " * 600 + "Guess the secret word.", "secret": "apple"}]
+    special = [
+        {"prompt": "Guess the secret word.", "secret": "unbuildable"},
+        {"prompt": "word " * 600 + "Guess the secret word.", "secret": "apple"},
+    ]
     data.joinpath("train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in special) + rows)
     (tmp_path / "env.py").write_text(FAILING_ENV.format(path=REPO / "examples/context_management/hint_env.py"))
     (tmp_path / "plugins.py").write_text(PLUGINS)  # varied rewards: every group has an advantage
-    proc = run([sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/demo/config.yaml"),
-                "--config", str(REPO / "examples/context_management/config.yaml"),
-                "--hf-checkpoint", str(smollm2_dir()), "--prompt-data", str(data / "train.jsonl"),
-                "--rollout-interaction-env-path", str(tmp_path / "env.py"), "--no-rollout-shuffle",
-                "--log-dir", str(tmp_path / "run"), "--num-rollout", "3", "--n-samples-per-prompt", "4",
-                "--rollout-batch-size", "3", "--global-batch-size", "12", "--eval-interval", "100",
-                "--custom-rm-path", f"{tmp_path}/plugins.py:rm"], timeout=1500)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "slime_mt.cli",
+            "train",
+            "--config",
+            str(REPO / "examples/demo/config.yaml"),
+            "--config",
+            str(REPO / "examples/context_management/config.yaml"),
+            "--hf-checkpoint",
+            str(smollm2_dir()),
+            "--prompt-data",
+            str(data / "train.jsonl"),
+            "--rollout-interaction-env-path",
+            str(tmp_path / "env.py"),
+            "--no-rollout-shuffle",
+            "--log-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "3",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-batch-size",
+            "3",
+            "--global-batch-size",
+            "12",
+            "--eval-interval",
+            "100",
+            "--custom-rm-path",
+            f"{tmp_path}/plugins.py:rm",
+        ],
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -314,5 +458,6 @@ def test_context_management_example_trains_step_wise(tmp_path):
     # window drops the first turn, and that step does not merge with the second
     assert sum(r["rollout/rewritten_context_turns"] for r in rows) > 0
     assert sum(r["train/sequences_before_merge"] - r["train/sequences_after_merge"] for r in rows) > 0
-    assert any(r["train/sequences_after_merge"] > r["rollout/samples"] - r.get("train/samples_without_turns", 0)
-               for r in rows)
+    assert any(
+        r["train/sequences_after_merge"] > r["rollout/samples"] - r.get("train/samples_without_turns", 0) for r in rows
+    )

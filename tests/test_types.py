@@ -12,8 +12,10 @@ def two_turn_sample():
     s.append_model_tokens([20, 21], [-0.5, -0.25], text="ab")
     s.append_observation_tokens([30, 31, 32], text="obs")
     s.append_model_tokens([22], [-1.0], text="c")
-    s.turns = [Turn(output_start=3, output_end=5, observation_end=8, finish_reason="stop", weight_version="0"),
-               Turn(output_start=8, output_end=9, observation_end=9, finish_reason="stop", weight_version="1")]
+    s.turns = [
+        Turn(output_start=3, output_end=5, observation_end=8, finish_reason="stop", weight_version="0"),
+        Turn(output_start=8, output_end=9, observation_end=9, finish_reason="stop", weight_version="1"),
+    ]
     s.status = Status.COMPLETED
     return s
 
@@ -41,16 +43,19 @@ def test_prompt_cannot_be_set_after_response():
         s.set_prompt_tokens([1])
 
 
-@pytest.mark.parametrize("corrupt,message", [
-    (lambda s: s.loss_mask.pop(), r"len\(loss_mask\)=5 != response_length=6"),
-    (lambda s: s.rollout_log_probs.append(0.0), r"len\(rollout_log_probs\)=7 != response_length=6"),
-    (lambda s: setattr(s, "response_length", 20), r"response_length 20 outside 0..9"),
-    (lambda s: s.loss_mask.__setitem__(0, 2), r"loss_mask holds 2"),
-    (lambda s: s.loss_mask.__setitem__(0, 0), r"turn 0: generated tokens with loss_mask 0"),
-    (lambda s: s.loss_mask.__setitem__(3, 1), r"turn 0: observation tokens with loss_mask 1"),
-    (lambda s: setattr(s.turns[1], "output_start", 4), r"turn 1: spans .* out of order"),
-    (lambda s: setattr(s.turns[1], "observation_end", 12), r"turn 1: spans .* out of order"),
-])
+@pytest.mark.parametrize(
+    "corrupt,message",
+    [
+        (lambda s: s.loss_mask.pop(), r"len\(loss_mask\)=5 != response_length=6"),
+        (lambda s: s.rollout_log_probs.append(0.0), r"len\(rollout_log_probs\)=7 != response_length=6"),
+        (lambda s: setattr(s, "response_length", 20), r"response_length 20 outside 0..9"),
+        (lambda s: s.loss_mask.__setitem__(0, 2), r"loss_mask holds 2"),
+        (lambda s: s.loss_mask.__setitem__(0, 0), r"turn 0: generated tokens with loss_mask 0"),
+        (lambda s: s.loss_mask.__setitem__(3, 1), r"turn 0: observation tokens with loss_mask 1"),
+        (lambda s: setattr(s.turns[1], "output_start", 4), r"turn 1: spans .* out of order"),
+        (lambda s: setattr(s.turns[1], "observation_end", 12), r"turn 1: spans .* out of order"),
+    ],
+)
 def test_validate_reports_each_invariant(corrupt, message):
     s = two_turn_sample()
     corrupt(s)

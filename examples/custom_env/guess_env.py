@@ -21,8 +21,11 @@ class GuessEnv(BaseInteractionEnv):
         self.turns += 1
         numbers = re.findall(r"-?\d+", response_text)
         if not numbers:
-            return {"text": f"Please answer with a number between {self.low} and {self.high}."}, False, \
-                {"reward": 0.0, "valid": 0}
+            return (
+                {"text": f"Please answer with a number between {self.low} and {self.high}."},
+                False,
+                {"reward": 0.0, "valid": 0},
+            )
         guess = int(numbers[-1])
         if guess == self.secret:
             return {"text": "Correct!"}, True, {"reward": max(1.0 - 0.1 * (self.turns - 1), 0.1), "valid": 1}

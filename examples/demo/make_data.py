@@ -4,8 +4,28 @@ import json
 import sys
 from pathlib import Path
 
-WORDS = ["apple", "river", "garden", "silver", "candle", "forest", "window", "planet", "rabbit", "guitar",
-         "orange", "bridge", "pencil", "rocket", "castle", "butter", "dragon", "island", "mirror", "violin"]
+WORDS = [
+    "apple",
+    "river",
+    "garden",
+    "silver",
+    "candle",
+    "forest",
+    "window",
+    "planet",
+    "rabbit",
+    "guitar",
+    "orange",
+    "bridge",
+    "pencil",
+    "rocket",
+    "castle",
+    "butter",
+    "dragon",
+    "island",
+    "mirror",
+    "violin",
+]
 PROMPT = "Let's play a game. I have a secret word. Guess it: reply with one word."
 
 

@@ -26,8 +26,11 @@ class SecretWordEnv(BaseInteractionEnv):
         if words == [self.secret]:
             return {"text": ""}, True, {"reward": 1.0, "exact": 1}
         if self.turns == 1:
-            return {"text": f"No. The secret word is '{self.secret}'. Now reply with only the secret word."}, False, \
-                {"reward": 0.0, "exact": 0}
+            return (
+                {"text": f"No. The secret word is '{self.secret}'. Now reply with only the secret word."},
+                False,
+                {"reward": 0.0, "exact": 0},
+            )
         reward = 1.0 / (1.0 + 0.25 * (len(words) - 1)) if self.secret in words else 0.0
         return {"text": ""}, True, {"reward": reward, "exact": 0}
 

@@ -23,8 +23,13 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gspo")
 EPS = 1e-6
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: list[int], estimator: str,
-                     valid: torch.Tensor | None = None, normalize_std: bool = True) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: list[int],
+    estimator: str,
+    valid: torch.Tensor | None = None,
+    normalize_std: bool = True,
+) -> torch.Tensor:
     """``rewards [N]`` of trajectories, their group ids, ``valid [N]`` (False = FAILED) -> ``[N]``."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose from {ESTIMATORS}")

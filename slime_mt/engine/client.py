@@ -27,8 +27,14 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
-                    httpx.RemoteProtocolError, httpx.PoolTimeout)
+RETRYABLE_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+    httpx.PoolTimeout,
+)
 ABORT_GRACE = 2.0  # seconds an abort after a timeout may take, on all workers together
 
 
@@ -113,8 +119,15 @@ class UpdateGate:
 class EngineClient:
     """Async client; share one per run (pooled connections). Use as ``async with`` or call close()."""
 
-    def __init__(self, url: str, worker_urls: list[str] | None = None, timeout: float = 600.0,
-                 max_retries: int = 3, backoff: float = 0.5, max_connections: int = 256):
+    def __init__(
+        self,
+        url: str,
+        worker_urls: list[str] | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        max_connections: int = 256,
+    ):
         self.gate: UpdateGate | None = None
         self.url = url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in (worker_urls or [self.url])]
@@ -144,9 +157,17 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, input_ids: list[int] | None = None, sampling_params: dict | None = None,
-                       image_data: list[str] | None = None, text: str | None = None, return_logprob: bool = True,
-                       rid: str | None = None, timeout: float | None = None, **extra: Any) -> dict:
+    async def generate(
+        self,
+        input_ids: list[int] | None = None,
+        sampling_params: dict | None = None,
+        image_data: list[str] | None = None,
+        text: str | None = None,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout: float | None = None,
+        **extra: Any,
+    ) -> dict:
         """POST /generate for one prompt -> SGLang's response dict (``text``, ``output_ids``, ``meta_info``)."""
         rid = rid or uuid.uuid4().hex
         body: dict[str, Any] = {"rid": rid, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
@@ -159,14 +180,25 @@ class EngineClient:
         body.update(extra)
         return await self._generate(body, [rid], timeout)
 
-    async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | None = None,
-                             return_logprob: bool = True, timeout: float | None = None, **extra: Any) -> list[dict]:
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | None = None,
+        return_logprob: bool = True,
+        timeout: float | None = None,
+        **extra: Any,
+    ) -> list[dict]:
         """POST /generate with a batch of prompts -> a list of responses (SGLang's batch form). The
         batch's ``rid`` is a prefix: item i is ``{rid}_{i}`` (a list of rids is not accepted by
         sglang-router)."""
         rid = extra.pop("rid", None) or uuid.uuid4().hex
-        body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
-                "rid": rid, **extra}
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "rid": rid,
+            **extra,
+        }
         return await self._generate(body, [f"{rid}_{i}" for i in range(len(input_ids))], timeout)
 
     async def _generate(self, body: dict, rids: list[str], timeout: float | None) -> Any:
@@ -187,15 +219,17 @@ class EngineClient:
             return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), limit)
         except asyncio.TimeoutError:
             await self._abort_within_grace(rids)
-            raise EngineTimeoutError(f"{self.url}/generate: request {', '.join(rids)} exceeded {limit:.1f}s; "
-                                     "aborted on the engine") from None
+            raise EngineTimeoutError(
+                f"{self.url}/generate: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
+            ) from None
 
     async def _abort_within_grace(self, rids: list[str]) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(self.abort(rid) for rid in rids)), ABORT_GRACE)
         except asyncio.TimeoutError:
-            logger.warning("aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls,
-                           ABORT_GRACE)
+            logger.warning(
+                "aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls, ABORT_GRACE
+            )
 
     async def _post_with_retries(self, base: str, path: str, body: dict, text: bool = False) -> Any:
         """POST with retries on connection errors and 5xx -> the JSON answer (``text``: the body as
@@ -226,8 +260,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------ control endpoints
 
-    async def _broadcast(self, path: str, body: dict | None = None, timeout: float | None = None,
-                         text: bool = False) -> list[Any]:
+    async def _broadcast(
+        self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False
+    ) -> list[Any]:
         """POST to every worker (concurrently, each bounded by ``timeout``); an error names every
         worker that failed and why."""
         limit = timeout or self.timeout
@@ -243,8 +278,9 @@ class EngineClient:
         if failures:
             if len(failures) == 1 and len(results) == 1:
                 raise failures[0]
-            raise EngineError(f"{path} failed on {len(failures)} of {len(results)} engines: "
-                              + "; ".join(str(f) for f in failures))
+            raise EngineError(
+                f"{path} failed on {len(failures)} of {len(results)} engines: " + "; ".join(str(f) for f in failures)
+            )
         return list(results)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -269,8 +305,9 @@ class EngineClient:
         """Drop every worker's prefix cache (SGLang answers plain text; 400 while it cannot)."""
         await self._broadcast("/flush_cache", timeout=timeout, text=True)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       timeout: float | None = None) -> list[dict]:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, timeout: float | None = None
+    ) -> list[dict]:
         """Every worker loads ``model_path`` (all or nothing on each); sets ``weight_version`` when given."""
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
@@ -311,8 +348,9 @@ def _json_of(response: httpx.Response, where: str) -> Any:
     try:
         return response.json()
     except ValueError:
-        raise EngineError(f"engine {where} answered HTTP {response.status_code} with a body that is not JSON: "
-                          f"{response.text[:200]!r}") from None
+        raise EngineError(
+            f"engine {where} answered HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
+        ) from None
 
 
 def _message(response: httpx.Response) -> str:

@@ -25,8 +25,9 @@ MAX_IMAGE_FILE_BYTES = 64 * 1024 * 1024
 MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # e.g. 5792 x 5792; the Qwen-VL processors resize far below this
 
 
-def load_image(item: Any, where: str = "image", max_pixels: int = MAX_IMAGE_PIXELS,
-               max_file_bytes: int = MAX_IMAGE_FILE_BYTES) -> Image.Image:
+def load_image(
+    item: Any, where: str = "image", max_pixels: int = MAX_IMAGE_PIXELS, max_file_bytes: int = MAX_IMAGE_FILE_BYTES
+) -> Image.Image:
     """-> an RGB PIL image; ProtocolError naming ``where`` when it cannot (or may not) be read."""
     if isinstance(item, Image.Image):
         return item.convert("RGB")
@@ -37,8 +38,10 @@ def load_image(item: Any, where: str = "image", max_pixels: int = MAX_IMAGE_PIXE
         image = Image.open(io.BytesIO(raw))
         width, height = image.size
         if width * height > max_pixels:
-            raise ProtocolError(f"{where}: image of {width}x{height} = {width * height} pixels is larger than "
-                                f"the {max_pixels} pixels allowed")
+            raise ProtocolError(
+                f"{where}: image of {width}x{height} = {width * height} pixels is larger than "
+                f"the {max_pixels} pixels allowed"
+            )
         image.load()
         return image.convert("RGB")
     except ProtocolError:
@@ -52,7 +55,7 @@ def _image_bytes(item: str, where: str, max_file_bytes: int) -> bytes:
         if item.startswith("data:"):
             _, _, payload = item.partition(",")
             return base64.b64decode(payload, validate=True)
-        path = item[len("file://"):] if item.startswith("file://") else item
+        path = item[len("file://") :] if item.startswith("file://") else item
         if item.startswith("file://") or _exists(path):
             return _read_image_file(path, max_file_bytes)
         return base64.b64decode(item, validate=True)

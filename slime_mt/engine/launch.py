@@ -39,8 +39,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def require_sglang() -> None:
     """SGLang is imported lazily and only for ``engine=sglang``."""
     if importlib.util.find_spec("sglang") is None:
-        raise LaunchError("engine=sglang needs SGLang, which is not installed: pip install -e '.[gpu]' "
-                          "(on a GPU machine), or use --engine local")
+        raise LaunchError(
+            "engine=sglang needs SGLang, which is not installed: pip install -e '.[gpu]' "
+            "(on a GPU machine), or use --engine local"
+        )
 
 
 class _Process:
@@ -55,8 +57,10 @@ class _Process:
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
             tail = self.log_path.read_text()[-2000:]
-            raise LaunchError(f"{self.name} exited with code {self.proc.returncode}: {' '.join(self.cmd)}\n"
-                              f"log {self.log_path}:\n{tail}")
+            raise LaunchError(
+                f"{self.name} exited with code {self.proc.returncode}: {' '.join(self.cmd)}\n"
+                f"log {self.log_path}:\n{tail}"
+            )
 
     def stop(self, grace: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -79,9 +83,24 @@ class Router:
         if importlib.util.find_spec("sglang_router") is None:
             raise LaunchError("several engines need sglang-router: pip install sglang-router")
         self.host, self.port = host, port or free_port(host)
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
-               "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--log-level", "warn", "--disable-retries"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+            "--disable-retries",
+        ]
         self._process = _Process(cmd, Path(log_dir) / "router.log", "sglang-router")
         self._wait(lambda: httpx.get(self.url + "/health", timeout=2.0).status_code == 200, "health")
 
@@ -99,8 +118,9 @@ class Router:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise LaunchError(f"sglang-router at {self.url}: {what} not ready after {timeout:.0f}s "
-                          f"(log {self._process.log_path})")
+        raise LaunchError(
+            f"sglang-router at {self.url}: {what} not ready after {timeout:.0f}s (log {self._process.log_path})"
+        )
 
     def workers(self) -> list[dict]:
         return httpx.get(self.url + "/workers", timeout=10.0).json().get("workers", [])
@@ -109,8 +129,7 @@ class Router:
         response = httpx.post(self.url + "/workers", json={"url": url}, timeout=30.0)
         if response.status_code >= 400:
             raise LaunchError(f"sglang-router refused worker {url}: HTTP {response.status_code} {response.text}")
-        self._wait(lambda: any(w["url"] == url and w.get("is_healthy", True) for w in self.workers()),
-                   f"worker {url}")
+        self._wait(lambda: any(w["url"] == url and w.get("is_healthy", True) for w in self.workers()), f"worker {url}")
 
     def stop(self) -> None:
         self._process.stop()
@@ -119,13 +138,36 @@ class Router:
 class SGLangServer:
     """``python -m sglang.launch_server`` on 127.0.0.1, waited for through ``/health_generate``."""
 
-    def __init__(self, model_path: str, log_dir: Path, port: int | None = None, tp_size: int = 1,
-                 mem_fraction_static: float = 0.7, extra_args: str | None = None, base_gpu_id: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        log_dir: Path,
+        port: int | None = None,
+        tp_size: int = 1,
+        mem_fraction_static: float = 0.7,
+        extra_args: str | None = None,
+        base_gpu_id: int = 0,
+    ):
         require_sglang()
         self.port = port or free_port()
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
-               "--port", str(self.port), "--tp-size", str(tp_size), "--mem-fraction-static",
-               str(mem_fraction_static), "--base-gpu-id", str(base_gpu_id), "--skip-server-warmup"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--tp-size",
+            str(tp_size),
+            "--mem-fraction-static",
+            str(mem_fraction_static),
+            "--base-gpu-id",
+            str(base_gpu_id),
+            "--skip-server-warmup",
+        ]
         cmd += extra_args.split() if extra_args else []
         self._process = _Process(cmd, Path(log_dir) / f"sglang-{self.port}.log", "sglang server")
         deadline = time.monotonic() + 1200
@@ -164,8 +206,14 @@ class EngineGroup:
         self._stoppers.clear()
 
 
-def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed: int = 0,
-                  tp_size: int = 1, connect_timeout: float = 30.0) -> EngineGroup:
+def start_engines(
+    cfg: EngineConfig,
+    model_path: str,
+    log_dir: str | Path,
+    seed: int = 0,
+    tp_size: int = 1,
+    connect_timeout: float = 30.0,
+) -> EngineGroup:
     """Connect to ``cfg.engine_url`` (waiting up to ``connect_timeout`` s for each) or launch
     ``cfg.num_engines`` engines (+ a router when > 1)."""
     if cfg.engine_url:
@@ -181,12 +229,24 @@ def start_engines(cfg: EngineConfig, model_path: str, log_dir: str | Path, seed:
         for i in range(cfg.num_engines):
             port = cfg.engine_port + i if cfg.engine_port else 0
             if cfg.engine == "local":
-                engine = LocalEngine(model_path, port=port, max_batch_size=cfg.engine_max_batch_size,
-                                     seed=seed + i, cache_tokens=cfg.engine_cache_tokens).start()
+                engine = LocalEngine(
+                    model_path,
+                    port=port,
+                    max_batch_size=cfg.engine_max_batch_size,
+                    seed=seed + i,
+                    cache_tokens=cfg.engine_cache_tokens,
+                ).start()
                 group.local_engines.append(engine)
             else:
-                engine = SGLangServer(model_path, Path(log_dir), port or None, tp_size,
-                                      cfg.sglang_mem_fraction_static, cfg.sglang_extra_args, base_gpu_id=i * tp_size)
+                engine = SGLangServer(
+                    model_path,
+                    Path(log_dir),
+                    port or None,
+                    tp_size,
+                    cfg.sglang_mem_fraction_static,
+                    cfg.sglang_extra_args,
+                    base_gpu_id=i * tp_size,
+                )
             group._stoppers.append(engine.stop)
             group.worker_urls.append(engine.url)
         if cfg.num_engines > 1:

@@ -71,10 +71,10 @@ class PrefixCache:
             return
         key = tuple(ids)
         for other in list(self._entries):
-            if len(other) >= len(key) and other[:len(key)] == key:  # already covered: refresh it
+            if len(other) >= len(key) and other[: len(key)] == key:  # already covered: refresh it
                 self._entries.move_to_end(other)
                 return
-            if other == key[:len(other)]:  # the new entry covers this one
+            if other == key[: len(other)]:  # the new entry covers this one
                 self._drop(other)
         self._entries[key] = kv
         self.tokens += len(key)

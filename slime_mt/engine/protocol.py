@@ -43,27 +43,64 @@ class PayloadTooLarge(ProtocolError):
 
 
 MAX_JSON_DEPTH = 32
-SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.Generator.manual_seed accepts
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 SAMPLING_KEYS = {
-    "max_new_tokens": int, "min_new_tokens": int, "temperature": float, "top_p": float, "top_k": int,
-    "min_p": float, "stop": (str, list), "stop_token_ids": list, "ignore_eos": bool,
-    "skip_special_tokens": bool, "spaces_between_special_tokens": bool, "no_stop_trim": bool,
-    "sampling_seed": int, "n": int, "frequency_penalty": float, "presence_penalty": float,
-    "repetition_penalty": float, "json_schema": (str, type(None)), "regex": (str, type(None)),
-    "ebnf": (str, type(None)), "structural_tag": (str, type(None)), "stop_regex": (str, list, type(None)),
-    "custom_params": (dict, type(None)), "stream_interval": int, "logit_bias": (dict, type(None)),
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "stop": (str, list),
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "skip_special_tokens": bool,
+    "spaces_between_special_tokens": bool,
+    "no_stop_trim": bool,
+    "sampling_seed": int,
+    "n": int,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "repetition_penalty": float,
+    "json_schema": (str, type(None)),
+    "regex": (str, type(None)),
+    "ebnf": (str, type(None)),
+    "structural_tag": (str, type(None)),
+    "stop_regex": (str, list, type(None)),
+    "custom_params": (dict, type(None)),
+    "stream_interval": int,
+    "logit_bias": (dict, type(None)),
 }
 # Accepted for compatibility but not implemented by the embedded engine: a value other than the
 # default (or null) is a 400.
-UNSUPPORTED_DEFAULTS = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                        "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-                        "stop_regex": None, "custom_params": None, "logit_bias": None}
+UNSUPPORTED_DEFAULTS = {
+    "n": 1,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "custom_params": None,
+    "logit_bias": None,
+}
 # Top-level /generate fields of SGLang that change what the answer holds; the embedded engine serves
 # only their default (or null) and answers 400 otherwise, rather than silently ignoring them.
-UNSUPPORTED_TOP_LEVEL = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": None, "input_embeds": None,
-                         "video_data": None, "audio_data": None, "lora_path": None, "session_params": None,
-                         "custom_logit_processor": None, "return_hidden_states": False}
+UNSUPPORTED_TOP_LEVEL = {
+    "stream": False,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "input_embeds": None,
+    "video_data": None,
+    "audio_data": None,
+    "lora_path": None,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "return_hidden_states": False,
+}
 
 _shown = reprlib.Repr()
 _shown.maxlevel, _shown.maxstring, _shown.maxother, _shown.maxlist, _shown.maxdict, _shown.maxlong = 3, 60, 60, 6, 6, 40
@@ -198,8 +235,9 @@ def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingP
     if not 0 <= sp.min_p <= 1:
         raise ProtocolError(f"{where}.min_p must be in [0, 1], got {sp.min_p}")
     if sp.sampling_seed is not None and not SEED_RANGE[0] <= sp.sampling_seed < SEED_RANGE[1]:
-        raise ProtocolError(f"{where}.sampling_seed must be a 64-bit integer in [-2**63, 2**64), "
-                            f"got {show(sp.sampling_seed)}")
+        raise ProtocolError(
+            f"{where}.sampling_seed must be a 64-bit integer in [-2**63, 2**64), got {show(sp.sampling_seed)}"
+        )
     return sp
 
 
@@ -282,12 +320,19 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
         start_len = -1 if start[i] is None else start[i]
         if not _is_int(start_len) or start_len < -1:
             raise ProtocolError(f"logprob_start_len{suffix} must be an integer >= -1, got {show(start[i])}")
-        requests.append(GenerateRequest(
-            rid=rids[i], input_ids=prompts[i], text=texts[i], images=images[i],
-            sampling=parse_sampling_params(sampling[i], "sampling_params" + suffix),
-            return_logprob=parse_bool(return_logprob[i], "return_logprob" + suffix), logprob_start_len=start_len,
-            return_text_in_logprobs=text_in_logprobs, return_prompt_token_ids=prompt_token_ids,
-        ))
+        requests.append(
+            GenerateRequest(
+                rid=rids[i],
+                input_ids=prompts[i],
+                text=texts[i],
+                images=images[i],
+                sampling=parse_sampling_params(sampling[i], "sampling_params" + suffix),
+                return_logprob=parse_bool(return_logprob[i], "return_logprob" + suffix),
+                logprob_start_len=start_len,
+                return_text_in_logprobs=text_in_logprobs,
+                return_prompt_token_ids=prompt_token_ids,
+            )
+        )
     return requests, is_batch
 
 
@@ -336,8 +381,9 @@ def _images_per_request(value: Any, n: int, is_batch: bool) -> list[list[str]]:
     for i, images in enumerate(per_request):
         for k, image in enumerate(images):
             if not isinstance(image, str) or not image:
-                raise ProtocolError(f"image_data[{i}][{k}] must be a data URI, base64 string or file path, "
-                                    f"got {show(image)}")
+                raise ProtocolError(
+                    f"image_data[{i}][{k}] must be a data URI, base64 string or file path, got {show(image)}"
+                )
     return [list(images) for images in per_request]
 
 

@@ -99,15 +99,22 @@ class ModelRunner:
         try:
             vision = self.processor.image_processor(images=images, return_tensors="pt")
         except Exception as e:  # e.g. an aspect ratio the processor refuses: the client's image
-            raise ProtocolError(f"image_data: the image processor rejected the images: {type(e).__name__}: {e}") from None
+            raise ProtocolError(
+                f"image_data: the image processor rejected the images: {type(e).__name__}: {e}"
+            ) from None
         counts = self.processor.num_image_tokens(vision["image_grid_thw"])
         return expand_image_pads(list(input_ids), self.image_token_id, counts), dict(vision)
 
     # ------------------------------------------------------------------ forward passes
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence, vision: dict, input_logprob_start: int | None = None,
-                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    def prefill(
+        self,
+        seq: Sequence,
+        vision: dict,
+        input_logprob_start: int | None = None,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[DynamicCache, torch.Tensor]:
         """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
         Sets ``seq.position``; with ``input_logprob_start`` = s in [0, L), ``seq.input_logprobs`` for
         prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i).
@@ -137,7 +144,7 @@ class ModelRunner:
         if deltas is not None:  # M-RoPE: image tokens advance the position less than one per token
             seq.position += int(deltas.reshape(-1)[0])
         if input_logprob_start is not None:
-            targets = ids[0, start + 1:, None]  # [L - start - 1, 1]
+            targets = ids[0, start + 1 :, None]  # [L - start - 1, 1]
             logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, targets)[:, 0].tolist()
             seq.input_logprobs = [None] + logp
             seq.input_logprob_start = start
@@ -150,8 +157,9 @@ class ModelRunner:
         mask = torch.cat([batch.attention_mask, torch.ones_like(last)], dim=1)  # [B, L+1]
         pos = torch.tensor([[s.position] for s in batch.seqs], device=self.device)  # [B, 1]
         position_ids = pos.unsqueeze(0).expand(3, -1, -1) if self.is_vlm else pos
-        out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=batch.cache, use_cache=True)
+        out = self.model(
+            input_ids=last, attention_mask=mask, position_ids=position_ids, past_key_values=batch.cache, use_cache=True
+        )
         batch.attention_mask = mask
         for s in batch.seqs:
             s.position += 1
@@ -159,8 +167,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               blocked: list[list[int] | None] | None = None) -> tuple[list[int], list[float]]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        blocked: list[list[int] | None] | None = None,
+    ) -> tuple[list[int], list[float]]:
         """Sample one token per row of ``logits [B, V]`` -> (token ids, their log-probs). ``blocked[i]``:
         token ids row i may not produce (logit -inf before everything else, as SGLang's penalizers do,
         so the reported log-probs are under the masked distribution)."""
@@ -206,9 +219,13 @@ class ModelRunner:
             if not isinstance(tensor, torch.Tensor):
                 raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")
             if tuple(target.shape) != tuple(tensor.shape):
-                raise WeightUpdateError(f"weight '{name}': shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
+                raise WeightUpdateError(
+                    f"weight '{name}': shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
+                )
             if tensor.is_floating_point() != target.is_floating_point():
-                raise WeightUpdateError(f"weight '{name}': dtype {tensor.dtype} cannot replace the model's {target.dtype}")
+                raise WeightUpdateError(
+                    f"weight '{name}': dtype {tensor.dtype} cannot replace the model's {target.dtype}"
+                )
             staged.append((target, tensor.to(dtype=target.dtype)))
         for target, tensor in staged:  # same shape and dtype: a plain copy that cannot fail half-way
             target.copy_(tensor)
@@ -266,9 +283,13 @@ class Batch:
             self.seqs, self.cache, self.attention_mask = [seq], cache, mask
             return
         total = max(length, self.attention_mask.shape[1])
-        merged = [(torch.cat([_left_pad(mine.keys, total), _left_pad(new.keys, total)], dim=0),
-                   torch.cat([_left_pad(mine.values, total), _left_pad(new.values, total)], dim=0))
-                  for mine, new in zip(self.cache.layers, cache.layers)]
+        merged = [
+            (
+                torch.cat([_left_pad(mine.keys, total), _left_pad(new.keys, total)], dim=0),
+                torch.cat([_left_pad(mine.values, total), _left_pad(new.values, total)], dim=0),
+            )
+            for mine, new in zip(self.cache.layers, cache.layers)
+        ]
         attention_mask = torch.cat([_left_pad(self.attention_mask, total, dim=1), _left_pad(mask, total, dim=1)], dim=0)
         for layer, (keys, values) in zip(self.cache.layers, merged):
             layer.keys, layer.values = keys, values
@@ -320,7 +341,7 @@ def _hf_name_aliases(params: dict[str, torch.Tensor]) -> dict[str, str]:
     aliases = {}
     for name in params:
         if name.startswith("model.language_model."):
-            aliases["model." + name[len("model.language_model."):]] = name
+            aliases["model." + name[len("model.language_model.") :]] = name
         if name.startswith("model.visual."):
-            aliases["visual." + name[len("model.visual."):]] = name
+            aliases["visual." + name[len("model.visual.") :]] = name
     return aliases

@@ -50,8 +50,14 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 32, seed: int = 0, weight_version: str = "0",
-                 cache_tokens: int = 0):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch_size: int = 32,
+        seed: int = 0,
+        weight_version: str = "0",
+        cache_tokens: int = 0,
+    ):
         self.runner = runner
         # text models only (prefix_cache.py); touched by the engine thread and, under ``lock``, by updates
         self.prefix_cache = PrefixCache(cache_tokens) if cache_tokens and not runner.is_vlm else None
@@ -137,9 +143,14 @@ class Scheduler:
 
     def load(self) -> dict:
         with self._cond:
-            return {"#running_req": len(self._running), "#queue_req": len(self._waiting),
-                    "#finished_req": self.finished_requests, "generated_tokens": self.generated_tokens,
-                    "last_gen_throughput": self.last_throughput, "paused": self._paused}
+            return {
+                "#running_req": len(self._running),
+                "#queue_req": len(self._waiting),
+                "#finished_req": self.finished_requests,
+                "generated_tokens": self.generated_tokens,
+                "last_gen_throughput": self.last_throughput,
+                "paused": self._paused,
+            }
 
     # ------------------------------------------------------------------ the loop (engine thread)
 
@@ -148,13 +159,15 @@ class Scheduler:
             admitted: list[Job] = []
             try:
                 with self._cond:
-                    while not self._stopped and (self._paused and not self._any_aborted()
-                                                 or not (self._waiting or self._running)):
+                    while not self._stopped and (
+                        self._paused and not self._any_aborted() or not (self._waiting or self._running)
+                    ):
                         self._cond.wait()
                     if self._stopped:
                         break
-                    while self._waiting and len(self._running) + len(admitted) < self.max_batch_size \
-                            and not self._paused:
+                    while (
+                        self._waiting and len(self._running) + len(admitted) < self.max_batch_size and not self._paused
+                    ):
                         admitted.append(self._waiting.popleft())
                     dropped = [j for j in self._waiting if j.abort_reason()]
                     for job in dropped:
@@ -208,8 +221,9 @@ class Scheduler:
         except Exception as e:
             logger.exception("admitting request %s failed", job.request.rid)
             self._running.pop(id(job.seq), None)
-            self._settle(job, error=EngineFault(f"request {job.request.rid} failed in the engine: "
-                                                f"{type(e).__name__}: {e}"))
+            self._settle(
+                job, error=EngineFault(f"request {job.request.rid} failed in the engine: {type(e).__name__}: {e}")
+            )
 
     def _new_sequence(self, job: Job) -> tuple[Sequence, dict, bool]:
         """-> (the sequence, its vision inputs, whether it generates). Raises ProtocolError for
@@ -218,18 +232,21 @@ class Scheduler:
         prompt_ids, vision = self.runner.encode_prompt(req.input_ids, req.text, req.images)
         context = self.runner.context_length
         if len(prompt_ids) >= context:
-            raise ProtocolError(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
-                                f"({context} tokens).")
+            raise ProtocolError(
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length ({context} tokens)."
+            )
         sampling = req.sampling
         if sampling.max_new_tokens is None:  # null: as many as the context allows, as SGLang does
             sampling.max_new_tokens = context - len(prompt_ids)
         if len(prompt_ids) + sampling.max_new_tokens > context:
             raise ProtocolError(
                 f"Requested token count exceeds the model's maximum context length of {context} tokens: "
-                f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} max_new_tokens")
+                f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} max_new_tokens"
+            )
         if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
-            raise ProtocolError(f"logprob_start_len={req.logprob_start_len} is not below the number of input "
-                                f"tokens ({len(prompt_ids)})")
+            raise ProtocolError(
+                f"logprob_start_len={req.logprob_start_len} is not below the number of input tokens ({len(prompt_ids)})"
+            )
         generator = self._generator
         if sampling.sampling_seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
@@ -285,8 +302,9 @@ class Scheduler:
 
     def _accept_tokens(self, jobs: list[Job], logits: torch.Tensor) -> None:
         seqs = [j.seq for j in jobs]
-        tokens, logprobs = self.runner.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
-                                              [self._blocked(s) for s in seqs])
+        tokens, logprobs = self.runner.sample(
+            logits, [s.sampling for s in seqs], [s.generator for s in seqs], [self._blocked(s) for s in seqs]
+        )
         keep = []
         for row, (job, token, logprob) in enumerate(zip(jobs, tokens, logprobs)):
             job.seq.output_ids.append(token)
@@ -338,8 +356,13 @@ class Scheduler:
             return
         seq = self._batch.seqs[row]
         n = len(seq.prompt_ids) + len(seq.output_ids) - 1
-        self._remember(seq, [(layer.keys[row:row + 1, :, -n:].clone(), layer.values[row:row + 1, :, -n:].clone())
-                             for layer in self._batch.cache.layers])
+        self._remember(
+            seq,
+            [
+                (layer.keys[row : row + 1, :, -n:].clone(), layer.values[row : row + 1, :, -n:].clone())
+                for layer in self._batch.cache.layers
+            ],
+        )
 
     def _remember(self, seq: Sequence, kv) -> None:
         if self.prefix_cache is not None:
@@ -363,8 +386,9 @@ class Scheduler:
                 result = self._response(job, reason)
             except Exception as e:
                 logger.exception("building the response of request %s failed", job.request.rid)
-                error = EngineFault(f"building the response of request {job.request.rid} failed: "
-                                    f"{type(e).__name__}: {e}")
+                error = EngineFault(
+                    f"building the response of request {job.request.rid} failed: {type(e).__name__}: {e}"
+                )
         try:
             if error is None:
                 job.future.set_result(result)
@@ -397,13 +421,12 @@ class Scheduler:
             show = req.return_text_in_logprobs
             decode = self.runner.tokenizer.decode
             meta["output_token_logprobs"] = [
-                [lp, t, decode([t]) if show else None]
-                for lp, t in zip(seq.output_logprobs if seq else [], output_ids)
+                [lp, t, decode([t]) if show else None] for lp, t in zip(seq.output_logprobs if seq else [], output_ids)
             ]
             if seq is not None and seq.input_logprobs is not None:
                 meta["input_token_logprobs"] = [
                     [lp, t, decode([t]) if show else None]
-                    for lp, t in zip(seq.input_logprobs, seq.prompt_ids[seq.input_logprob_start:])
+                    for lp, t in zip(seq.input_logprobs, seq.prompt_ids[seq.input_logprob_start :])
                 ]
         if req.return_prompt_token_ids and seq is not None:
             meta["prompt_token_ids"] = list(seq.prompt_ids)

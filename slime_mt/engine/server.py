@@ -136,8 +136,9 @@ def _load_request_images(requests: list[GenerateRequest]) -> None:
             image = load_image(item, f"image_data[{i}][{k}]")
             pixels += image.width * image.height
             if pixels > MAX_REQUEST_PIXELS:
-                raise ProtocolError(f"image_data[{i}]: the images hold more than the {MAX_REQUEST_PIXELS} "
-                                    "pixels allowed per request")
+                raise ProtocolError(
+                    f"image_data[{i}]: the images hold more than the {MAX_REQUEST_PIXELS} pixels allowed per request"
+                )
             images.append(image)
         req.images = images
 
@@ -192,8 +193,9 @@ class EngineApp:
             w.add_done_callback(_retrieve)
         pending = set(waiters)
         while pending:
-            _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_SECONDS,
-                                               return_when=asyncio.FIRST_EXCEPTION)
+            _, pending = await asyncio.wait(
+                pending, timeout=DISCONNECT_POLL_SECONDS, return_when=asyncio.FIRST_EXCEPTION
+            )
             failed = next((w for w in waiters if w.done() and (w.cancelled() or w.exception() is not None)), None)
             if failed is not None:
                 if pending:
@@ -214,8 +216,13 @@ class EngineApp:
         self._require_alive()
         if self.scheduler.paused:
             return PlainTextResponse("")
-        probe = GenerateRequest(rid=f"health-{time.time_ns()}", input_ids=[self._probe_token()], text=None, images=[],
-                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        probe = GenerateRequest(
+            rid=f"health-{time.time_ns()}",
+            input_ids=[self._probe_token()],
+            text=None,
+            images=[],
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(probe)), timeout=60)
         except Exception as e:
@@ -227,19 +234,31 @@ class EngineApp:
         return tok.bos_token_id if tok.bos_token_id is not None else min(self.runner.eos_ids)
 
     async def model_info(self, request: Request):
-        return _JSON({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-            "weight_version": self.scheduler.weight_version, "has_image_understanding": self.runner.is_vlm,
-            "preferred_sampling_params": None,
-        })
+        return _JSON(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "weight_version": self.scheduler.weight_version,
+                "has_image_understanding": self.runner.is_vlm,
+                "preferred_sampling_params": None,
+            }
+        )
 
     async def server_info(self, request: Request):
-        return _JSON({
-            "model_path": self.model_path, "engine": "slime_mt.local", "version": __version__,
-            "context_length": self.runner.context_length, "max_running_requests": self.scheduler.max_batch_size,
-            "weight_version": self.scheduler.weight_version, "internal_states": [self.scheduler.load()],
-            "image_token_id": self.runner.image_token_id, "vocab_size": self.runner.vocab_size,
-        })
+        return _JSON(
+            {
+                "model_path": self.model_path,
+                "engine": "slime_mt.local",
+                "version": __version__,
+                "context_length": self.runner.context_length,
+                "max_running_requests": self.scheduler.max_batch_size,
+                "weight_version": self.scheduler.weight_version,
+                "internal_states": [self.scheduler.load()],
+                "image_token_id": self.runner.image_token_id,
+                "vocab_size": self.runner.vocab_size,
+            }
+        )
 
     async def weight_version(self, request: Request):
         return _JSON({"weight_version": self.scheduler.weight_version})
@@ -248,8 +267,10 @@ class EngineApp:
         if self.scheduler.prefix_cache is not None:
             with self.scheduler.lock:
                 self.scheduler.prefix_cache.clear()
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)")
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)"
+        )
 
     async def abort_request(self, request: Request):
         body = await _json_body(request)
@@ -281,9 +302,16 @@ class EngineApp:
         if version is not None and not isinstance(version, str):
             raise ProtocolError(f"update_weights_from_disk: weight_version must be a string, got {show(version)}")
         count = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: update_weights(self.scheduler, lambda: self.runner.load_weights_from_disk(path), version))
-        return _JSON({"success": True, "message": f"Updated {count} tensors from {path}.",
-                      "num_paused_requests": 0, "weight_version": self.scheduler.weight_version})
+            None, lambda: update_weights(self.scheduler, lambda: self.runner.load_weights_from_disk(path), version)
+        )
+        return _JSON(
+            {
+                "success": True,
+                "message": f"Updated {count} tensors from {path}.",
+                "num_paused_requests": 0,
+                "weight_version": self.scheduler.weight_version,
+            }
+        )
 
 
 def _retrieve(waiter: asyncio.Future) -> None:
@@ -308,9 +336,18 @@ def update_weights(scheduler: Scheduler, load, weight_version: str | None) -> in
 class LocalEngine:
     """An embedded engine server in this process (model + scheduler thread + uvicorn thread)."""
 
-    def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32,
-                 seed: int = 0, weight_version: str = "0", dtype: torch.dtype = torch.float32,
-                 device: str | None = None, cache_tokens: int = 0):
+    def __init__(
+        self,
+        model_path: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_batch_size: int = 32,
+        seed: int = 0,
+        weight_version: str = "0",
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        cache_tokens: int = 0,
+    ):
         self.model_path = str(model_path)
         self.host, self.port = host, port
         self.max_batch_size, self.seed, self.dtype = max_batch_size, seed, dtype
@@ -341,8 +378,9 @@ class LocalEngine:
         # "error": the router probes workers with non-HTTP/1 requests that uvicorn would warn about
         config = uvicorn.Config(app, log_level="error", access_log=False, timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name=f"slime-mt-http-{self.port}")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"slime-mt-http-{self.port}"
+        )
         self._thread.start()
         wait_healthy(self.url, timeout)
         return self

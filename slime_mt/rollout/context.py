@@ -39,13 +39,21 @@ class RolloutContext:
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
-        client = EngineClient(url, worker_urls, timeout=cfg.engine.engine_request_timeout,
-                              max_retries=cfg.engine.engine_max_retries)
+        client = EngineClient(
+            url, worker_urls, timeout=cfg.engine.engine_request_timeout, max_retries=cfg.engine.engine_max_retries
+        )
         ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
         r = cfg.rollout
-        warn_if_inexact(ctx.processor, path_of(r.context_policy, r.context_policy_path, r.retokenize_chat_history,
-                                               single_message=not r.conversation_multi_turn))
+        warn_if_inexact(
+            ctx.processor,
+            path_of(
+                r.context_policy,
+                r.context_policy_path,
+                r.retokenize_chat_history,
+                single_message=not r.conversation_multi_turn,
+            ),
+        )
         return ctx
 
     @property
@@ -84,8 +92,13 @@ class RolloutContext:
     def sampling_params(self) -> dict:
         """Per-run sampling params from the rollout config (``max_new_tokens`` is set per turn)."""
         r = self.rollout
-        params = {"temperature": r.rollout_temperature, "top_p": r.rollout_top_p, "top_k": r.rollout_top_k,
-                  "max_new_tokens": r.rollout_max_response_len, "no_stop_trim": True}
+        params = {
+            "temperature": r.rollout_temperature,
+            "top_p": r.rollout_top_p,
+            "top_k": r.rollout_top_k,
+            "max_new_tokens": r.rollout_max_response_len,
+            "no_stop_trim": True,
+        }
         if r.rollout_stop:
             params["stop"] = list(r.rollout_stop)
         if r.rollout_stop_token_ids:

@@ -86,8 +86,10 @@ def window(args, sample, prompt: list[dict], turns: list[list[dict]], n: int) ->
 
 
 _BUILTINS: dict[str, tuple[Callable, str | None]] = {
-    "append": (append, None), "strip_thinking": (strip_thinking, None),
-    "keep_last_images": (keep_last_images, "k"), "window": (window, "n"),
+    "append": (append, None),
+    "strip_thinking": (strip_thinking, None),
+    "keep_last_images": (keep_last_images, "k"),
+    "window": (window, "n"),
 }
 
 
@@ -95,8 +97,10 @@ def parse_policy(spec: str) -> tuple[str, int | None]:
     """``"window:3"`` -> ("window", 3); raises ContextPolicyError naming the flag."""
     name, _, value = spec.partition(":")
     if name not in _BUILTINS:
-        raise ContextPolicyError(f"--context-policy {spec!r}: unknown policy; choose from append, strip_thinking, "
-                                 f"keep_last_images:K, window:N, or pass --context-policy-path module.fn")
+        raise ContextPolicyError(
+            f"--context-policy {spec!r}: unknown policy; choose from append, strip_thinking, "
+            f"keep_last_images:K, window:N, or pass --context-policy-path module.fn"
+        )
     needs = _BUILTINS[name][1]
     if needs is None:
         if value:
@@ -141,6 +145,8 @@ async def apply_policy(policy: ContextPolicy, args, sample, prompt: list[dict], 
     if inspect.isawaitable(result):
         result = await result
     if not isinstance(result, list) or not all(isinstance(m, dict) and "role" in m for m in result):
-        raise ContextPolicyError(f"context policy {getattr(policy, '__name__', policy)!r} must return a list of "
-                                 f"messages with a 'role', got {result!r:.200}")
+        raise ContextPolicyError(
+            f"context policy {getattr(policy, '__name__', policy)!r} must return a list of "
+            f"messages with a 'role', got {result!r:.200}"
+        )
     return result

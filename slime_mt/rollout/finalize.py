@@ -65,16 +65,28 @@ def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> li
     for s in samples:
         rewritten = [k for k, t in enumerate(s.turns) if t.context_ids is not None]
         if rewritten:
-            raise StepWiseError(f"sample {s.index}: the context of turn {rewritten[0]} was rewritten, so its "
-                                f"concatenated sequence is not what the model saw; use --sample-format step_wise")
+            raise StepWiseError(
+                f"sample {s.index}: the context of turn {rewritten[0]} was rewritten, so its "
+                f"concatenated sequence is not what the model saw; use --sample-format step_wise"
+            )
         start = s.prompt_length
         mask = list(s.loss_mask) if _trainable(s, mask_truncated) else [0] * s.response_length
-        out.append(TrainingSample(
-            prompt_ids=list(s.tokens[:start]), response_ids=list(s.tokens[start:]), loss_mask=mask,
-            rollout_log_probs=_copy(s.rollout_log_probs), reward=float(s.reward or 0.0),
-            trajectory_id=_trajectory_id(s), group_id=int(s.group_index or 0), is_last_step=True,
-            stop_reason=_stop_reason(s), multimodal_train_inputs=s.multimodal_train_inputs, status=s.status,
-            token_versions=_versions(s)))
+        out.append(
+            TrainingSample(
+                prompt_ids=list(s.tokens[:start]),
+                response_ids=list(s.tokens[start:]),
+                loss_mask=mask,
+                rollout_log_probs=_copy(s.rollout_log_probs),
+                reward=float(s.reward or 0.0),
+                trajectory_id=_trajectory_id(s),
+                group_id=int(s.group_index or 0),
+                is_last_step=True,
+                stop_reason=_stop_reason(s),
+                multimodal_train_inputs=s.multimodal_train_inputs,
+                status=s.status,
+                token_versions=_versions(s),
+            )
+        )
     return out
 
 
@@ -86,7 +98,7 @@ def image_rows(multimodal: dict | None, image_indices: list[int]) -> dict | None
     grid = multimodal["image_grid_thw"]  # [N, 3]
     sizes = grid.prod(dim=-1)  # [N]
     starts = torch.cumsum(sizes, 0) - sizes
-    pixels = torch.cat([multimodal["pixel_values"][int(starts[i]): int(starts[i] + sizes[i])] for i in image_indices])
+    pixels = torch.cat([multimodal["pixel_values"][int(starts[i]) : int(starts[i] + sizes[i])] for i in image_indices])
     return {"pixel_values": pixels, "image_grid_thw": grid[image_indices]}
 
 
@@ -97,21 +109,32 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
         trainable = _trainable(s, mask_truncated)
         start = s.prompt_length
         if not s.turns and s.response_length:
-            raise StepWiseError(f"sample {s.index}: {s.response_length} response tokens but no turn records; "
-                                f"step-wise needs the rollout's Turn list")
+            raise StepWiseError(
+                f"sample {s.index}: {s.response_length} response tokens but no turn records; "
+                f"step-wise needs the rollout's Turn list"
+            )
         for k, turn in enumerate(s.turns):
             last = k == len(s.turns) - 1
-            prompt = list(turn.context_ids) if turn.context_ids is not None else list(s.tokens[:turn.output_start])
-            response = list(s.tokens[turn.output_start:turn.output_end])
+            prompt = list(turn.context_ids) if turn.context_ids is not None else list(s.tokens[: turn.output_start])
+            response = list(s.tokens[turn.output_start : turn.output_end])
             logprobs = _copy(s.rollout_log_probs, turn.output_start - start, turn.output_end - start)
             images = turn.image_indices if turn.image_indices is not None else list(range(turn.num_images))
-            out.append(TrainingSample(
-                prompt_ids=prompt, response_ids=response, loss_mask=[int(trainable)] * len(response),
-                rollout_log_probs=logprobs, reward=float(s.reward or 0.0) if last else 0.0,
-                trajectory_id=_trajectory_id(s), group_id=int(s.group_index or 0), is_last_step=last,
-                stop_reason=_stop_reason(s) if last else turn.finish_reason,
-                multimodal_train_inputs=image_rows(s.multimodal_train_inputs, images), status=s.status,
-                token_versions=_versions(s, turn.output_start - start, turn.output_end - start)))
+            out.append(
+                TrainingSample(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    loss_mask=[int(trainable)] * len(response),
+                    rollout_log_probs=logprobs,
+                    reward=float(s.reward or 0.0) if last else 0.0,
+                    trajectory_id=_trajectory_id(s),
+                    group_id=int(s.group_index or 0),
+                    is_last_step=last,
+                    stop_reason=_stop_reason(s) if last else turn.finish_reason,
+                    multimodal_train_inputs=image_rows(s.multimodal_train_inputs, images),
+                    status=s.status,
+                    token_versions=_versions(s, turn.output_start - start, turn.output_end - start),
+                )
+            )
     return out
 
 
@@ -126,13 +149,17 @@ def validate_step_wise(samples: list[TrainingSample]) -> None:
         logprobs = len(s.response_ids) if s.rollout_log_probs is None else len(s.rollout_log_probs)
         versions = len(s.response_ids) if s.token_versions is None else len(s.token_versions)
         if not (len(s.response_ids) == len(s.loss_mask) == logprobs == versions):
-            raise StepWiseError(f"entry {i} (trajectory {s.trajectory_id}): response {len(s.response_ids)}, "
-                                f"mask {len(s.loss_mask)}, log-probs {logprobs}, versions {versions} differ")
+            raise StepWiseError(
+                f"entry {i} (trajectory {s.trajectory_id}): response {len(s.response_ids)}, "
+                f"mask {len(s.loss_mask)}, log-probs {logprobs}, versions {versions} differ"
+            )
         nxt = samples[i + 1] if i + 1 < len(samples) else None
         boundary = nxt is None or nxt.trajectory_id != s.trajectory_id
         if s.is_last_step != boundary:
-            raise StepWiseError(f"entry {i} (trajectory {s.trajectory_id}): is_last_step={s.is_last_step} but the "
-                                f"trajectory {'ends' if boundary else 'continues'} here")
+            raise StepWiseError(
+                f"entry {i} (trajectory {s.trajectory_id}): is_last_step={s.is_last_step} but the "
+                f"trajectory {'ends' if boundary else 'continues'} here"
+            )
         if i == 0 or samples[i - 1].trajectory_id != s.trajectory_id:
             if s.trajectory_id in seen:
                 raise StepWiseError(f"entry {i}: steps of trajectory {s.trajectory_id} are not contiguous")
@@ -147,21 +174,30 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
         if current is not None and current.trajectory_id == step.trajectory_id:
             context = current.prompt_ids + current.response_ids
             if step.prompt_ids[: len(context)] == context:
-                delta = step.prompt_ids[len(context):]
+                delta = step.prompt_ids[len(context) :]
                 current = dataclasses.replace(
-                    step, prompt_ids=current.prompt_ids,
+                    step,
+                    prompt_ids=current.prompt_ids,
                     response_ids=current.response_ids + delta + step.response_ids,
                     loss_mask=current.loss_mask + [0] * len(delta) + step.loss_mask,
-                    rollout_log_probs=None if None in (current.rollout_log_probs, step.rollout_log_probs) else
-                    current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs,
-                    token_versions=None if None in (current.token_versions, step.token_versions) else
-                    current.token_versions + [NO_VERSION] * len(delta) + step.token_versions)
+                    rollout_log_probs=None
+                    if None in (current.rollout_log_probs, step.rollout_log_probs)
+                    else current.rollout_log_probs + [0.0] * len(delta) + step.rollout_log_probs,
+                    token_versions=None
+                    if None in (current.token_versions, step.token_versions)
+                    else current.token_versions + [NO_VERSION] * len(delta) + step.token_versions,
+                )
                 continue
         if current is not None:
             merged.append(current)
-        current = dataclasses.replace(step, prompt_ids=list(step.prompt_ids), response_ids=list(step.response_ids),
-                                      loss_mask=list(step.loss_mask), rollout_log_probs=_copy(step.rollout_log_probs),
-                                      token_versions=_copy(step.token_versions))
+        current = dataclasses.replace(
+            step,
+            prompt_ids=list(step.prompt_ids),
+            response_ids=list(step.response_ids),
+            loss_mask=list(step.loss_mask),
+            rollout_log_probs=_copy(step.rollout_log_probs),
+            token_versions=_copy(step.token_versions),
+        )
     if current is not None:
         merged.append(current)
     return merged
@@ -170,12 +206,17 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
 def sequence_metrics(before: list[TrainingSample], after: list[TrainingSample]) -> dict[str, float]:
     """Sequences and tokens to forward before and after merging."""
     tokens = lambda xs: sum(len(x.prompt_ids) + len(x.response_ids) for x in xs)  # noqa: E731
-    return {"train/sequences_before_merge": len(before), "train/sequences_after_merge": len(after),
-            "train/tokens_before_merge": tokens(before), "train/tokens_after_merge": tokens(after)}
+    return {
+        "train/sequences_before_merge": len(before),
+        "train/sequences_after_merge": len(after),
+        "train/tokens_before_merge": tokens(before),
+        "train/tokens_after_merge": tokens(after),
+    }
 
 
-def finalize(samples: list[Sample], sample_format: str, merge: bool, mask_truncated: bool = False
-             ) -> tuple[list[TrainingSample], dict[str, float]]:
+def finalize(
+    samples: list[Sample], sample_format: str, merge: bool, mask_truncated: bool = False
+) -> tuple[list[TrainingSample], dict[str, float]]:
     """Samples -> training sequences in the configured format, with merge metrics."""
     if sample_format == "concat":
         out = to_concat_samples(samples, mask_truncated)
@@ -183,8 +224,10 @@ def finalize(samples: list[Sample], sample_format: str, merge: bool, mask_trunca
     steps = to_step_wise_samples(samples, mask_truncated)
     without = [s for s in samples if not s.turns]
     if not steps:
-        raise StepWiseError(f"no step-wise samples: all {len(samples)} samples ended before their first turn "
-                            f"(statuses {sorted({s.status.value for s in without})})")
+        raise StepWiseError(
+            f"no step-wise samples: all {len(samples)} samples ended before their first turn "
+            f"(statuses {sorted({s.status.value for s in without})})"
+        )
     validate_step_wise(steps)
     merged = merge_step_wise(steps) if merge else steps
     return merged, {**sequence_metrics(steps, merged), "train/samples_without_turns": len(without)}

@@ -59,8 +59,9 @@ def load_plugins(r, evaluation: bool = False) -> tuple:
     return generate, rm, keep
 
 
-async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = False,
-                         rollout_id: int | None = None) -> list[list[Sample]]:
+async def rollout_groups(
+    ctx: RolloutContext, data_source, evaluation: bool = False, rollout_id: int | None = None
+) -> list[list[Sample]]:
     r = ctx.rollout
     generate, rm, keep = load_plugins(r, evaluation)
     semaphore = asyncio.Semaphore(r.rollout_concurrency)
@@ -68,20 +69,24 @@ async def rollout_groups(ctx: RolloutContext, data_source, evaluation: bool = Fa
     target = r.rollout_batch_size
     kept: list[list[Sample]] = []
     rounds = 0
-    with tqdm(total=target * r.n_samples_per_prompt, desc="rollout", mininterval=1.0, leave=False,
-              disable=None) as bar:  # None: only on a terminal, not in logs
+    with tqdm(
+        total=target * r.n_samples_per_prompt, desc="rollout", mininterval=1.0, leave=False, disable=None
+    ) as bar:  # None: only on a terminal, not in logs
         while len(kept) < target:
             rounds += 1
             if rounds > MAX_OVERSAMPLING_ROUNDS:
-                raise RolloutError(f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} kept only "
-                                   f"{len(kept)} of {target} groups after {MAX_OVERSAMPLING_ROUNDS} rounds")
+                raise RolloutError(
+                    f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} kept only "
+                    f"{len(kept)} of {target} groups after {MAX_OVERSAMPLING_ROUNDS} rounds"
+                )
             draw = target - len(kept) if keep is None else max(r.over_sampling_batch_size or target, target - len(kept))
             groups = data_source.get_samples(draw)
             if rollout_id is not None:
                 for s in (s for g in groups for s in g):
                     s.metadata["rollout_id"] = rollout_id
-            done = await asyncio.gather(*(run_group(ctx, g, generate, rm, sampling_params, semaphore, bar)
-                                          for g in groups))
+            done = await asyncio.gather(
+                *(run_group(ctx, g, generate, rm, sampling_params, semaphore, bar) for g in groups)
+            )
             for group in done:
                 if keep is None or kept_by_filter(keep(ctx.args, group)):
                     kept.append(group)
@@ -97,6 +102,7 @@ def kept_by_filter(verdict: Any) -> bool:
 
 async def run_group(ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar=None) -> list[Sample]:
     """Every sample of a group through ``generate`` (at most ``semaphore`` at once), then its reward."""
+
     async def one(sample: Sample) -> Sample:
         async with semaphore:
             try:

@@ -30,7 +30,13 @@ import logging
 
 from slime_mt.data import PromptDataset
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.group_rollout import MAX_OVERSAMPLING_ROUNDS, RolloutError, kept_by_filter, load_plugins, run_group
+from slime_mt.rollout.group_rollout import (
+    MAX_OVERSAMPLING_ROUNDS,
+    RolloutError,
+    kept_by_filter,
+    load_plugins,
+    run_group,
+)
 from slime_mt.rollout.staleness import oldest_version
 from slime_mt.types import Sample
 
@@ -59,8 +65,11 @@ class RolloutManager:
         self.batch_size = r.rollout_batch_size
         self.max_staleness = r.max_staleness
         self.mask_stale = r.mask_offpolicy_in_partial_rollout
-        self.extra = max((r.over_sampling_batch_size or r.rollout_batch_size) - r.rollout_batch_size, 0) \
-            if r.dynamic_sampling_filter_path else 0
+        self.extra = (
+            max((r.over_sampling_batch_size or r.rollout_batch_size) - r.rollout_batch_size, 0)
+            if r.dynamic_sampling_filter_path
+            else 0
+        )
         self.version = version  # weights the engines serve
         self.first_version = version
         self.trained = 0  # groups taken since the manager started
@@ -107,7 +116,8 @@ class RolloutManager:
                 self.running[group[0].group_index] = group
                 self._set_idle()
                 task = asyncio.get_running_loop().create_task(
-                    self._one(group, generate, rm, keep, sampling_params, semaphore))
+                    self._one(group, generate, rm, keep, sampling_params, semaphore)
+                )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except asyncio.CancelledError:
@@ -137,7 +147,8 @@ class RolloutManager:
                 if self._rejected_in_a_row > MAX_OVERSAMPLING_ROUNDS * self.batch_size:
                     self._error = RolloutError(
                         f"--dynamic-sampling-filter-path {self.ctx.rollout.dynamic_sampling_filter_path} "
-                        f"rejected {self._rejected_in_a_row} groups in a row")
+                        f"rejected {self._rejected_in_a_row} groups in a row"
+                    )
             self._set_idle()
             self._changed.notify_all()
 
@@ -159,15 +170,22 @@ class RolloutManager:
             while len(groups) < self.batch_size:
                 await self._changed.wait_for(lambda: self.buffer or self._error is not None)
                 if self._error is not None:
-                    raise RolloutError(f"fully-async rollout failed: {type(self._error).__name__}: "
-                                       f"{self._error}") from self._error
+                    raise RolloutError(
+                        f"fully-async rollout failed: {type(self._error).__name__}: {self._error}"
+                    ) from self._error
                 group = self.buffer.pop(0)
                 oldest = oldest_version(group)
                 if oldest is not None and version - oldest > self.max_staleness:
                     if not self.mask_stale:
-                        logger.info("group %d dropped: started under version %s, oldest token version %d, trains "
-                                    "version %d (--max-staleness %d)", group[0].group_index,
-                                    group[0].metadata.get("start_version"), oldest, version, self.max_staleness)
+                        logger.info(
+                            "group %d dropped: started under version %s, oldest token version %d, trains "
+                            "version %d (--max-staleness %d)",
+                            group[0].group_index,
+                            group[0].metadata.get("start_version"),
+                            oldest,
+                            version,
+                            self.max_staleness,
+                        )
                         dropped += 1
                         for s in group:
                             s.metadata["dropped_stale"] = True

@@ -95,10 +95,15 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
             continue
         except Exception as e:
             raise EnvStepFailed(f"env step raised {type(e).__name__}: {e}", attempt) from e
-        if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict)
-                and isinstance(result[2], dict)):
-            raise EnvStepFailed(f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}",
-                                attempt)
+        if not (
+            isinstance(result, tuple)
+            and len(result) == 3
+            and isinstance(result[0], dict)
+            and isinstance(result[2], dict)
+        ):
+            raise EnvStepFailed(
+                f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}", attempt
+            )
         observation, done, info = result
         if info.get("retryable"):
             last = f"env marked the step retryable: {info.get('error', info)}"
@@ -136,8 +141,9 @@ class Trajectory:
         start = 0
         for version, run in itertools.groupby(versions):  # one append per run of one version
             end = start + len(list(run))
-            self.sample.append_model_tokens(ids[start:end], logprobs[start:end], text if end == len(ids) else "",
-                                            version)
+            self.sample.append_model_tokens(
+                ids[start:end], logprobs[start:end], text if end == len(ids) else "", version
+            )
             start = end
         if not ids:
             self.sample.append_model_tokens([], [], text)
@@ -153,7 +159,7 @@ class Trajectory:
         self.buffer.append(encoded.tensors, encoded.images)
         if self.turn_messages:
             self.turn_messages[-1].extend(messages)
-        self.image_refs.extend(image_parts(list(messages))[:len(encoded.images)])
+        self.image_refs.extend(image_parts(list(messages))[: len(encoded.images)])
 
     def image_index(self, image) -> int:
         """The trajectory's index of an image a context holds: the same object, else the same pixels."""
@@ -164,8 +170,10 @@ class Trajectory:
         for k, known in enumerate(self.buffer.image_data):
             if known == encoded:
                 return k
-        raise ContextPolicyError(f"sample {self.sample.index}: the context policy returned an image that is not one "
-                                 f"of the trajectory's {self.buffer.num_images} images")
+        raise ContextPolicyError(
+            f"sample {self.sample.index}: the context policy returned an image that is not one "
+            f"of the trajectory's {self.buffer.num_images} images"
+        )
 
     def conversation(self) -> list[dict]:
         """The append-only conversation so far: the prompt, then every turn's messages."""
@@ -179,8 +187,9 @@ class Trajectory:
         turn.output_end -= 1
         turn.observation_end -= 1
 
-    async def context(self, policy, retokenize: bool = False
-                      ) -> tuple[list[int], list[str], list[int] | None, list[int] | None]:
+    async def context(
+        self, policy, retokenize: bool = False
+    ) -> tuple[list[int], list[str], list[int] | None, list[int] | None]:
         """The next call's context -> (engine ids, image_data, context_ids, image_indices); the last two
         are None when the context is the append-only one (token-in/token-out on ``sample.tokens``).
         ``retokenize``: the whole conversation rendered and tokenized in one piece."""
@@ -188,28 +197,31 @@ class Trajectory:
         if (policy is None and not retokenize) or not self.turn_messages:
             return append_only
         if self.prompt_messages is None:
-            raise ContextPolicyError(f"sample {self.sample.index}: a context policy or --retokenize-chat-history "
-                                     f"needs chat messages but the prompt is a raw string; pass "
-                                     f"--apply-chat-template or message prompts")
+            raise ContextPolicyError(
+                f"sample {self.sample.index}: a context policy or --retokenize-chat-history "
+                f"needs chat messages but the prompt is a raw string; pass "
+                f"--apply-chat-template or message prompts"
+            )
         conversation = self.conversation()
         if retokenize:
             messages, encoded = conversation, self.encoder.encode_prompt(conversation)
             if encoded.ids == self.sample.tokens:
                 return append_only
         else:
-            messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages,
-                                          self.turn_messages)
+            messages = await apply_policy(policy, self.ctx.args, self.sample, self.prompt_messages, self.turn_messages)
             if messages == conversation:
                 return append_only
-            outputs = [self.sample.tokens[t.output_start:t.output_end] for t in self.sample.turns]
+            outputs = [self.sample.tokens[t.output_start : t.output_end] for t in self.sample.turns]
             encoded = self.encoder.encode_context(messages, kept_outputs(messages, self.turn_messages, outputs))
         indices = [self.image_index(image) for image in image_parts(messages)]
         if indices:
             grid = self.buffer.image_grid_thw[indices]
             if not torch.equal(encoded.tensors["image_grid_thw"], grid):
-                raise ContextPolicyError(f"sample {self.sample.index}: the rewritten context's image grids "
-                                         f"{encoded.tensors['image_grid_thw'].tolist()} differ from the trajectory's "
-                                         f"{grid.tolist()}")
+                raise ContextPolicyError(
+                    f"sample {self.sample.index}: the rewritten context's image grids "
+                    f"{encoded.tensors['image_grid_thw'].tolist()} differ from the trajectory's "
+                    f"{grid.tolist()}"
+                )
         image_data = self.buffer.image_data
         return self._engine_view(encoded.ids), [image_data[k] for k in indices], encoded.ids, indices
 
@@ -257,8 +269,11 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     keeps_messages = policy is not None or r.retokenize_chat_history
     traj = Trajectory(ctx, sample, encoder if keeps_messages else None)
     as_messages = ctx.data.apply_chat_template or not isinstance(sample.prompt, str)
-    messages = ([{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else
-                list(sample.prompt)) if as_messages else None
+    messages = (
+        ([{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt))
+        if as_messages
+        else None
+    )
     traj.start(encoder.encode_prompt(sample.prompt, as_messages), messages)
     try:
         if env is None:
@@ -299,8 +314,9 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     return sample
 
 
-async def generate_turn(ctx: RolloutContext, sample: Sample, engine_ids: list[int], params: dict,
-                        image_data: list[str] | None) -> tuple[list[int], list[float], list[int], str, dict]:
+async def generate_turn(
+    ctx: RolloutContext, sample: Sample, engine_ids: list[int], params: dict, image_data: list[str] | None
+) -> tuple[list[int], list[float], list[int], str, dict]:
     """One turn's engine call(s) -> (output ids, log-probs, per-token versions, text, the last call's
     meta_info). A call a weight update aborted is resumed from its tokens (``--partial-rollout``) or
     made again from the turn's context; ``sample.metadata`` counts ``partial_resumes`` and
@@ -351,18 +367,26 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         params = dict(sampling_params, max_new_tokens=min(r.rollout_max_response_len, room))
         if "sampling_seed" not in params and "rollout_id" in sample.metadata:
             # a seed per (run seed, step, sample, turn): a resumed run samples what the original did
-            params["sampling_seed"] = turn_seed(ctx.data.rollout_seed, sample.metadata["rollout_id"],
-                                                sample.index or 0, turn_index)
+            params["sampling_seed"] = turn_seed(
+                ctx.data.rollout_seed, sample.metadata["rollout_id"], sample.index or 0, turn_index
+            )
         started = time.perf_counter()
         ids, logprobs, versions, text, meta = await generate_turn(ctx, sample, engine_ids, params, image_data)
         engine_seconds = time.perf_counter() - started
         start = len(sample.tokens)
         traj.add_output(ids, logprobs, text, versions)
         finish = meta["finish_reason"]
-        turn = Turn(output_start=start, output_end=len(sample.tokens), observation_end=len(sample.tokens),
-                    finish_reason=finish["type"], weight_version=meta.get("weight_version"),
-                    engine_seconds=engine_seconds, num_images=traj.buffer.num_images,
-                    context_ids=context_ids, image_indices=image_indices)
+        turn = Turn(
+            output_start=start,
+            output_end=len(sample.tokens),
+            observation_end=len(sample.tokens),
+            finish_reason=finish["type"],
+            weight_version=meta.get("weight_version"),
+            engine_seconds=engine_seconds,
+            num_images=traj.buffer.num_images,
+            context_ids=context_ids,
+            image_indices=image_indices,
+        )
         sample.turns.append(turn)
         if finish["type"] == "abort":
             sample.status, sample.metadata["termination"] = Status.ABORTED, "engine_abort"
@@ -394,8 +418,7 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             encoded = encoder.encode_raw_observation(formatted, r.observation_template)
         cut = False
         if policy is None and not r.retokenize_chat_history:  # a re-rendered context is measured when built
-            encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens),
-                                           traj.image_token_id)
+            encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens), traj.image_token_id)
         traj.add_observation(encoded, [formatted] if isinstance(formatted, dict) else list(formatted))
         turn.observation_end = len(sample.tokens)
         if cut:

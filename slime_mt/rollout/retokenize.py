@@ -30,19 +30,21 @@ def drift(generated: list[int], retokenized: list[int]) -> int:
     return max(len(generated), len(retokenized)) - matched
 
 
-def retokenize_history(sample: Sample, encoder: ObservationEncoder, conversation: list[dict],
-                       as_concat: bool) -> int:
+def retokenize_history(sample: Sample, encoder: ObservationEncoder, conversation: list[dict], as_concat: bool) -> int:
     """Render the finished conversation with its assistant mask, record the drift in
     ``sample.metadata["retokenize_drift_tokens"]`` and, ``as_concat``, make the render the sample.
     -> the drift in tokens."""
     encoded, mask = encoder.encode_with_assistant_mask(conversation)
     runs = mask_runs(mask)
     if len(runs) < len(sample.turns):
-        raise EncodingError(f"sample {sample.index}: {len(sample.turns)} turns but the re-rendered conversation "
-                            f"has {len(runs)} assistant spans")
-    runs = runs[len(runs) - len(sample.turns):]  # earlier ones are assistant messages of the prompt
-    total = sum(drift(sample.tokens[t.output_start:t.output_end], encoded.ids[a:b])
-                for t, (a, b) in zip(sample.turns, runs))
+        raise EncodingError(
+            f"sample {sample.index}: {len(sample.turns)} turns but the re-rendered conversation "
+            f"has {len(runs)} assistant spans"
+        )
+    runs = runs[len(runs) - len(sample.turns) :]  # earlier ones are assistant messages of the prompt
+    total = sum(
+        drift(sample.tokens[t.output_start : t.output_end], encoded.ids[a:b]) for t, (a, b) in zip(sample.turns, runs)
+    )
     sample.metadata["retokenize_drift_tokens"] = total
     if as_concat:
         _become(sample, encoded, runs)
@@ -53,8 +55,10 @@ def _become(sample: Sample, encoded, runs: list[tuple[int, int]]) -> None:
     """The sample is the render: prompt = the tokens it shares with the first context (up to the
     first turn's span), the mask on the turns' spans only, no rollout log-probs."""
     ids = encoded.ids
-    shared = next((i for i, (a, b) in enumerate(zip(ids, sample.tokens[:sample.prompt_length])) if a != b),
-                  min(len(ids), sample.prompt_length))
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(ids, sample.tokens[: sample.prompt_length])) if a != b),
+        min(len(ids), sample.prompt_length),
+    )
     prompt_length = min(shared, runs[0][0])
     mask = [0] * len(ids)
     for a, b in runs:

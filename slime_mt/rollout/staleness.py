@@ -36,13 +36,16 @@ def mask_stale(samples: list[TrainingSample], version: int, max_staleness: int) 
 def staleness_metrics(samples: list[TrainingSample], version: int) -> dict[str, float]:
     """Over the trainable tokens with a version: the largest and mean gap to ``version``, and the
     fraction of tokens at each gap (``rollout/version_gap_tokens/<gap>``, a histogram)."""
-    gaps = collections.Counter(version - v for s in samples for v, m in zip(s.token_versions or [], s.loss_mask)
-                               if m and v != NO_VERSION)
+    gaps = collections.Counter(
+        version - v for s in samples for v, m in zip(s.token_versions or [], s.loss_mask) if m and v != NO_VERSION
+    )
     total = sum(gaps.values())
     if not total:
         return {}
-    out = {"rollout/token_version_gap_max": float(max(gaps)),
-           "rollout/token_version_gap_mean": sum(g * n for g, n in gaps.items()) / total}
+    out = {
+        "rollout/token_version_gap_max": float(max(gaps)),
+        "rollout/token_version_gap_mean": sum(g * n for g, n in gaps.items()) / total,
+    }
     for gap, count in sorted(gaps.items()):
         out[f"rollout/version_gap_tokens/{gap}"] = count / total
     return out

@@ -14,8 +14,15 @@ def make_sample(prompt, turns, reward=1.0, group=0, index=0, status=Status.COMPL
         end = len(s.tokens)
         s.append_observation_tokens(list(obs))
         context = contexts[k] if contexts else None
-        s.turns.append(Turn(output_start=start, output_end=end, observation_end=len(s.tokens),
-                            finish_reason="stop", context_ids=context))
+        s.turns.append(
+            Turn(
+                output_start=start,
+                output_end=end,
+                observation_end=len(s.tokens),
+                finish_reason="stop",
+                context_ids=context,
+            )
+        )
     s.metadata["termination"] = "env_done"
     s.validate()
     return s

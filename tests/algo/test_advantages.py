@@ -19,14 +19,33 @@ def std(xs):
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-@pytest.mark.parametrize("estimator,expected", [
-    ("grpo", [(1 - 1 / 3) / std([1, 0, 0]), (0 - 1 / 3) / std([1, 0, 0]), (0 - 1 / 3) / std([1, 0, 0]),
-              -1 / std([2, 4]), 1 / std([2, 4])]),
-    ("gspo", [(1 - 1 / 3) / std([1, 0, 0]), (0 - 1 / 3) / std([1, 0, 0]), (0 - 1 / 3) / std([1, 0, 0]),
-              -1 / std([2, 4]), 1 / std([2, 4])]),
-    ("dr_grpo", [2 / 3, -1 / 3, -1 / 3, -1.0, 1.0]),
-    ("rloo", [1 - 0, 0 - 0.5, 0 - 0.5, 2 - 4, 4 - 2]),
-])
+@pytest.mark.parametrize(
+    "estimator,expected",
+    [
+        (
+            "grpo",
+            [
+                (1 - 1 / 3) / std([1, 0, 0]),
+                (0 - 1 / 3) / std([1, 0, 0]),
+                (0 - 1 / 3) / std([1, 0, 0]),
+                -1 / std([2, 4]),
+                1 / std([2, 4]),
+            ],
+        ),
+        (
+            "gspo",
+            [
+                (1 - 1 / 3) / std([1, 0, 0]),
+                (0 - 1 / 3) / std([1, 0, 0]),
+                (0 - 1 / 3) / std([1, 0, 0]),
+                -1 / std([2, 4]),
+                1 / std([2, 4]),
+            ],
+        ),
+        ("dr_grpo", [2 / 3, -1 / 3, -1 / 3, -1.0, 1.0]),
+        ("rloo", [1 - 0, 0 - 0.5, 0 - 0.5, 2 - 4, 4 - 2]),
+    ],
+)
 def test_estimators_on_uneven_groups(estimator, expected):
     out = group_advantages(REWARDS, GROUPS, estimator)
     assert out.tolist() == pytest.approx(expected, abs=1e-5)
@@ -52,17 +71,20 @@ def test_singleton_groups_get_zero():
 
 def test_std_off_is_dr_grpo():
     assert group_advantages(REWARDS, GROUPS, "grpo", normalize_std=False).tolist() == pytest.approx(
-        group_advantages(REWARDS, GROUPS, "dr_grpo").tolist())
+        group_advantages(REWARDS, GROUPS, "dr_grpo").tolist()
+    )
 
 
 def test_step_wise_broadcast_by_trajectory_not_position():
     turns2 = [([10], [-0.1], [20]), ([11], [-0.2], [])]
     turns3 = [([10], [-0.1], [20]), ([11], [-0.2], [21]), ([12], [-0.3], [])]
-    samples = [make_sample([1], turns2, reward=1.0, group=0, index=0),
-               make_sample([1], turns3, reward=0.0, group=0, index=1),
-               make_sample([1], turns2, reward=5.0, group=0, index=2, status=Status.FAILED),
-               make_sample([1], [turns2[0]], reward=3.0, group=1, index=3),
-               make_sample([1], turns3, reward=1.0, group=1, index=4)]
+    samples = [
+        make_sample([1], turns2, reward=1.0, group=0, index=0),
+        make_sample([1], turns3, reward=0.0, group=0, index=1),
+        make_sample([1], turns2, reward=5.0, group=0, index=2, status=Status.FAILED),
+        make_sample([1], [turns2[0]], reward=3.0, group=1, index=3),
+        make_sample([1], turns3, reward=1.0, group=1, index=4),
+    ]
     steps = to_step_wise_samples(samples)
     per_step = compute_advantages(steps, "grpo")
     per_traj = compute_advantages(to_concat_samples(samples), "grpo")

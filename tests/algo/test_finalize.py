@@ -31,8 +31,9 @@ def test_concat_one_per_trajectory():
 
 def test_step_wise_one_per_turn():
     steps = to_step_wise_samples([make_sample(P, TWO_TURNS, reward=0.5)])
-    assert [(s.prompt_ids, s.response_ids, s.loss_mask, s.rollout_log_probs, s.reward, s.is_last_step)
-            for s in steps] == [
+    assert [
+        (s.prompt_ids, s.response_ids, s.loss_mask, s.rollout_log_probs, s.reward, s.is_last_step) for s in steps
+    ] == [
         ([1, 2, 3], [10, 11], [1, 1], [-0.1, -0.2], 0.0, False),
         ([1, 2, 3, 10, 11, 20, 21], [12], [1], [-0.3], 0.5, True),
     ]
@@ -47,15 +48,26 @@ def test_step_wise_uses_rewritten_context():
     assert len(merged) == 2  # not a prefix: no merge
 
 
-@pytest.mark.parametrize("name,trajectories,expected", [
-    ("full merge", [TWO_TURNS], [([1, 2, 3], [10, 11, 20, 21, 12], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.3])]),
-    ("single step", [[([7], [-0.7], [])]], [([1, 2, 3], [7], [1], [-0.7])]),
-    ("three turns", [[([10], [-0.1], [20]), ([11], [-0.2], [21, 22]), ([12], [-0.3], [])]],
-     [([1, 2, 3], [10, 20, 11, 21, 22, 12], [1, 0, 1, 0, 0, 1], [-0.1, 0.0, -0.2, 0.0, 0.0, -0.3])]),
-    ("multi-trajectory", [TWO_TURNS, [([30], [-0.5], [40]), ([31], [-0.6], [])]],
-     [([1, 2, 3], [10, 11, 20, 21, 12], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.3]),
-      ([1, 2, 3], [30, 40, 31], [1, 0, 1], [-0.5, 0.0, -0.6])]),
-])
+@pytest.mark.parametrize(
+    "name,trajectories,expected",
+    [
+        ("full merge", [TWO_TURNS], [([1, 2, 3], [10, 11, 20, 21, 12], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.3])]),
+        ("single step", [[([7], [-0.7], [])]], [([1, 2, 3], [7], [1], [-0.7])]),
+        (
+            "three turns",
+            [[([10], [-0.1], [20]), ([11], [-0.2], [21, 22]), ([12], [-0.3], [])]],
+            [([1, 2, 3], [10, 20, 11, 21, 22, 12], [1, 0, 1, 0, 0, 1], [-0.1, 0.0, -0.2, 0.0, 0.0, -0.3])],
+        ),
+        (
+            "multi-trajectory",
+            [TWO_TURNS, [([30], [-0.5], [40]), ([31], [-0.6], [])]],
+            [
+                ([1, 2, 3], [10, 11, 20, 21, 12], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.3]),
+                ([1, 2, 3], [30, 40, 31], [1, 0, 1], [-0.5, 0.0, -0.6]),
+            ],
+        ),
+    ],
+)
 def test_merge_table(name, trajectories, expected):
     samples = [make_sample(P, t, index=i) for i, t in enumerate(trajectories)]
     steps = to_step_wise_samples(samples)
@@ -72,14 +84,19 @@ def test_partial_merge_after_retokenised_prefix():
     contexts = [None, None, [1, 2, 3, 99, 20, 12, 21]]
     steps = to_step_wise_samples([make_sample(P, turns, reward=2.0, contexts=contexts)])
     merged = merge_step_wise(steps)
-    assert [(m.prompt_ids, m.response_ids, m.loss_mask, m.rollout_log_probs, m.is_last_step, m.reward)
-            for m in merged] == [
+    assert [
+        (m.prompt_ids, m.response_ids, m.loss_mask, m.rollout_log_probs, m.is_last_step, m.reward) for m in merged
+    ] == [
         ([1, 2, 3], [10, 11, 20, 12], [1, 1, 0, 1], [-0.1, -0.2, 0.0, -0.3], False, 0.0),
         ([1, 2, 3, 99, 20, 12, 21], [13], [1], [-0.4], True, 2.0),
     ]
     metrics = sequence_metrics(steps, merged)
-    assert metrics == {"train/sequences_before_merge": 3, "train/sequences_after_merge": 2,
-                       "train/tokens_before_merge": 5 + 7 + 8, "train/tokens_after_merge": 7 + 8}
+    assert metrics == {
+        "train/sequences_before_merge": 3,
+        "train/sequences_after_merge": 2,
+        "train/tokens_before_merge": 5 + 7 + 8,
+        "train/tokens_after_merge": 7 + 8,
+    }
 
 
 def vlm_sample():
@@ -105,10 +122,16 @@ def test_vlm_step_wise_slices_images_and_merge_keeps_last_context():
     assert torch.equal(merged.multimodal_train_inputs["image_grid_thw"], grid)
 
 
-@pytest.mark.parametrize("status,mask_truncated,trainable", [
-    (Status.FAILED, False, False), (Status.TRUNCATED, False, True), (Status.TRUNCATED, True, False),
-    (Status.ABORTED, True, False), (Status.COMPLETED, True, True),
-])
+@pytest.mark.parametrize(
+    "status,mask_truncated,trainable",
+    [
+        (Status.FAILED, False, False),
+        (Status.TRUNCATED, False, True),
+        (Status.TRUNCATED, True, False),
+        (Status.ABORTED, True, False),
+        (Status.COMPLETED, True, True),
+    ],
+)
 def test_failed_and_truncated_masking(status, mask_truncated, trainable):
     sample = make_sample(P, TWO_TURNS, status=status)
     for fmt, merge in (("concat", False), ("step_wise", False), ("step_wise", True)):
@@ -121,14 +144,17 @@ def ts(tid, last, n=1):
     return TrainingSample([1], [2] * n, [1] * n, [0.0] * n, 0.0, tid, 0, last)
 
 
-@pytest.mark.parametrize("samples,message", [
-    ([], "no step-wise samples"),
-    ([ts("a", False)], "the last entry .* is not a last step"),
-    ([ts("a", False), ts("b", True)], r"entry 0 \(trajectory a\): is_last_step=False but the trajectory ends here"),
-    ([ts("a", True), ts("a", True)], r"entry 0 \(trajectory a\): is_last_step=True but the trajectory continues"),
-    ([ts("a", True), ts("b", True), ts("a", True)], "steps of trajectory a are not contiguous"),
-    ([dataclasses.replace(ts("a", True), loss_mask=[1, 1])], r"response 1, mask 2, log-probs 1, versions 1 differ"),
-])
+@pytest.mark.parametrize(
+    "samples,message",
+    [
+        ([], "no step-wise samples"),
+        ([ts("a", False)], "the last entry .* is not a last step"),
+        ([ts("a", False), ts("b", True)], r"entry 0 \(trajectory a\): is_last_step=False but the trajectory ends here"),
+        ([ts("a", True), ts("a", True)], r"entry 0 \(trajectory a\): is_last_step=True but the trajectory continues"),
+        ([ts("a", True), ts("b", True), ts("a", True)], "steps of trajectory a are not contiguous"),
+        ([dataclasses.replace(ts("a", True), loss_mask=[1, 1])], r"response 1, mask 2, log-probs 1, versions 1 differ"),
+    ],
+)
 def test_validation_failures(samples, message):
     with pytest.raises(StepWiseError, match=message):
         validate_step_wise(samples)
@@ -141,9 +167,14 @@ def test_samples_without_turns_give_no_step_and_leave_their_groups_statistics():
     failed = make_sample(P, [], reward=0.0, group=0, index=2, status=Status.FAILED)  # env reset raised
     exhausted = make_sample(P * 400, [], reward=0.0, group=1, index=3, status=Status.TRUNCATED)
     exhausted.metadata["termination"] = "context_exhausted"
-    samples = [make_sample(P, one, reward=1.0, group=0, index=0), make_sample(P, one, reward=0.0, group=0, index=1),
-               failed, exhausted, make_sample(P, one, reward=2.0, group=1, index=4),
-               make_sample(P, one, reward=5.0, group=1, index=5)]
+    samples = [
+        make_sample(P, one, reward=1.0, group=0, index=0),
+        make_sample(P, one, reward=0.0, group=0, index=1),
+        failed,
+        exhausted,
+        make_sample(P, one, reward=2.0, group=1, index=4),
+        make_sample(P, one, reward=5.0, group=1, index=5),
+    ]
     for merge in (False, True):
         out, metrics = finalize(samples, "step_wise", merge)
         assert [t.trajectory_id for t in out] == ["0/0", "0/1", "1/4", "1/5"]

@@ -14,9 +14,15 @@ from slime_mt.types import TrainingSample
 def inputs(lp, old, adv, weights=None, seq=None, rollout=None, **kw):
     lp = torch.tensor(lp, requires_grad=True)
     n = lp.numel()
-    return LossInputs(lp, torch.tensor(old), torch.tensor(rollout if rollout is not None else old), torch.tensor(adv),
-                      torch.tensor(weights if weights is not None else [1.0 / n] * n),
-                      torch.tensor(seq if seq is not None else [0] * n), **kw)
+    return LossInputs(
+        lp,
+        torch.tensor(old),
+        torch.tensor(rollout if rollout is not None else old),
+        torch.tensor(adv),
+        torch.tensor(weights if weights is not None else [1.0 / n] * n),
+        torch.tensor(seq if seq is not None else [0] * n),
+        **kw,
+    )
 
 
 def test_ppo_asymmetric_clip_by_hand():
@@ -46,9 +52,15 @@ def test_gspo_uses_the_sequence_ratio():
     assert x.log_probs.grad.tolist() == pytest.approx([-math.exp(0.3), -math.exp(0.3), -math.exp(-0.1)], rel=1e-6)
 
 
-@pytest.mark.parametrize("kind,expected", [
-    ("k1", 0.5), ("k2", 0.125), ("k3", math.exp(-0.5) - 1 + 0.5), ("low_var_kl", math.exp(-0.5) - 1 + 0.5),
-])
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("k1", 0.5),
+        ("k2", 0.125),
+        ("k3", math.exp(-0.5) - 1 + 0.5),
+        ("low_var_kl", math.exp(-0.5) - 1 + 0.5),
+    ],
+)
 def test_kl_estimators(kind, expected):
     assert float(kl_penalty(torch.tensor([0.5]), torch.tensor([0.0]), kind)[0]) == pytest.approx(expected)
 
@@ -63,8 +75,9 @@ def test_kl_and_entropy_terms_enter_the_loss():
 def test_token_tis_clips_weights_at_both_ends():
     # old - rollout = [1.0, -3.0, 0.0] -> raw weights e, e^-3, 1 -> clipped to [2.0, 0.1, 1.0]
     mask = torch.ones(3)
-    w, keep, m = off_policy_weights(torch.tensor([1.0, -3.0, 0.0]), torch.zeros(3), mask, torch.zeros(3, dtype=torch.long),
-                                    1, "token", 0.1, 2.0)
+    w, keep, m = off_policy_weights(
+        torch.tensor([1.0, -3.0, 0.0]), torch.zeros(3), mask, torch.zeros(3, dtype=torch.long), 1, "token", 0.1, 2.0
+    )
     assert w.tolist() == pytest.approx([2.0, 0.1, 1.0])
     assert m["tis_weight_max"] == pytest.approx(2.0) and m["tis_weight_min"] == pytest.approx(0.1)
 
@@ -101,8 +114,11 @@ def test_reduction_weights_by_hand():
     batch = [sample([1, 1, 0], "a"), sample([1, 1, 1, 1], "b"), sample([0, 0], "c")]
     assert reduction_weights(batch, "token_mean") == [[1 / 6, 1 / 6, 0.0], [1 / 6] * 4, [0.0, 0.0]]
     assert reduction_weights(batch, "seq_mean_token_mean") == [[1 / 4, 1 / 4, 0.0], [1 / 8] * 4, [0.0, 0.0]]
-    assert reduction_weights(batch, "seq_mean_token_sum_norm", max_len=10) == [[1 / 20, 1 / 20, 0.0], [1 / 20] * 4,
-                                                                               [0.0, 0.0]]
+    assert reduction_weights(batch, "seq_mean_token_sum_norm", max_len=10) == [
+        [1 / 20, 1 / 20, 0.0],
+        [1 / 20] * 4,
+        [0.0, 0.0],
+    ]
     steps = [sample([1], "t1"), sample([1, 1, 1], "t1"), sample([1, 1], "t2")]
     assert reduction_weights(steps, "trajectory_mean") == [[1 / 8], [1 / 8] * 3, [1 / 4] * 2]
 

@@ -17,8 +17,11 @@ from slime_mt.rollout.finalize import merge_step_wise, to_concat_samples, to_ste
 
 token = st.integers(min_value=5, max_value=500)
 turn = st.tuples(st.lists(token, min_size=1, max_size=5), st.lists(token, min_size=0, max_size=4))
-trajectory = st.tuples(st.lists(token, min_size=1, max_size=4), st.lists(turn, min_size=1, max_size=5),
-                       st.integers(min_value=0, max_value=3))
+trajectory = st.tuples(
+    st.lists(token, min_size=1, max_size=4),
+    st.lists(turn, min_size=1, max_size=5),
+    st.integers(min_value=0, max_value=3),
+)
 batch = st.lists(trajectory, min_size=1, max_size=6)
 
 
@@ -67,8 +70,9 @@ def loss_and_grad(train_samples, theta, mode, splits=None):
             advs.append(torch.tensor(s.loss_mask, dtype=torch.float32) * advantages[i])
             ws.append(torch.tensor(weights[i]))
             seqs.append(torch.full((len(s.response_ids),), seq_index))
-        x = LossInputs(torch.cat(lps), torch.cat(olds), torch.cat(rolls), torch.cat(advs), torch.cat(ws).float(),
-                       torch.cat(seqs))
+        x = LossInputs(
+            torch.cat(lps), torch.cat(olds), torch.cat(rolls), torch.cat(advs), torch.cat(ws).float(), torch.cat(seqs)
+        )
         loss, _ = policy_loss(x, cfg)
         loss.backward()
         total += float(loss.detach())
@@ -77,8 +81,9 @@ def loss_and_grad(train_samples, theta, mode, splits=None):
 
 def make_theta(samples):
     g = torch.Generator().manual_seed(0)
-    return {f"{s.group_index}/{s.index}": (-torch.rand(len(s.tokens), generator=g) - 0.01).requires_grad_()
-            for s in samples}
+    return {
+        f"{s.group_index}/{s.index}": (-torch.rand(len(s.tokens), generator=g) - 0.01).requires_grad_() for s in samples
+    }
 
 
 @settings(max_examples=40, deadline=None)
@@ -97,8 +102,11 @@ def test_loss_and_gradient_equal_across_formats(raw, mode):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch, st.integers(min_value=1, max_value=40),
-       st.sampled_from(["token_mean", "seq_mean_token_mean", "trajectory_mean"]))
+@given(
+    batch,
+    st.integers(min_value=1, max_value=40),
+    st.sampled_from(["token_mean", "seq_mean_token_mean", "trajectory_mean"]),
+)
 def test_micro_batch_split_does_not_change_the_gradient(raw, budget, mode):
     samples = build(raw)
     theta = make_theta(samples)

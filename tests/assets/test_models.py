@@ -13,10 +13,14 @@ from slime_mt.processing import QwenVLProcessor, ProcessorError, load_tokenizer_
 def test_smollm2_answers_a_fixed_question_greedily(smollm2_path):
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path))
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
 
 
@@ -46,8 +50,11 @@ def test_tiny_llama_has_smollm2_architecture_and_tokenizer(tiny_paths, smollm2_p
 
 
 def images():
-    return [Image.new("RGB", (64, 48), (200, 10, 10)), Image.new("RGB", (120, 100), (10, 200, 10)),
-            Image.new("RGB", (224, 224), (10, 10, 200))]
+    return [
+        Image.new("RGB", (64, 48), (200, 10, 10)),
+        Image.new("RGB", (120, 100), (10, 200, 10)),
+        Image.new("RGB", (224, 224), (10, 10, 200)),
+    ]
 
 
 @pytest.mark.parametrize("kind,patch", [("qwen2.5-vl", 14), ("qwen3-vl", 16)])
@@ -56,8 +63,14 @@ def test_vl_processor_expands_pads_per_image(tiny_paths, kind, patch):
     assert isinstance(processor, QwenVLProcessor)
     assert processor.image_processor.patch_size == patch
     text = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
-                                      {"type": "image"}]}], add_generation_prompt=True)
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "image"}],
+            }
+        ],
+        add_generation_prompt=True,
+    )
     out = processor(text=text, images=images())
     grid = out["image_grid_thw"]
     assert grid.shape == (3, 3)
@@ -86,8 +99,9 @@ def test_tiny_vlms_forward_on_images(tiny_paths, kind):
 
     processor = load_tokenizer_or_processor(tiny_paths[kind])
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_paths[kind]))
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}],
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}], add_generation_prompt=True
+    )
     inputs = processor(text=text, images=images()[:1])
     logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape

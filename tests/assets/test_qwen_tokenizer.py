@@ -40,7 +40,7 @@ def tiktoken_reference(text: str, ranks: dict[bytes, int]) -> list[int]:
             best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], float("inf")))
             if parts[best] + parts[best + 1] not in ranks:
                 break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
         ids.extend(ranks[p] for p in parts)
     return ids
 
@@ -74,8 +74,10 @@ def render(tokenizer, messages, **kw):
 
 def test_qwen25_template_default_system_and_generation_prompt(qwen_tokenizer):
     text = render(qwen_tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_qwen25_template_tools_calls_and_responses(qwen_tokenizer):
@@ -83,19 +85,29 @@ def test_qwen25_template_tools_calls_and_responses(qwen_tokenizer):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"function": {"name": "calc", "arguments": {"expr": "2+2"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "calc", "arguments": {"expr": "2+2"}}}],
+        },
         {"role": "tool", "content": "4"},
         {"role": "tool", "content": "ok"},
         {"role": "assistant", "content": "4"},
     ]
     text = render(qwen_tokenizer, messages, tools=tools)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions")
-    assert '\n<tools>\n{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}\n</tools>' in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+2"}}\n</tool_call><|im_end|>\n'
-            in text)
-    assert ("<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n4<|im_end|>\n") in text
+    assert (
+        '\n<tools>\n{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}\n</tools>'
+        in text
+    )
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+2"}}\n</tool_call><|im_end|>\n'
+        in text
+    )
+    assert (
+        "<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n4<|im_end|>\n"
+    ) in text
 
 
 def test_qwen3_template_strips_old_thinking(qwen3_tokenizer):
@@ -106,9 +118,11 @@ def test_qwen3_template_strips_old_thinking(qwen3_tokenizer):
         {"role": "assistant", "content": "<think>\nnew reasoning\n</think>\n\nA2"},
     ]
     text = render(qwen3_tokenizer, messages)
-    assert text == ("<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
-                    "<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think>\nnew reasoning\n</think>\n\nA2"
-                    "<|im_end|>\n")
+    assert text == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+        "<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think>\nnew reasoning\n</think>\n\nA2"
+        "<|im_end|>\n"
+    )
     gen = render(qwen3_tokenizer, messages[:1], add_generation_prompt=True, enable_thinking=False)
     assert gen.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
@@ -119,9 +133,15 @@ def test_vl_template_renders_one_pad_per_image():
     from slime_mt.assets import qwen_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir("qwen2.5-vl")))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x."},
-                                             {"type": "image", "image": "b.png"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "Find x."}, {"type": "image", "image": "b.png"}],
+        }
+    ]
     text = render(tokenizer, messages, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                    "<|vision_start|><|image_pad|><|vision_end|>Find x.<|vision_start|><|image_pad|><|vision_end|>"
-                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>Find x.<|vision_start|><|image_pad|><|vision_end|>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )

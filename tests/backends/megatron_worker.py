@@ -47,18 +47,32 @@ def sequences(path: Path, kind: str) -> list[TrainingSample]:
     processor = load_tokenizer_or_processor(path)
     tokenizer = getattr(processor, "tokenizer", processor)
     out = []
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 times 7? Think briefly."}],
-                                         tokenize=False, add_generation_prompt=True) + "12 times 7 is 84."
+    chat = (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 12 times 7? Think briefly."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        + "12 times 7 is 84."
+    )
     ids = tokenizer(chat, add_special_tokens=False)["input_ids"]
     out.append(TrainingSample(ids[:-8], ids[-8:], [1] * 8, [-1.0] * 8, 1.0, "0/0", 0, True))
     if kind.endswith("-vl"):
-        text = processor.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "Compare with"}, {"type": "image"}]}], add_generation_prompt=True)
+        text = processor.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}, {"type": "text", "text": "Compare with"}, {"type": "image"}],
+                }
+            ],
+            add_generation_prompt=True,
+        )
         inputs = processor(text=text + "The first is red.", images=images())
         ids = inputs["input_ids"][0].tolist()
         mm = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-        out.append(TrainingSample(ids[:-5], ids[-5:], [1] * 5, [-1.0] * 5, 0.0, "0/1", 0, True,
-                                  multimodal_train_inputs=mm))
+        out.append(
+            TrainingSample(ids[:-5], ids[-5:], [1] * 5, [-1.0] * 5, 0.0, "0/1", 0, True, multimodal_train_inputs=mm)
+        )
     return out
 
 
@@ -84,7 +98,7 @@ def megatron_logits(actor, sample: TrainingSample) -> torch.Tensor:
     row = actor.pack([sample], [0])
     extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw} if actor._mrope else {}
     with torch.no_grad():
-        return actor.policy(row.tokens, row.position_ids, row.attention_mask, **extra)[0][:, :actor.spec.vocab_size]
+        return actor.policy(row.tokens, row.position_ids, row.attention_mask, **extra)[0][:, : actor.spec.vocab_size]
 
 
 def is_main(info) -> bool:
@@ -92,6 +106,7 @@ def is_main(info) -> bool:
 
 
 # ---------------------------------------------------------------- HF parity per family
+
 
 def check_families(args, info, out):
     """Megatron logits vs transformers (its SDPA attention: the same fp32 arithmetic as the fused core
@@ -105,12 +120,22 @@ def check_families(args, info, out):
         rows = []
         for sample in sequences(path, kind):
             with torch.no_grad():
-                mg, e, s, r = megatron_logits(actor, sample), hf_logits(eager, sample), hf_logits(sdpa, sample), \
-                    hf_logits(fp64, sample)
-            rows.append({"vs_eager": float((mg - e).abs().max()), "vs_sdpa": float((mg - s).abs().max()),
-                         "vs_fp64": float((mg.double() - r).abs().max()),
-                         "hf_fp32_vs_fp64": float((e.double() - r).abs().max()),
-                         "hf_eager_vs_sdpa": float((e - s).abs().max()), "max_abs_logit": float(r.abs().max())})
+                mg, e, s, r = (
+                    megatron_logits(actor, sample),
+                    hf_logits(eager, sample),
+                    hf_logits(sdpa, sample),
+                    hf_logits(fp64, sample),
+                )
+            rows.append(
+                {
+                    "vs_eager": float((mg - e).abs().max()),
+                    "vs_sdpa": float((mg - s).abs().max()),
+                    "vs_fp64": float((mg.double() - r).abs().max()),
+                    "hf_fp32_vs_fp64": float((e.double() - r).abs().max()),
+                    "hf_eager_vs_sdpa": float((e - s).abs().max()),
+                    "max_abs_logit": float(r.abs().max()),
+                }
+            )
         exported = actor.export_hf()
         source = load_hf_state(path)
         mismatched = [k for k in source if k not in exported or not torch.equal(source[k], exported[k])]
@@ -120,6 +145,7 @@ def check_families(args, info, out):
 
 
 # ---------------------------------------------------------------- the TP matrix
+
 
 def matrix_batch(path: Path, kind: str) -> list[TrainingSample]:
     """Four random text sequences of two prompt groups (+ the image sequence for VLMs)."""
@@ -164,8 +190,9 @@ def check_matrix(args, info, out):
         path = tiny_model_dir(kind)
         # lr 1e-5 (RL scale): Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order
         # noise in them shows up in the weights in proportion to lr
-        actor = MegatronActor(str(path), TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2), ALGO, info,
-                              temperature=TEMPERATURE)
+        actor = MegatronActor(
+            str(path), TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2), ALGO, info, temperature=TEMPERATURE
+        )
         samples = matrix_batch(path, kind)
         logprobs, entropies = [], []
         with torch.no_grad():
@@ -174,15 +201,24 @@ def check_matrix(args, info, out):
                 logprobs.append(lp.tolist())
                 entropies.append(ent.tolist())
         sums = actor.accumulate_gradients(samples, list(range(len(samples))), ADVANTAGES)
-        decoder = {n[len("gpt."):]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+        decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
         grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
         step = actor.apply_gradients()
         spread = replicated_spread(actor)
         weights = actor.export_hf()
         if is_main(info):
-            torch.save({"logprobs": logprobs, "entropy": entropies, "loss": sums["loss"], "grads": grads,
-                        "grad_norm": step["train/grad_norm"], "replicated_spread": spread, "weights": weights},
-                       Path(args.out) / f"matrix_tp{info.tp_size}_{kind}.pt")
+            torch.save(
+                {
+                    "logprobs": logprobs,
+                    "entropy": entropies,
+                    "loss": sums["loss"],
+                    "grads": grads,
+                    "grad_norm": step["train/grad_norm"],
+                    "replicated_spread": spread,
+                    "weights": weights,
+                },
+                Path(args.out) / f"matrix_tp{info.tp_size}_{kind}.pt",
+            )
     out["matrix"] = "saved"
 
 
@@ -198,21 +234,40 @@ def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
         lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
     sums = actor.accumulate_gradients(samples, everything, advantages)
     grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
-    return {"lp": lp, "ent": ent, "loss": sums["loss"], "grads": grads, "sums": sums, "row_tokens": row.num_real_tokens,
-            "segments": isinstance(row.attention_mask, Segments),
-            "images": 0 if row.image_grid_thw is None else int(row.image_grid_thw.shape[0])}
+    return {
+        "lp": lp,
+        "ent": ent,
+        "loss": sums["loss"],
+        "grads": grads,
+        "sums": sums,
+        "row_tokens": row.num_real_tokens,
+        "segments": isinstance(row.attention_mask, Segments),
+        "images": 0 if row.image_grid_thw is None else int(row.image_grid_thw.shape[0]),
+    }
 
 
 def compare(a: dict, b: dict, info) -> dict:
     """Largest differences of two ``step_outputs`` over the TP ranks (and b's scale)."""
-    diffs = torch.tensor([
-        float((a["lp"] - b["lp"]).abs().max()), float((a["ent"] - b["ent"]).abs().max()), abs(a["loss"] - b["loss"]),
-        max(float((a["grads"][n] - g).abs().max()) for n, g in b["grads"].items()),
-        max(float(g.abs().max()) for g in b["grads"].values()), float(b["ent"].abs().max())])
+    diffs = torch.tensor(
+        [
+            float((a["lp"] - b["lp"]).abs().max()),
+            float((a["ent"] - b["ent"]).abs().max()),
+            abs(a["loss"] - b["loss"]),
+            max(float((a["grads"][n] - g).abs().max()) for n, g in b["grads"].items()),
+            max(float(g.abs().max()) for g in b["grads"].values()),
+            float(b["ent"].abs().max()),
+        ]
+    )
     if info.world_size > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    return {"logprobs": float(diffs[0]), "entropy": float(diffs[1]), "loss": float(diffs[2]), "grads": float(diffs[3]),
-            "max_grad": float(diffs[4]), "max_entropy": float(diffs[5])}
+    return {
+        "logprobs": float(diffs[0]),
+        "entropy": float(diffs[1]),
+        "loss": float(diffs[2]),
+        "grads": float(diffs[3]),
+        "max_grad": float(diffs[4]),
+        "max_entropy": float(diffs[5]),
+    }
 
 
 def check_attention(args, info, out):
@@ -223,12 +278,22 @@ def check_attention(args, info, out):
     for kind in FAMILIES:
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
-        got = {attention: step_outputs(path, TrainConfig(lr=1e-5, micro_batch_size=len(samples),
-                                                         local_attention=attention), samples, ADVANTAGES, info)
-               for attention in ("fused", "megatron")}
-        result[kind] = {**compare(got["fused"], got["megatron"], info), "sequences": len(samples),
-                        "fused_packs_segments": got["fused"]["segments"],
-                        "reference_packs_segments": got["megatron"]["segments"]}
+        got = {
+            attention: step_outputs(
+                path,
+                TrainConfig(lr=1e-5, micro_batch_size=len(samples), local_attention=attention),
+                samples,
+                ADVANTAGES,
+                info,
+            )
+            for attention in ("fused", "megatron")
+        }
+        result[kind] = {
+            **compare(got["fused"], got["megatron"], info),
+            "sequences": len(samples),
+            "fused_packs_segments": got["fused"]["segments"],
+            "reference_packs_segments": got["megatron"]["segments"],
+        }
     out["attention"] = result
 
 
@@ -239,13 +304,16 @@ def tree_batches(vocab: int) -> dict[str, list[TrainingSample]]:
     g = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(100, vocab - 100, (n,), generator=g).tolist()  # noqa: E731
     prompt = ids(40)
-    group = [TrainingSample(prompt, r, [1] * 12, [-11.9] * 12, float(i % 3), f"0/{i}", 0, True)
-             for i, r in enumerate(ids(12) for _ in range(8))]
+    group = [
+        TrainingSample(prompt, r, [1] * 12, [-11.9] * 12, float(i % 3), f"0/{i}", 0, True)
+        for i, r in enumerate(ids(12) for _ in range(8))
+    ]
     steps, history = [], list(prompt)
     for k in range(4):
         thinking, answer, observation = ids(10), ids(4), ids(6)
-        steps.append(TrainingSample(list(history), thinking + answer, [1] * 14, [-11.9] * 14, float(k == 3), "1/0", 1,
-                                    k == 3))
+        steps.append(
+            TrainingSample(list(history), thinking + answer, [1] * 14, [-11.9] * 14, float(k == 3), "1/0", 1, k == 3)
+        )
         history += answer + observation
     return {"grpo": group, "strip_thinking": steps}
 
@@ -270,8 +338,17 @@ def vlm_tree_batches(path: Path) -> dict[str, list[TrainingSample]]:
 
     def sample(prompt, parts, response, tid, group):
         mm = {"pixel_values": torch.cat([p[1] for p in parts]), "image_grid_thw": torch.cat([p[2] for p in parts])}
-        return TrainingSample(list(prompt), response, [1] * len(response), [-11.9] * len(response), float(group),
-                              tid, group, True, multimodal_train_inputs=mm)
+        return TrainingSample(
+            list(prompt),
+            response,
+            [1] * len(response),
+            [-11.9] * len(response),
+            float(group),
+            tid,
+            group,
+            True,
+            multimodal_train_inputs=mm,
+        )
 
     question = f"<|im_start|>user\n{pad}What is drawn?<|im_end|>\n<|im_start|>assistant\n"
     observation = f"<|im_end|>\n<|im_start|>user\n{pad}And now?<|im_end|>\n<|im_start|>assistant\n"
@@ -298,19 +375,36 @@ def check_tree(args, info, out):
         batches = vlm_tree_batches(path) if kind.endswith("-vl") else tree_batches(vocab)
         for name, samples in batches.items():
             advantages = [0.5 - i / len(samples) for i in range(len(samples))]
-            got = {tree: step_outputs(path, TrainConfig(lr=1e-5, micro_batch_size=len(samples),
-                                                        shared_prefix_training=tree), samples, advantages, info)
-                   for tree in (True, False)}
+            got = {
+                tree: step_outputs(
+                    path,
+                    TrainConfig(lr=1e-5, micro_batch_size=len(samples), shared_prefix_training=tree),
+                    samples,
+                    advantages,
+                    info,
+                )
+                for tree in (True, False)
+            }
             result[f"{kind}/{name}"] = {
-                **compare(got[True], got[False], info), "flat_tokens": got[False]["row_tokens"],
-                "tree_tokens": got[True]["row_tokens"], "sums_before": got[True]["sums"]["tokens_before_sharing"],
-                "sums_after": got[True]["sums"]["tokens_after_sharing"], "flat_images": got[False]["images"],
-                "tree_images": got[True]["images"]}
+                **compare(got[True], got[False], info),
+                "flat_tokens": got[False]["row_tokens"],
+                "tree_tokens": got[True]["row_tokens"],
+                "sums_before": got[True]["sums"]["tokens_before_sharing"],
+                "sums_after": got[True]["sums"]["tokens_after_sharing"],
+                "flat_images": got[False]["images"],
+                "tree_images": got[True]["images"],
+            }
     # a token budget counts tree tokens: 40 + 12 k <= 100 puts five responses in a row (flat: one)
     group = tree_batches(1000)["grpo"]
-    budget = {tree: MegatronActor(str(tiny_model_dir("qwen3")), TrainConfig(
-        shared_prefix_training=tree, max_tokens_per_micro_batch=100), ALGO, info)._rows(group, list(range(8)))
-        for tree in (True, False)}
+    budget = {
+        tree: MegatronActor(
+            str(tiny_model_dir("qwen3")),
+            TrainConfig(shared_prefix_training=tree, max_tokens_per_micro_batch=100),
+            ALGO,
+            info,
+        )._rows(group, list(range(8)))
+        for tree in (True, False)
+    }
     out["tree_rows"] = {"tree": [len(r) for r in budget[True]], "flat": [len(r) for r in budget[False]]}
     from slime_mt.backends.megatron.models import ModelConfigError
 
@@ -339,23 +433,35 @@ def check_hf_reference(args, info, out):
         weights = reduction_weights(samples, "token_mean")
         lps, ents = [], []
         for s in samples:
-            logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1:-1] / TEMPERATURE
+            logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1 : -1] / TEMPERATURE
             logp = torch.log_softmax(logits, -1)
             lps.append(logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
             ents.append(-(logp.exp() * logp).sum(-1))
         lp = torch.cat(lps)
         cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
-        inputs = LossInputs(lp, lp.detach(), cat([s.rollout_log_probs for s in samples]),
-                            cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]), cat(weights),
-                            torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
-                            entropy=torch.cat(ents))
+        inputs = LossInputs(
+            lp,
+            lp.detach(),
+            cat([s.rollout_log_probs for s in samples]),
+            cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]),
+            cat(weights),
+            torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
+            entropy=torch.cat(ents),
+        )
         loss, _ = policy_loss(inputs, ALGO)
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
-        torch.save({"logprobs": [x.tolist() for x in lps], "entropy": [x.tolist() for x in ents],
-                    "loss": float(loss.detach()), "grads": _checkpoint_names(grads, path), "grad_norm": norm},
-                   Path(args.out) / f"matrix_hf_{kind}.pt")
+        torch.save(
+            {
+                "logprobs": [x.tolist() for x in lps],
+                "entropy": [x.tolist() for x in ents],
+                "loss": float(loss.detach()),
+                "grads": _checkpoint_names(grads, path),
+                "grad_norm": norm,
+            },
+            Path(args.out) / f"matrix_hf_{kind}.pt",
+        )
     out["hf_reference"] = "saved"
 
 
@@ -364,13 +470,17 @@ def _checkpoint_names(named: dict[str, torch.Tensor], path: Path) -> dict[str, t
     names = set(load_hf_state(path))
     out = {}
     for name, t in named.items():
-        candidates = [name, name.replace("model.language_model.", "model.", 1),
-                      name.replace("model.", "model.language_model.", 1)]
+        candidates = [
+            name,
+            name.replace("model.language_model.", "model.", 1),
+            name.replace("model.", "model.language_model.", 1),
+        ]
         out[next((c for c in candidates if c in names), name)] = t
     return out
 
 
 # ---------------------------------------------------------------- data parallel
+
 
 def dp_batch() -> list[TrainingSample]:
     """Four prompt groups of very different lengths and loss-mask counts (per-rank normalisation
@@ -380,9 +490,18 @@ def dp_batch() -> list[TrainingSample]:
     for group, (prompt, response) in enumerate([(5, 3), (40, 30), (8, 12), (25, 4)]):
         for k in range(2):
             mask = [1] * response if group % 2 else [1, 0] * (response // 2) + [1] * (response % 2)
-            samples.append(TrainingSample(torch.randint(100, 150000, (prompt + k,), generator=g).tolist(),
-                                          torch.randint(100, 150000, (response,), generator=g).tolist(), mask,
-                                          [-11.0] * response, float(k), f"{group}/{k}", group, True))
+            samples.append(
+                TrainingSample(
+                    torch.randint(100, 150000, (prompt + k,), generator=g).tolist(),
+                    torch.randint(100, 150000, (response,), generator=g).tolist(),
+                    mask,
+                    [-11.0] * response,
+                    float(k),
+                    f"{group}/{k}",
+                    group,
+                    True,
+                )
+            )
     return samples
 
 
@@ -391,8 +510,12 @@ def check_dp(args, info, out):
     grad norm, loss and weights must not depend on the DP (or TP) layout."""
     for reduction in ("token_mean", "seq_mean_token_mean"):
         algo = AlgoConfig(eps_clip=0.2, use_tis=True, tis_clip=2.0, loss_reduction=reduction)
-        actor = MegatronActor(str(tiny_model_dir("qwen3")), TrainConfig(lr=1e-5, clip_grad=100.0,
-                                                                          max_tokens_per_micro_batch=64), algo, info)
+        actor = MegatronActor(
+            str(tiny_model_dir("qwen3")),
+            TrainConfig(lr=1e-5, clip_grad=100.0, max_tokens_per_micro_batch=64),
+            algo,
+            info,
+        )
         samples = dp_batch()
         advantages = [0.5 * (-1) ** i * (1 + i % 3) for i in range(len(samples))]
         sums = actor.accumulate_gradients(samples, list(range(len(samples))), advantages)
@@ -400,13 +523,21 @@ def check_dp(args, info, out):
         trained = actor.train(samples, advantages, prompts_per_step=2, on_policy=False)
         weights = actor.export_hf()
         if is_main(info):
-            torch.save({"loss": sums["loss"], "tokens": sums["tokens"], "grad_norm": step["train/grad_norm"],
-                        "train": trained, "weights": weights},
-                       Path(args.out) / f"dp_{reduction}_tp{info.tp_size}_dp{info.dp_size}.pt")
+            torch.save(
+                {
+                    "loss": sums["loss"],
+                    "tokens": sums["tokens"],
+                    "grad_norm": step["train/grad_norm"],
+                    "train": trained,
+                    "weights": weights,
+                },
+                Path(args.out) / f"dp_{reduction}_tp{info.tp_size}_dp{info.dp_size}.pt",
+            )
     out[f"dp_tp{info.tp_size}_dp{info.dp_size}"] = "saved"
 
 
 # ---------------------------------------------------------------- bf16
+
 
 def check_bf16(args, info, out):
     """bf16 parameters and activations with fp32 main parameters and gradients; the fp32 vs bf16
@@ -429,9 +560,12 @@ def check_bf16(args, info, out):
             "main_param_dtypes": sorted({str(p.main_param.dtype) for p in decoder}),
             "main_grad_dtypes": sorted({str(p.main_grad.dtype) for p in decoder}),
             "logprob_dtype": str(lp.dtype),
-            "logprob_mean_abs_diff": float((lp - ref).abs().mean()), "logprob_max_abs_diff": float((lp - ref).abs().max()),
-            "losses": [s["train/loss"] for s in steps], "grad_norms": [s["train/grad_norm"] for s in steps],
-            "main_params_moved": moved, "main_params": len(decoder),
+            "logprob_mean_abs_diff": float((lp - ref).abs().mean()),
+            "logprob_max_abs_diff": float((lp - ref).abs().max()),
+            "losses": [s["train/loss"] for s in steps],
+            "grad_norms": [s["train/grad_norm"] for s in steps],
+            "main_params_moved": moved,
+            "main_params": len(decoder),
         }
     out["bf16"] = result
 
@@ -440,15 +574,32 @@ def check_bf16(args, info, out):
 
 ROPE_CASES = {
     "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
-    "llama-llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 64}),
+    "llama-llama3": (
+        "llama",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "llama-yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0}),
 }
-REFUSED_ROPE = {"llama-dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
-                "llama-longrope": ("llama", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                             "original_max_position_embeddings": 64})}
+REFUSED_ROPE = {
+    "llama-dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+    "llama-longrope": (
+        "llama",
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
 
 
 def rope_model(root: Path, name: str, kind: str, rope: dict) -> Path:
@@ -480,8 +631,11 @@ def check_rope(args, info, out):
         with torch.no_grad():
             mg = megatron_logits(actor, sample)
             hf, unscaled = hf_logits(hf_model(path), sample), hf_logits(hf_model(default), sample)
-        result[name] = {"max_abs_diff": float((mg - hf).abs().max()),
-                        "scaling_effect": float((hf - unscaled).abs().max()), "attention_factor": actor.spec.attention_factor}
+        result[name] = {
+            "max_abs_diff": float((mg - hf).abs().max()),
+            "scaling_effect": float((hf - unscaled).abs().max()),
+            "attention_factor": actor.spec.attention_factor,
+        }
     for name, (kind, rope) in REFUSED_ROPE.items():
         path = rope_model(root, name, kind, rope)
         try:
@@ -493,6 +647,7 @@ def check_rope(args, info, out):
 
 
 # ---------------------------------------------------------------- SFT
+
 
 def check_sft(args, info, out):
     """The SFT loss is the NLL at temperature 1, whatever the rollout temperature."""
@@ -507,13 +662,14 @@ def check_sft(args, info, out):
         total = 0.0
         for s, w in zip(samples, weights):
             with torch.no_grad():
-                logp = torch.log_softmax(hf_logits(model, s)[len(s.prompt_ids) - 1:-1] / temperature, -1)
+                logp = torch.log_softmax(hf_logits(model, s)[len(s.prompt_ids) - 1 : -1] / temperature, -1)
             total -= float((logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0] * torch.tensor(w)).sum())
         expected[temperature] = total
     out["sft"] = {"loss": loss, "nll_t1": expected[1.0], "nll_t05": expected[0.5]}
 
 
 # ---------------------------------------------------------------- engine fidelity
+
 
 def check_engine_fidelity(args, info, out):
     """Log-probs the embedded engine sampled vs Megatron's recomputation of the same tokens."""
@@ -532,34 +688,53 @@ def check_engine_fidelity(args, info, out):
         prompts, image_data, mm = [], [], []
         for q in ("Name three fruits.", "What is the capital of Italy?"):
             if kind.endswith("-vl"):
-                text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                      {"type": "text", "text": q}]}], add_generation_prompt=True)
+                text = processor.apply_chat_template(
+                    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                    add_generation_prompt=True,
+                )
                 inputs = processor(text=text, images=images()[:1])
                 prompts.append(inputs["input_ids"][0].tolist())
                 image_data.append([encode_image(images()[0])])
                 mm.append({"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]})
             else:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                     add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                )
                 prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
                 image_data.append(None)
                 mm.append(None)
         with LocalEngine(path, seed=5) as engine:
+
             async def go():
                 async with EngineClient(engine.url) as client:
                     reqs = []
                     for ids, imgs in zip(prompts, image_data):
                         engine_ids = collapse_image_pads(ids, processor.image_token_id)[0] if imgs else ids
-                        reqs.append(client.generate(engine_ids, {"max_new_tokens": 24, "temperature": 0.8,
-                                                                 "ignore_eos": True}, image_data=imgs))
+                        reqs.append(
+                            client.generate(
+                                engine_ids,
+                                {"max_new_tokens": 24, "temperature": 0.8, "ignore_eos": True},
+                                image_data=imgs,
+                            )
+                        )
                     return await asyncio.gather(*reqs)
 
             responses = asyncio.run(go())
         actor = MegatronActor(str(path), TrainConfig(), AlgoConfig(), info, temperature=0.8)
-        samples = [TrainingSample(p, r["output_ids"], [1] * len(r["output_ids"]),
-                                  [x[0] for x in r["meta_info"]["output_token_logprobs"]], 0.0, f"0/{i}", 0, True,
-                                  multimodal_train_inputs=m)
-                   for i, (p, r, m) in enumerate(zip(prompts, responses, mm))]
+        samples = [
+            TrainingSample(
+                p,
+                r["output_ids"],
+                [1] * len(r["output_ids"]),
+                [x[0] for x in r["meta_info"]["output_token_logprobs"]],
+                0.0,
+                f"0/{i}",
+                0,
+                True,
+                multimodal_train_inputs=m,
+            )
+            for i, (p, r, m) in enumerate(zip(prompts, responses, mm))
+        ]
         recomputed = actor.compute_logprobs(samples)
         diffs = torch.cat([(lp.cpu() - torch.tensor(s.rollout_log_probs)).abs() for lp, s in zip(recomputed, samples)])
         result[kind] = {"mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max())}
@@ -567,6 +742,7 @@ def check_engine_fidelity(args, info, out):
 
 
 # ---------------------------------------------------------------- checkpoints
+
 
 def train_steps(actor, steps, start=0):
     from slime_mt.algo.advantages import compute_advantages
@@ -620,9 +796,15 @@ def check_checkpoint(args, info, out):
         torch.save = original_save
     again = MegatronActor(path, cfg, AlgoConfig(), info)
     again_extra = again.load(save_dir)
-    out["checkpoint"] = {"bitwise_equal": bitwise, "extra": extra, "after_killed_save": again_extra,
-                         "latest": (save_dir / "latest").read_text(), "step": again.step,
-                         "hf_loadable": type(as_hf).__name__, "hf_weights_equal_export": hf_equal}
+    out["checkpoint"] = {
+        "bitwise_equal": bitwise,
+        "extra": extra,
+        "after_killed_save": again_extra,
+        "latest": (save_dir / "latest").read_text(),
+        "step": again.step,
+        "hf_loadable": type(as_hf).__name__,
+        "hf_weights_equal_export": hf_equal,
+    }
 
 
 def check_checkpoint_bf16(args, info, out):
@@ -648,9 +830,13 @@ def check_checkpoint_bf16(args, info, out):
     for actor in (first, second):
         actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
     continued_equal = all(torch.equal(p.main_param, params(second)[n].main_param) for n, p in params(first).items())
-    out["checkpoint_bf16"] = {"main_params_equal": main_equal, "params_equal": model_equal,
-                              "optimizer_state_equal": state_equal, "continued_equal": continued_equal,
-                              "vision_trainable": any(p.requires_grad for p in first.policy.visual.parameters())}
+    out["checkpoint_bf16"] = {
+        "main_params_equal": main_equal,
+        "params_equal": model_equal,
+        "optimizer_state_equal": state_equal,
+        "continued_equal": continued_equal,
+        "vision_trainable": any(p.requires_grad for p in first.policy.visual.parameters()),
+    }
 
 
 RESHARD_CFG = TrainConfig(lr=1e-3, micro_batch_size=2)
@@ -725,8 +911,12 @@ def check_logprob_chunks(args, info, out):
         lp, ent = run()
         loss = (lp * scale).sum() + (0.1 * ent.sum() if ent is not None and ent.requires_grad else 0.0)
         loss.backward()
-        return (lp.detach().double(), None if ent is None else ent.detach().double(), hidden.grad.clone(),
-                weight.main_grad.clone())
+        return (
+            lp.detach().double(),
+            None if ent is None else ent.detach().double(),
+            hidden.grad.clone(),
+            weight.main_grad.clone(),
+        )
 
     def reference():
         logits = gather_from_tensor_model_parallel_region(actor.policy.output_logits(hidden))[:, :vocab] / 0.7
@@ -743,26 +933,32 @@ def check_logprob_chunks(args, info, out):
     want = gradients(reference)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         got = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64))
-    metric = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64,
-                                               entropy_grad=False))
+    metric = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64, entropy_grad=False))
     with_metric_ent = hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64, entropy_grad=False)[1]
     none = gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, False, chunk=64))
     # a padded vocabulary (the last 1000 rows of the weight are padding; at TP=2 in rank 1's slice)
     vocab -= 1000
     targets.clamp_(max=vocab - 1)
-    padded = (gradients(reference), gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True,
-                                                                      chunk=64)))
+    padded = (
+        gradients(reference),
+        gradients(lambda: hidden_logprobs(hidden, weight, targets, vocab, 0.7, True, chunk=64)),
+    )
     local_vocab = weight.shape[0]
     out[f"logprob_chunks_tp{info.tp_size}"] = {
-        **{f"{name}{suffix}": float((b[k] - a[k]).abs().max()) for suffix, (a, b) in (("", (want, got)),
-                                                                                      ("_padded", padded))
-           for k, name in enumerate(("logprob_diff", "entropy_diff", "hidden_grad_diff", "weight_grad_diff"))},
-        "weight_grad_max": float(want[3].abs().max()), "largest_saved": max(saved),
-        "chunk_logits": 64 * local_vocab, "all_logits": 300 * local_vocab,
+        **{
+            f"{name}{suffix}": float((b[k] - a[k]).abs().max())
+            for suffix, (a, b) in (("", (want, got)), ("_padded", padded))
+            for k, name in enumerate(("logprob_diff", "entropy_diff", "hidden_grad_diff", "weight_grad_diff"))
+        },
+        "weight_grad_max": float(want[3].abs().max()),
+        "largest_saved": max(saved),
+        "chunk_logits": 64 * local_vocab,
+        "all_logits": 300 * local_vocab,
         "metric_entropy_diff": float((metric[1] - want[1]).abs().max()),
         "metric_entropy_requires_grad": bool(with_metric_ent.requires_grad),
         "metric_grad_diff": max(float((metric[k] - none[k]).abs().max()) for k in (2, 3)),
-        "no_entropy_is_none": none[1] is None}
+        "no_entropy_is_none": none[1] is None,
+    }
 
 
 def check_gpu(args, info, out):
@@ -771,27 +967,37 @@ def check_gpu(args, info, out):
     from slime_mt.backends.megatron import cpu_patches
     from slime_mt.backends.megatron.parallel import current_device
 
-    result = {"cpu_patches_applied": cpu_patches._APPLIED, "device": str(current_device()),
-              "backend": dist.get_backend()}
+    result = {
+        "cpu_patches_applied": cpu_patches._APPLIED,
+        "device": str(current_device()),
+        "backend": dist.get_backend(),
+    }
     for kind, path in (("smollm2", smollm2_dir()), *((k, tiny_model_dir(k)) for k in FAMILIES)):
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            actor = MegatronActor(str(path), TrainConfig(lr=1e-5, bf16=precision == "bf16"), ALGO, info,
-                                  temperature=TEMPERATURE)
+            actor = MegatronActor(
+                str(path), TrainConfig(lr=1e-5, bf16=precision == "bf16"), ALGO, info, temperature=TEMPERATURE
+            )
             model = hf_model(path, dtype, attn="sdpa").to(current_device())
             diffs = []
             for sample in sequences(path, kind):
                 with torch.no_grad():
-                    diffs.append(float((megatron_logits(actor, sample).float()
-                                        - hf_logits(model, sample).float()).abs().max()))
+                    diffs.append(
+                        float((megatron_logits(actor, sample).float() - hf_logits(model, sample).float()).abs().max())
+                    )
             del model
             samples = matrix_batch(path, kind)
             metrics = actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
             exported = actor.export_hf()
             result[f"{kind}-{precision}"] = {
                 "param_devices": sorted({str(p.device) for p in actor.policy.parameters()}),
-                "param_dtypes": sorted({str(p.dtype) for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}),
-                "logit_max_abs_diff": diffs, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-                "exported": len(exported), "exported_devices": sorted({str(t.device) for t in exported.values()}),
+                "param_dtypes": sorted(
+                    {str(p.dtype) for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+                ),
+                "logit_max_abs_diff": diffs,
+                "loss": metrics["train/loss"],
+                "grad_norm": metrics["train/grad_norm"],
+                "exported": len(exported),
+                "exported_devices": sorted({str(t.device) for t in exported.values()}),
             }
             del actor
             torch.cuda.empty_cache()
@@ -814,13 +1020,15 @@ def check_long_micro_batch(args, info, out):
         prompt = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
         for i in range(8):
             response = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
-            samples.append(TrainingSample(prompt, response, [1] * 512, [-10.0] * 512, float(i % 2), f"{group}/{i}",
-                                          group, True))
+            samples.append(
+                TrainingSample(prompt, response, [1] * 512, [-10.0] * 512, float(i % 2), f"{group}/{i}", group, True)
+            )
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
-    variants = {"fused": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384),
-                "tree": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384, shared_prefix_training=True),
-                "megatron": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384,
-                                        local_attention="megatron")}
+    variants = {
+        "fused": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384),
+        "tree": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384, shared_prefix_training=True),
+        "megatron": TrainConfig(lr=1e-6, bf16=True, max_tokens_per_micro_batch=16384, local_attention="megatron"),
+    }
     result = {}
     for name, train in variants.items():
         actor = None
@@ -834,21 +1042,41 @@ def check_long_micro_batch(args, info, out):
             started = time.perf_counter()
             metrics = actor.train(samples, advantages, prompts_per_step=2)
             torch.cuda.synchronize()
-            result[name] = {"rows": len(rows), "row_tokens": row.num_real_tokens, "layout": type(row.attention_mask).__name__,
-                            "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-                            "seconds": time.perf_counter() - started,
-                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            result[name] = {
+                "rows": len(rows),
+                "row_tokens": row.num_real_tokens,
+                "layout": type(row.attention_mask).__name__,
+                "loss": metrics["train/loss"],
+                "grad_norm": metrics["train/grad_norm"],
+                "seconds": time.perf_counter() - started,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
         except torch.cuda.OutOfMemoryError as e:
             result[name] = {"oom": str(e).splitlines()[0], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         del actor
     out["long_micro_batch"] = result
 
 
-CHECKS = {"attention": check_attention, "long_micro_batch": check_long_micro_batch, "tree": check_tree, "families": check_families, "gpu": check_gpu, "logprob_chunks": check_logprob_chunks,
-          "matrix": check_matrix, "hf_reference": check_hf_reference, "dp": check_dp, "bf16": check_bf16,
-          "rope": check_rope, "sft": check_sft, "engine_fidelity": check_engine_fidelity,
-          "checkpoint": check_checkpoint, "checkpoint_bf16": check_checkpoint_bf16,
-          "reshard_save": check_reshard_save, "reshard_load": check_reshard_load, "export_ranks": check_export_ranks}
+CHECKS = {
+    "attention": check_attention,
+    "long_micro_batch": check_long_micro_batch,
+    "tree": check_tree,
+    "families": check_families,
+    "gpu": check_gpu,
+    "logprob_chunks": check_logprob_chunks,
+    "matrix": check_matrix,
+    "hf_reference": check_hf_reference,
+    "dp": check_dp,
+    "bf16": check_bf16,
+    "rope": check_rope,
+    "sft": check_sft,
+    "engine_fidelity": check_engine_fidelity,
+    "checkpoint": check_checkpoint,
+    "checkpoint_bf16": check_checkpoint_bf16,
+    "reshard_save": check_reshard_save,
+    "reshard_load": check_reshard_load,
+    "export_ranks": check_export_ranks,
+}
 
 
 def check_train_file(args, info, out):
@@ -858,11 +1086,16 @@ def check_train_file(args, info, out):
     samples = saved["samples"]
     algo = dataclasses.replace(ALGO, **saved.get("algo", {}))
     actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), algo, info)
-    metrics = actor.train(samples, saved["advantages"],
-                          prompts_per_step=saved.get("prompts_per_step", len({s.group_id for s in samples})))
-    out["train_file"] = {"sequences": len(samples), "grad_norm": metrics["train/grad_norm"],
-                         "optimizer_steps": metrics["train/optimizer_steps"], "metrics": sorted(metrics),
-                         "finite": all(torch.isfinite(torch.tensor(v)) for v in metrics.values())}
+    metrics = actor.train(
+        samples, saved["advantages"], prompts_per_step=saved.get("prompts_per_step", len({s.group_id for s in samples}))
+    )
+    out["train_file"] = {
+        "sequences": len(samples),
+        "grad_norm": metrics["train/grad_norm"],
+        "optimizer_steps": metrics["train/optimizer_steps"],
+        "metrics": sorted(metrics),
+        "finite": all(torch.isfinite(torch.tensor(v)) for v in metrics.values()),
+    }
 
 
 CHECKS["train_file"] = check_train_file

@@ -59,7 +59,9 @@ def test_te_names_are_megatron_own_local_to_te_map(tiny_paths):
     same renaming for checkpoint compatibility (``sharded_state_dict_keys_map``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    key_map = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+    key_map = get_gpt_layer_local_spec(
+        qk_layernorm=True, normalization="RMSNorm"
+    ).submodules.sharded_state_dict_keys_map
     spec = decoder_spec(read_hf_config(tiny_paths["qwen3"]))
     local = dict(iter_hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=False))
     te = dict(iter_hf_to_megatron(CheckpointReader(tiny_paths["qwen3"]), spec, 0, 1, te=True))
@@ -106,8 +108,11 @@ def test_shard_writer_splits_and_indexes(tmp_path):
     for name, t in tensors.items():
         writer.add(name, t)
     files = writer.close()
-    assert [f.name for f in files] == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                                       "model-00003-of-00003.safetensors"]
+    assert [f.name for f in files] == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors)
     back = load_hf_state(tmp_path)
@@ -117,11 +122,14 @@ def test_shard_writer_splits_and_indexes(tmp_path):
     assert [f.name for f in single.close()] == ["model.safetensors"]
 
 
-@pytest.mark.parametrize("lengths,rows,expected", [
-    ([4], [[0]], 1.0),
-    ([2, 2], [[0, 1]], 0.5),  # (4 + 4) / 16
-    ([1, 1, 1, 1], [[0, 1, 2, 3]], 0.25),
-    ([3, 1, 2], [[0, 1], [2]], (9 + 1 + 4) / (16 + 4)),
-])
+@pytest.mark.parametrize(
+    "lengths,rows,expected",
+    [
+        ([4], [[0]], 1.0),
+        ([2, 2], [[0, 1]], 0.5),  # (4 + 4) / 16
+        ([1, 1, 1, 1], [[0, 1, 2, 3]], 0.25),
+        ([3, 1, 2], [[0, 1], [2]], (9 + 1 + 4) / (16 + 4)),
+    ],
+)
 def test_useful_attention_fraction_by_hand(lengths, rows, expected):
     assert useful_attention_fraction(lengths, rows) == pytest.approx(expected)

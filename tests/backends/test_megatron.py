@@ -28,11 +28,26 @@ def launch(tp: int, world: int, checks: str, out: Path) -> dict:
     else:
         from slime_mt.engine.launch import free_port
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(WORKER)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(WORKER),
+        ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd + ["--tp", str(tp), "--checks", checks, "--out", str(out)], capture_output=True,
-                          text=True, env=env, timeout=1500)
+    proc = subprocess.run(
+        cmd + ["--tp", str(tp), "--checks", checks, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((out / f"results_tp{tp}_world{world}.json").read_text())
 
@@ -40,8 +55,13 @@ def launch(tp: int, world: int, checks: str, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
-    tp1 = launch(1, 1, "attention,tree,families,matrix,hf_reference,dp,bf16,rope,sft,logprob_chunks,engine_fidelity,checkpoint,"
-                       "checkpoint_bf16,reshard_save", out)
+    tp1 = launch(
+        1,
+        1,
+        "attention,tree,families,matrix,hf_reference,dp,bf16,rope,sft,logprob_chunks,engine_fidelity,checkpoint,"
+        "checkpoint_bf16,reshard_save",
+        out,
+    )
     tp2 = launch(2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks", out)
     dp2 = launch(1, 2, "dp,reshard_load", out)
     tp2dp2 = launch(2, 4, "dp", out)
@@ -55,6 +75,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------- HF parity
+
 
 @pytest.mark.parametrize("kind", ["smollm2", *FAMILIES])
 def test_logits_match_transformers_and_export_round_trips(results, kind):
@@ -86,9 +107,11 @@ def test_fused_attention_equals_megatrons_on_a_packed_row(results, kind, tp):
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
-@pytest.mark.parametrize("case", [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3")
-                                  for batch in ("grpo", "strip_thinking")]
-                         + [f"{kind}/{batch}" for kind in ("qwen2.5-vl", "qwen3-vl") for batch in ("vlm_grpo", "vlm_steps")])
+@pytest.mark.parametrize(
+    "case",
+    [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3") for batch in ("grpo", "strip_thinking")]
+    + [f"{kind}/{batch}" for kind in ("qwen2.5-vl", "qwen3-vl") for batch in ("vlm_grpo", "vlm_steps")],
+)
 def test_prefix_tree_rows_equal_flat_rows_with_fewer_tokens(results, case, tp):
     """--shared-prefix-training, as one prefix-tree row vs one flat row: log-probs, entropies, loss and
     gradients equal (fp32, 1e-5), TP=1 and TP=2; the tree forwards each shared token once. Text: a
@@ -119,6 +142,7 @@ def test_prefix_tree_packing_is_refused_where_it_does_not_apply(results):
 
 
 # ---------------------------------------------------------------- the TP matrix
+
 
 def _matrix(results, kind):
     d = results["dir"]
@@ -174,6 +198,7 @@ def test_tp2_replicated_parameters_stay_identical_and_weights_match_tp1(results,
 
 # ---------------------------------------------------------------- data parallel
 
+
 @pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2_dp2"])
 def test_data_parallel_gives_the_same_update_as_one_rank(results, reduction, layout):
@@ -191,6 +216,7 @@ def test_data_parallel_gives_the_same_update_as_one_rank(results, reduction, lay
 
 # ---------------------------------------------------------------- bf16
 
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_bf16_trains_with_fp32_main_params_and_grads(results, kind):
     r = results["tp1"]["bf16"][kind]
@@ -203,6 +229,7 @@ def test_bf16_trains_with_fp32_main_params_and_grads(results, kind):
 
 
 # ---------------------------------------------------------------- RoPE scaling
+
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_rope_scaling_matches_transformers_past_the_original_context(results, case):
@@ -220,6 +247,7 @@ def test_unreproducible_rope_types_are_refused_naming_the_key(results, case):
 
 # ---------------------------------------------------------------- SFT, engine fidelity
 
+
 def test_sft_loss_ignores_the_rollout_temperature(results):
     r = results["tp1"]["sft"]
     assert abs(r["loss"] - r["nll_t1"]) < 1e-5 * abs(r["nll_t1"])
@@ -233,6 +261,7 @@ def test_engine_logprobs_match_megatron_recomputation(results, kind):
 
 # ---------------------------------------------------------------- checkpoints
 
+
 def test_checkpoint_resume_is_bitwise_and_survives_a_killed_save(results):
     r = results["tp1"]["checkpoint"]
     assert r["bitwise_equal"] is True
@@ -243,8 +272,13 @@ def test_checkpoint_resume_is_bitwise_and_survives_a_killed_save(results):
 
 def test_bf16_checkpoint_restores_fp32_main_params_and_optimizer_state(results):
     r = results["tp1"]["checkpoint_bf16"]
-    assert r == {"main_params_equal": True, "params_equal": True, "optimizer_state_equal": True,
-                 "continued_equal": True, "vision_trainable": True}
+    assert r == {
+        "main_params_equal": True,
+        "params_equal": True,
+        "optimizer_state_equal": True,
+        "continued_equal": True,
+        "vision_trainable": True,
+    }
 
 
 def test_checkpoints_reshard_tp1_to_tp2_to_tp1(results):

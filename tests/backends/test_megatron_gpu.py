@@ -48,9 +48,11 @@ def test_fused_attention_equals_megatrons_on_cuda(gpu, kind):
     assert r["grads"] < 1e-5 * max(r["max_grad"], 1.0), r
 
 
-@pytest.mark.parametrize("case", [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3")
-                                  for batch in ("grpo", "strip_thinking")]
-                         + [f"{kind}/{batch}" for kind in ("qwen2.5-vl", "qwen3-vl") for batch in ("vlm_grpo", "vlm_steps")])
+@pytest.mark.parametrize(
+    "case",
+    [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3") for batch in ("grpo", "strip_thinking")]
+    + [f"{kind}/{batch}" for kind in ("qwen2.5-vl", "qwen3-vl") for batch in ("vlm_grpo", "vlm_steps")],
+)
 def test_prefix_tree_rows_through_flex_attention_equal_flat_rows_on_cuda(gpu, case):
     r = gpu["tree"][case]
     assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 * max(r["max_entropy"], 1.0) and r["loss"] < 1e-6, r

@@ -26,7 +26,7 @@ def ancestors(tree, node):
 @given(SEQUENCES)
 def test_every_path_spells_its_sequence_and_each_prefix_is_one_node(sequences):
     tree = build_tree(sequences)
-    prefixes = {tuple(seq[:k + 1]) for seq in sequences for k in range(len(seq))}
+    prefixes = {tuple(seq[: k + 1]) for seq in sequences for k in range(len(seq))}
     assert tree.num_nodes == len(prefixes) and tree.num_sequence_tokens == sum(map(len, sequences))
     for seq, path in zip(sequences, tree.paths):
         assert [tree.tokens[n] for n in path] == seq
@@ -74,9 +74,11 @@ def test_the_flex_block_mask_gives_the_dense_mask_attention(seed):
 
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 50, (150,), generator=g).tolist()
-    sequences = [prompt[:int(torch.randint(20, 150, (1,), generator=g))]
-                 + torch.randint(0, 50, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(5)]
+    sequences = [
+        prompt[: int(torch.randint(20, 150, (1,), generator=g))]
+        + torch.randint(0, 50, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(5)
+    ]
     tree = build_tree(sequences)
     layout = Tree(tuple(tree.parents))
     assert tree.num_nodes > 256  # several blocks, some skipped, some partial
@@ -90,9 +92,14 @@ def test_the_flex_block_mask_gives_the_dense_mask_attention(seed):
 def test_keys_decide_sharing_and_positions_must_agree():
     pad = 7
     # the same pad ids holding different images must not share; equal images do
-    tree = build_tree([[1, pad, pad, 2], [1, pad, pad, 3], [1, pad, pad, 2]],
-                      keys=[[1, (pad, "a", 0), (pad, "a", 1), 2], [1, (pad, "b", 0), (pad, "b", 1), 3],
-                            [1, (pad, "a", 0), (pad, "a", 1), 2]])
+    tree = build_tree(
+        [[1, pad, pad, 2], [1, pad, pad, 3], [1, pad, pad, 2]],
+        keys=[
+            [1, (pad, "a", 0), (pad, "a", 1), 2],
+            [1, (pad, "b", 0), (pad, "b", 1), 3],
+            [1, (pad, "a", 0), (pad, "a", 1), 2],
+        ],
+    )
     assert tree.num_nodes == 1 + 2 + 1 + 2 + 1
     assert tree.paths[0] == tree.paths[2] and tree.paths[0][1] != tree.paths[1][1]
     with pytest.raises(ValueError, match="positions must depend on the prefix only"):
@@ -109,8 +116,9 @@ def test_a_model_on_the_tree_row_gives_each_sequence_its_own_logits(tiny_paths, 
     extending another, one branching early): logits at each path's nodes == the sequence alone."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths[kind]), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_paths[kind]), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(100, 20000, (n,), generator=g).tolist()  # noqa: E731
     prompt = ids(24)
@@ -122,8 +130,11 @@ def test_a_model_on_the_tree_row_gives_each_sequence_its_own_logits(tiny_paths, 
     assert tree.num_nodes == 24 + 4 * 6 + 5 + 7 + 4 < tree.num_sequence_tokens
     additive = torch.zeros(tree.num_nodes, tree.num_nodes).masked_fill(tree.mask(), float("-inf"))
     with torch.no_grad():
-        packed = model(input_ids=torch.tensor([tree.tokens]), attention_mask=additive[None, None],
-                       position_ids=torch.tensor([tree.positions])).logits[0]
+        packed = model(
+            input_ids=torch.tensor([tree.tokens]),
+            attention_mask=additive[None, None],
+            position_ids=torch.tensor([tree.positions]),
+        ).logits[0]
         for s, seq in enumerate(sequences):
             alone = model(input_ids=torch.tensor([seq])).logits[0]
             assert float((packed[tree.paths[s]] - alone).abs().max()) < 1e-5, s
@@ -140,8 +151,17 @@ def test_image_pads_are_keyed_by_the_images_content_and_offset():
     grid = torch.tensor([[1, 2, 2], [1, 2, 2]])
 
     def sample(prompt, pixels):
-        return TrainingSample(prompt, [9], [1], [-1.0], 0.0, "0/0", 0, True,
-                              multimodal_train_inputs={"pixel_values": pixels, "image_grid_thw": grid})
+        return TrainingSample(
+            prompt,
+            [9],
+            [1],
+            [-1.0],
+            0.0,
+            "0/0",
+            0,
+            True,
+            multimodal_train_inputs={"pixel_values": pixels, "image_grid_thw": grid},
+        )
 
     keys = tree_keys(sample([1, pad, pad, 2, pad, pad], torch.cat([red, blue])), pad)
     same = tree_keys(sample([1, pad, pad, 2, pad, pad], torch.cat([red, red])), pad)

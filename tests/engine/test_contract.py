@@ -73,7 +73,7 @@ def test_stop_string_trims_text(text_target):
             tokenizer = load_tokenizer_or_processor(text_target.model_path)
             pieces = [tokenizer.decode(free["output_ids"][:k]) for k in range(1, 13)]
             # a stop string completed by the 4th token: the 4th token's own text
-            stop = pieces[3][len(pieces[2]):].strip() or pieces[3]
+            stop = pieces[3][len(pieces[2]) :].strip() or pieces[3]
             stopped = await _greedy(client, n=12, stop=[stop])
             return free, stop, stopped
 
@@ -111,8 +111,9 @@ def test_max_new_tokens_gives_length(text_target):
 def test_abort_gives_abort(text_target):
     async def go():
         async with text_target.client() as client:
-            task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True},
-                                                       rid="to-abort"))
+            task = asyncio.create_task(
+                client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, rid="to-abort")
+            )
             await asyncio.sleep(1.0)
             await client.abort("to-abort")
             return await task
@@ -125,8 +126,12 @@ def test_abort_gives_abort(text_target):
 def test_pause_and_continue_lose_no_request(text_target):
     async def go():
         async with text_target.client() as client:
-            tasks = [asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 30, "ignore_eos": True,
-                                                                  "sampling_seed": i})) for i in range(8)]
+            tasks = [
+                asyncio.create_task(
+                    client.generate(PROMPT, {"max_new_tokens": 30, "ignore_eos": True, "sampling_seed": i})
+                )
+                for i in range(8)
+            ]
             await asyncio.sleep(0.3)
             await client.pause(mode="in_place")
             await asyncio.sleep(0.3)
@@ -148,8 +153,7 @@ def test_weight_update_from_disk_changes_outputs_and_version(text_target, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(str(text_target.model_path))
     original = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     torch.manual_seed(1)
-    perturbed = {k: (v + 0.5 * torch.randn_like(v)).contiguous() for k, v in original.items()
-                 if k != "lm_head.weight"}
+    perturbed = {k: (v + 0.5 * torch.randn_like(v)).contiguous() for k, v in original.items() if k != "lm_head.weight"}
     (tmp_path / "new").mkdir()
     (tmp_path / "old").mkdir()
     save_file(perturbed, str(tmp_path / "new" / "model.safetensors"))
@@ -181,7 +185,9 @@ def test_weight_update_from_disk_changes_outputs_and_version(text_target, tmp_pa
 def test_image_requests_expand_one_pad_per_image(vl_target):
     processor = load_tokenizer_or_processor(vl_target.model_path)
     images = [diagram(1), diagram(2, (120, 64))]
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     expanded = processor(text=text, images=images)["input_ids"][0].tolist()
     engine_ids, counts = collapse_image_pads(expanded, processor.image_token_id)
@@ -189,12 +195,17 @@ def test_image_requests_expand_one_pad_per_image(vl_target):
 
     async def go():
         async with vl_target.client() as client:
-            out = await client.generate(engine_ids, {**GREEDY, "max_new_tokens": 5},
-                                        image_data=[data_uri(i) for i in images])
-            batch = await client.generate_batch([engine_ids, engine_ids[:]], {**GREEDY, "max_new_tokens": 5},
-                                                image_data=[[data_uri(i) for i in images]] * 2)
-            swapped = await client.generate(engine_ids, {**GREEDY, "max_new_tokens": 5},
-                                            image_data=[data_uri(images[1]), data_uri(images[0])])
+            out = await client.generate(
+                engine_ids, {**GREEDY, "max_new_tokens": 5}, image_data=[data_uri(i) for i in images]
+            )
+            batch = await client.generate_batch(
+                [engine_ids, engine_ids[:]],
+                {**GREEDY, "max_new_tokens": 5},
+                image_data=[[data_uri(i) for i in images]] * 2,
+            )
+            swapped = await client.generate(
+                engine_ids, {**GREEDY, "max_new_tokens": 5}, image_data=[data_uri(images[1]), data_uri(images[0])]
+            )
             return out, batch, swapped
 
     out, batch, swapped = run(go())

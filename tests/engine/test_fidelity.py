@@ -50,8 +50,12 @@ def test_text_logprobs_equal_teacher_forcing(model, smollm2_engine, smollm2_path
 
     async def go():
         async with EngineClient(url) as client:
-            return await asyncio.gather(*(client.generate(p, {"max_new_tokens": 24, "temperature": TEMPERATURE,
-                                                              "sampling_seed": 11 + i}) for i, p in enumerate(prompts)))
+            return await asyncio.gather(
+                *(
+                    client.generate(p, {"max_new_tokens": 24, "temperature": TEMPERATURE, "sampling_seed": 11 + i})
+                    for i, p in enumerate(prompts)
+                )
+            )
 
     outs = run(go())
     worst = 0.0
@@ -70,25 +74,39 @@ def test_vlm_logprobs_equal_teacher_forcing(kind, tiny_paths):
     images = [diagram(5), diagram(6, (64, 112))]
     text = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x and"}, {"type": "image"}]}],
-        add_generation_prompt=True)
+        add_generation_prompt=True,
+    )
     inputs = processor(text=text, images=images)
     expanded = inputs["input_ids"][0].tolist()
     engine_ids, _ = collapse_image_pads(expanded, processor.image_token_id)
 
     async def go(url):
         async with EngineClient(url) as client:
-            return await asyncio.gather(*(client.generate(engine_ids, {"max_new_tokens": 12, "temperature": TEMPERATURE,
-                                                                       "sampling_seed": s, "ignore_eos": True},
-                                                          image_data=[data_uri(i) for i in images]) for s in (1, 2)))
+            return await asyncio.gather(
+                *(
+                    client.generate(
+                        engine_ids,
+                        {"max_new_tokens": 12, "temperature": TEMPERATURE, "sampling_seed": s, "ignore_eos": True},
+                        image_data=[data_uri(i) for i in images],
+                    )
+                    for s in (1, 2)
+                )
+            )
 
     with LocalEngine(path, max_batch_size=4) as engine:
         outs = run(go(engine.url))
     for out in outs:
         ids = expanded + out["output_ids"]
         mm = (torch.tensor([ids]) == processor.image_token_id).long()
-        ref = teacher_forced_logprobs(hf, ids, len(out["output_ids"]), TEMPERATURE,
-                                      pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
-                                      mm_token_type_ids=mm)
+        ref = teacher_forced_logprobs(
+            hf,
+            ids,
+            len(out["output_ids"]),
+            TEMPERATURE,
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+            mm_token_type_ids=mm,
+        )
         engine_lp = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(engine_lp, ref)) < 1e-4
 
@@ -101,13 +119,14 @@ def test_greedy_equals_model_generate(smollm2_engine, smollm2_path):
 
     async def go():
         async with EngineClient(smollm2_engine.url) as client:
-            return await asyncio.gather(*(client.generate(p, {"max_new_tokens": 24, "temperature": 0.0})
-                                          for p in prompts))
+            return await asyncio.gather(
+                *(client.generate(p, {"max_new_tokens": 24, "temperature": 0.0}) for p in prompts)
+            )
 
     outs = run(go())  # concurrent: decoded together in one batch
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
         assert out["output_ids"] == ref
     assert "Paris" in outs[0]["text"]
 
@@ -126,6 +145,10 @@ def test_vlm_text_only_prompt_matches_generate(tiny_paths):
     with LocalEngine(path, max_batch_size=2) as engine:
         out = run(go(engine.url))
     with torch.no_grad():
-        ref = hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+        ref = hf.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
     assert out["output_ids"][: len(ref)] == ref

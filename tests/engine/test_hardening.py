@@ -44,8 +44,11 @@ def post(url: str, path: str, body=None, content: bytes | None = None, timeout: 
 
 
 def greedy(url: str, n: int = 8) -> dict:
-    response = post(url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                                       "sampling_params": {**GREEDY, "max_new_tokens": n}})
+    response = post(
+        url,
+        "/generate",
+        {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {**GREEDY, "max_new_tokens": n}},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -63,6 +66,7 @@ def assert_idle(url: str) -> None:
 
 # ---------------------------------------------------------------- 1. one bad request, everyone answered
 
+
 def test_seed_beyond_64_bits_fails_alone(engine):
     reference = greedy(engine.url, 30)
 
@@ -71,8 +75,9 @@ def test_seed_beyond_64_bits_fails_alone(engine):
             valid = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 30}}
             running = asyncio.create_task(http.post(engine.url + "/generate", json=valid))
             await asyncio.sleep(0.2)
-            bad = await http.post(engine.url + "/generate",
-                                  json={"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2 ** 70}})
+            bad = await http.post(
+                engine.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2**70}}
+            )
             after = await http.post(engine.url + "/generate", json=valid)
             return bad, await running, after
 
@@ -85,8 +90,11 @@ def test_seed_beyond_64_bits_fails_alone(engine):
 
 def test_batch_with_rejected_members_answers_and_leaks_nothing(engine):
     too_long = "hello " * 5000  # more tokens than the context
-    response = post(engine.url, "/generate", {"text": [too_long, "Hello world", too_long],
-                                              "sampling_params": {"max_new_tokens": 20}})
+    response = post(
+        engine.url,
+        "/generate",
+        {"text": [too_long, "Hello world", too_long], "sampling_params": {"max_new_tokens": 20}},
+    )
     assert response.status_code == 400
     assert "context length" in response.json()["error"]["message"]
     assert_idle(engine.url)
@@ -99,10 +107,16 @@ def test_a_cancelled_future_rejected_at_admission_does_not_stop_the_loop(engine)
     scheduler = engine.scheduler
     scheduler.pause("in_place")
     try:
-        bad = GenerateRequest(rid="bad", input_ids=[1] * 5000, text=None, images=[],
-                              sampling=SamplingParams(max_new_tokens=4))
-        good = GenerateRequest(rid="good", input_ids=PROMPT, text=None, images=[],
-                               sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+        bad = GenerateRequest(
+            rid="bad", input_ids=[1] * 5000, text=None, images=[], sampling=SamplingParams(max_new_tokens=4)
+        )
+        good = GenerateRequest(
+            rid="good",
+            input_ids=PROMPT,
+            text=None,
+            images=[],
+            sampling=SamplingParams(max_new_tokens=4, temperature=0.0),
+        )
         bad_future = scheduler.submit(bad)
         good_future = scheduler.submit(good)
         assert bad_future.cancel()
@@ -145,13 +159,16 @@ def test_engine_faults_fail_only_their_request_with_a_named_500(engine, monkeypa
 
 # ---------------------------------------------------------------- 2. weight updates are all-or-nothing
 
+
 def _bad_checkpoints(root, good: dict[str, torch.Tensor]) -> dict[str, str]:
     names = sorted(good)
     cases = {}
     folder = root / "bad_name_after_good"
     folder.mkdir()
-    save_file({**{n: good[n] + 1.0 for n in names}, "model.layers.9.nonexistent.weight": torch.zeros(2)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {**{n: good[n] + 1.0 for n in names}, "model.layers.9.nonexistent.weight": torch.zeros(2)},
+        str(folder / "model.safetensors"),
+    )
     cases["bad_name_after_good"] = str(folder)
     folder = root / "bad_shape"
     folder.mkdir()
@@ -161,8 +178,10 @@ def _bad_checkpoints(root, good: dict[str, torch.Tensor]) -> dict[str, str]:
     cases["bad_shape"] = str(folder)
     folder = root / "bad_dtype"
     folder.mkdir()
-    save_file({**{n: good[n] + 1.0 for n in names[:-1]}, names[-1]: torch.ones(good[names[-1]].shape, dtype=torch.int64)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {**{n: good[n] + 1.0 for n in names[:-1]}, names[-1]: torch.ones(good[names[-1]].shape, dtype=torch.int64)},
+        str(folder / "model.safetensors"),
+    )
     cases["bad_dtype"] = str(folder)
     folder = root / "corrupt"
     folder.mkdir()
@@ -193,11 +212,15 @@ def test_failed_updates_leave_weights_and_version_then_a_good_one_works(tiny_pat
             response = post(engine.url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
             assert response.status_code == 400, (label, response.status_code, response.text)
             message = response.json()["error"]["message"]
-            assert path in message or os.path.basename(path) in message or "model.safetensors" in message, (label, message)
+            assert path in message or os.path.basename(path) in message or "model.safetensors" in message, (
+                label,
+                message,
+            )
             now = greedy(engine.url)
             assert now["output_ids"] == before["output_ids"], label
-            assert [x[0] for x in now["meta_info"]["output_token_logprobs"]] == \
-                [x[0] for x in before["meta_info"]["output_token_logprobs"]], label
+            assert [x[0] for x in now["meta_info"]["output_token_logprobs"]] == [
+                x[0] for x in before["meta_info"]["output_token_logprobs"]
+            ], label
             assert now["meta_info"]["weight_version"] == "0", label
         torch.manual_seed(3)
         perturbed = tmp_path / "perturbed"
@@ -225,17 +248,21 @@ def test_failed_in_process_update_changes_nothing(tiny_paths):
 
 # ---------------------------------------------------------------- 3. malformed input is a 400, never a 5xx
 
-@pytest.mark.parametrize("raw,needle", [
-    (b'{"input_ids": [1, 2], "return_logprob": true, "sampling_params": {"temperature": NaN}}', "temperature"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": Infinity}}', "temperature"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"temperature": 1e999}}', "temperature"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"top_p": NaN}}', "top_p"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"min_p": -Infinity}}', "min_p"),
-    (b'{"input_ids": [1, 2], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
-    (b"[" * 5000 + b"]" * 5000, "nested"),
-    (b'{"input_ids": [' + b"9" * 5000 + b"]}", "JSON"),
-    (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": ' + b"9" * 400 + b"}}", "max_new_tokens"),
-])
+
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        (b'{"input_ids": [1, 2], "return_logprob": true, "sampling_params": {"temperature": NaN}}', "temperature"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"temperature": Infinity}}', "temperature"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"temperature": 1e999}}', "temperature"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"top_p": NaN}}', "top_p"),
+        (b'{"input_ids": [1, 2], "sampling_params": {"min_p": -Infinity}}', "min_p"),
+        (b'{"input_ids": [1, 2], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+        (b"[" * 5000 + b"]" * 5000, "nested"),
+        (b'{"input_ids": [' + b"9" * 5000 + b"]}", "JSON"),
+        (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": ' + b"9" * 400 + b"}}", "max_new_tokens"),
+    ],
+)
 def test_malformed_numbers_and_nesting_are_400(engine, raw, needle):
     response = post(engine.url, "/generate", content=raw)
     assert response.status_code == 400, response.text
@@ -245,15 +272,19 @@ def test_malformed_numbers_and_nesting_are_400(engine, raw, needle):
 
 def _png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims ``width x height`` 1-bit pixels with almost no data (a decompression bomb)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    )
 
 
-@pytest.mark.parametrize("width,height,needle", [(100_000, 100_000, "pixels"), (9_000, 9_000, "pixels"),
-                                                 (64, 64, "cannot read image")])
+@pytest.mark.parametrize(
+    "width,height,needle", [(100_000, 100_000, "pixels"), (9_000, 9_000, "pixels"), (64, 64, "cannot read image")]
+)
 def test_image_bombs_and_truncated_images_are_400(vl_engine, width, height, needle):
     import base64
 
@@ -269,9 +300,13 @@ def test_image_files_must_be_small_regular_files_read_off_the_event_loop(vl_engi
     big = tmp_path / "big.png"
     with open(big, "wb") as f:
         f.truncate(200 * 1024 * 1024)  # sparse: no disk used
-    for path, needle in [("/dev/zero", "not a regular file"), (str(fifo), "not a regular file"),
-                         (f"file://{fifo}", "not a regular file"), (str(big), "larger than"),
-                         (str(tmp_path), "not a regular file")]:
+    for path, needle in [
+        ("/dev/zero", "not a regular file"),
+        (str(fifo), "not a regular file"),
+        (f"file://{fifo}", "not a regular file"),
+        (str(big), "larger than"),
+        (str(tmp_path), "not a regular file"),
+    ]:
         started = time.perf_counter()
         response = post(vl_engine.url, "/generate", {"input_ids": [1, 151655], "image_data": [path]}, timeout=20)
         assert response.status_code == 400, (path, response.text)
@@ -279,12 +314,16 @@ def test_image_files_must_be_small_regular_files_read_off_the_event_loop(vl_engi
         assert time.perf_counter() - started < 10, path
     image = tmp_path / "ok.png"
     diagram(1).save(image)
-    ok = post(vl_engine.url, "/generate", {"input_ids": [1, 151655], "image_data": [str(image)],
-                                           "sampling_params": {"max_new_tokens": 2}})
+    ok = post(
+        vl_engine.url,
+        "/generate",
+        {"input_ids": [1, 151655], "image_data": [str(image)], "sampling_params": {"max_new_tokens": 2}},
+    )
     assert ok.status_code == 200, ok.text
 
 
 # ---------------------------------------------------------------- 4. min_new_tokens blocks every stop token
+
 
 @pytest.fixture(scope="module")
 def stopper(tiny_paths, tmp_path_factory):
@@ -300,12 +339,22 @@ def test_the_stopper_model_stops_at_once(stopper):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "sampling_seed": 5},
-                                      {"temperature": 1.5, "top_p": 0.9, "sampling_seed": 6}])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "sampling_seed": 5},
+        {"temperature": 1.5, "top_p": 0.9, "sampling_seed": 6},
+    ],
+)
 def test_min_new_tokens_blocks_eos_and_stop_token_ids(stopper, sampling):
-    body = {"input_ids": [PROMPT] * 4, "return_logprob": True,
-            "sampling_params": [{**sampling, "max_new_tokens": 12, "min_new_tokens": m,
-                                 "stop_token_ids": [100]} for m in (1, 3, 6, 10)]}
+    body = {
+        "input_ids": [PROMPT] * 4,
+        "return_logprob": True,
+        "sampling_params": [
+            {**sampling, "max_new_tokens": 12, "min_new_tokens": m, "stop_token_ids": [100]} for m in (1, 3, 6, 10)
+        ],
+    }
     outs = post(stopper.url, "/generate", body).json()
     for m, out in zip((1, 3, 6, 10), outs):
         ids = out["output_ids"]
@@ -316,12 +365,19 @@ def test_min_new_tokens_blocks_eos_and_stop_token_ids(stopper, sampling):
 
 def test_min_new_tokens_logprobs_are_under_the_masked_distribution(stopper, tiny_paths):
     """As SGLang reports them: the blocked tokens get -inf before log_softmax(logits / T)."""
-    out = post(stopper.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params":
-                                          {"temperature": 0.0, "max_new_tokens": 6, "min_new_tokens": 4}}).json()
+    out = post(
+        stopper.url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "min_new_tokens": 4},
+        },
+    ).json()
     ids = out["output_ids"]
     model = AutoModelForCausalLM.from_pretrained(str(stopper.model_path)).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1].float()  # [n, V]
+        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 : -1].float()  # [n, V]
     logits[:4, EOS] = float("-inf")
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
     got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
@@ -330,38 +386,80 @@ def test_min_new_tokens_logprobs_are_under_the_masked_distribution(stopper, tiny
 
 # ---------------------------------------------------------------- 5. contract gaps with SGLang's /generate
 
+
 def test_null_sampling_params_mean_their_defaults(engine):
-    nulls = {k: None for k in ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                               "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
-                               "sampling_seed", "n", "frequency_penalty", "stream_interval")}
+    nulls = {
+        k: None
+        for k in (
+            "max_new_tokens",
+            "min_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "skip_special_tokens",
+            "no_stop_trim",
+            "sampling_seed",
+            "n",
+            "frequency_penalty",
+            "stream_interval",
+        )
+    }
     nulls.update(temperature=0.0, max_new_tokens=8)
-    response = post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": nulls,
-                                              "return_logprob": None, "logprob_start_len": None, "rid": None})
+    response = post(
+        engine.url,
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": nulls, "return_logprob": None, "logprob_start_len": None, "rid": None},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["output_ids"] == greedy(engine.url)["output_ids"]
-    unlimited = post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params":
-                                               {"max_new_tokens": None, "temperature": 0.0, "stop_token_ids": [
-                                                   greedy(engine.url, 3)["output_ids"][2]]}})
+    unlimited = post(
+        engine.url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": None,
+                "temperature": 0.0,
+                "stop_token_ids": [greedy(engine.url, 3)["output_ids"][2]],
+            },
+        },
+    )
     assert unlimited.status_code == 200, unlimited.text
 
 
 def test_input_token_logprobs_with_the_default_start(engine):
     out = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params": GREEDY}).json()
     assert out["meta_info"]["input_token_logprobs"] == [[None, PROMPT[-1], None]]
-    full = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
-                                          "sampling_params": GREEDY}).json()["meta_info"]["input_token_logprobs"]
+    full = post(
+        engine.url,
+        "/generate",
+        {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0, "sampling_params": GREEDY},
+    ).json()["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in full] == PROMPT and full[0][0] is None and all(lp < 0 for lp, _, _ in full[1:])
-    part = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 3,
-                                          "sampling_params": GREEDY}).json()["meta_info"]["input_token_logprobs"]
+    part = post(
+        engine.url,
+        "/generate",
+        {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 3, "sampling_params": GREEDY},
+    ).json()["meta_info"]["input_token_logprobs"]
     assert part[0] == [None, PROMPT[3], None] and part[1:] == full[4:]
-    too_far = post(engine.url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                                             "logprob_start_len": len(PROMPT), "sampling_params": GREEDY})
+    too_far = post(
+        engine.url,
+        "/generate",
+        {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": len(PROMPT), "sampling_params": GREEDY},
+    )
     assert too_far.status_code == 400 and "logprob_start_len" in too_far.json()["error"]["message"]
 
 
 def test_batch_rid_string_is_a_prefix_and_abort_hits_one(engine):
-    body = {"input_ids": [PROMPT, PROMPT[:4]], "rid": "job",
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    body = {
+        "input_ids": [PROMPT, PROMPT[:4]],
+        "rid": "job",
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+    }
 
     async def go():
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
@@ -384,10 +482,19 @@ def test_batch_rid_string_is_a_prefix_and_abort_hits_one(engine):
 def test_abort_all_is_read_as_a_boolean(engine, flag, aborts):
     """A long request, then ``abort_all: flag``, then an abort by its rid: the finish message says
     which of the two ended it (a fixed-length request could finish first on a fast machine)."""
+
     async def go():
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
-            task = asyncio.create_task(http.post(engine.url + "/generate", json={
-                "input_ids": PROMPT, "rid": "long", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
+            task = asyncio.create_task(
+                http.post(
+                    engine.url + "/generate",
+                    json={
+                        "input_ids": PROMPT,
+                        "rid": "long",
+                        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+                    },
+                )
+            )
             await asyncio.sleep(0.3)
             answer = await http.post(engine.url + "/abort_request", json={"rid": "", "abort_all": flag})
             await asyncio.sleep(0.1)
@@ -404,8 +511,10 @@ def test_abort_all_is_read_as_a_boolean(engine, flag, aborts):
 
 def test_update_without_weight_version_keeps_the_version(tiny_paths, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
     with LocalEngine(tiny_paths["qwen2"], weight_version="3") as engine:
         answer = post(engine.url, "/update_weights_from_disk", {"model_path": str(tmp_path)}).json()
         assert answer["success"] and answer["weight_version"] == "3"
@@ -434,8 +543,16 @@ def test_image_reads_do_not_block_the_event_loop(vl_engine, tmp_path, monkeypatc
 
     async def go():
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
-            task = asyncio.create_task(http.post(vl_engine.url + "/generate", json={
-                "input_ids": [1, 151655], "image_data": [str(image)], "sampling_params": {"max_new_tokens": 1}}))
+            task = asyncio.create_task(
+                http.post(
+                    vl_engine.url + "/generate",
+                    json={
+                        "input_ids": [1, 151655],
+                        "image_data": [str(image)],
+                        "sampling_params": {"max_new_tokens": 1},
+                    },
+                )
+            )
             while not slow.is_set():
                 await asyncio.sleep(0.01)
             started = time.perf_counter()
@@ -458,4 +575,3 @@ def test_health_reports_a_dead_scheduler(tiny_paths):
         assert generate.status_code == 503
     finally:
         engine.stop()
-

@@ -38,7 +38,9 @@ def test_the_cache_serves_the_longest_prefix_and_evicts_by_tokens():
     cache.insert([1, 2, 3, 4], kv(4))
     cache.insert([1, 2, 7], kv(3, fill=100))
     n, state = cache.lookup([1, 2, 3, 4, 5], limit=4)
-    assert n == 4 and state[0][0].flatten().tolist() == [0, 1, 2, 3] and state[1][1].flatten().tolist() == [0, -1, -2, -3]
+    assert (
+        n == 4 and state[0][0].flatten().tolist() == [0, 1, 2, 3] and state[1][1].flatten().tolist() == [0, -1, -2, -3]
+    )
     n, state = cache.lookup([1, 2, 7, 8], limit=3)
     assert n == 3 and state[0][0].flatten().tolist() == [100, 101, 102]
     n, _ = cache.lookup([1, 2, 3, 4, 5], limit=2)  # the caller's limit (a token must be left to compute)
@@ -77,8 +79,9 @@ def observation_ids(tokenizer, turn: int) -> list[int]:
 
 
 async def episode(url: str, tokenizer, turns: int = 8) -> list[dict]:
-    prompt = tokenizer("<|im_start|>user\nPlay the grid game.<|im_end|>\n<|im_start|>assistant\n",
-                       add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(
+        "<|im_start|>user\nPlay the grid game.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )["input_ids"]
     out = []
     async with EngineClient(url) as client:
         for turn in range(turns):
@@ -114,8 +117,9 @@ def test_an_aborted_turn_resumes_from_its_tokens_and_updates_invalidate(engines)
 
     async def go():
         async with EngineClient(cached.url) as client:
-            first = asyncio.ensure_future(client.generate(prompt, {**GREEDY, "max_new_tokens": 400,
-                                                                   "ignore_eos": True}))
+            first = asyncio.ensure_future(
+                client.generate(prompt, {**GREEDY, "max_new_tokens": 400, "ignore_eos": True})
+            )
             while cached.scheduler.load()["generated_tokens"] == 0 or not cached.scheduler.load()["#running_req"]:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.3)
@@ -134,8 +138,10 @@ def test_an_aborted_turn_resumes_from_its_tokens_and_updates_invalidate(engines)
     generated = len(partial["output_ids"])
     assert 0 < generated < 400
     assert resumed["meta_info"]["cached_tokens"] == len(prompt) + generated - 1
-    assert after_update["meta_info"]["cached_tokens"] == 0 and after_update["meta_info"]["weight_version"] == \
-        "after-update"
+    assert (
+        after_update["meta_info"]["cached_tokens"] == 0
+        and after_update["meta_info"]["weight_version"] == "after-update"
+    )
     assert again["meta_info"]["cached_tokens"] == len(prompt) + generated - 1  # from the request before it
     assert flushed["meta_info"]["cached_tokens"] == 0
     assert resumed["output_ids"] == after_update["output_ids"] == flushed["output_ids"]

@@ -66,8 +66,9 @@ def test_200_malformed_requests_then_a_valid_one(farm, tiny_paths):
         for i in range(200):
             label, body = cases[i % len(cases)] if i < len(cases) else rng.choice(cases)
             if isinstance(body, bytes):
-                response = http.post(target.url + "/generate", content=body,
-                                     headers={"content-type": "application/json"})
+                response = http.post(
+                    target.url + "/generate", content=body, headers={"content-type": "application/json"}
+                )
             else:
                 response = http.post(target.url + "/generate", json=body)
             statuses.append((label, response.status_code))
@@ -120,7 +121,9 @@ def test_client_retries_through_a_restart():
 
 def test_client_gives_up_after_budget_naming_url():
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(EngineError, match=rf"engine {url}/generate failed after 3 attempts; last failure: ConnectError"):
+    with pytest.raises(
+        EngineError, match=rf"engine {url}/generate failed after 3 attempts; last failure: ConnectError"
+    ):
         run(_generate(url, retries=2, backoff=0.05))
 
 

@@ -26,8 +26,10 @@ def test_engine_url_that_does_not_answer(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_SGLANG and torch.cuda.is_available() and os.environ.get("SLIME_MT_GPU_MODEL")),
-                    reason="needs SGLang, a GPU and SLIME_MT_GPU_MODEL=<HF folder>")
+@pytest.mark.skipif(
+    not (HAS_SGLANG and torch.cuda.is_available() and os.environ.get("SLIME_MT_GPU_MODEL")),
+    reason="needs SGLang, a GPU and SLIME_MT_GPU_MODEL=<HF folder>",
+)
 def test_real_sglang_server_speaks_the_same_protocol(tmp_path):
     import asyncio
 
@@ -43,8 +45,9 @@ def test_real_sglang_server_speaks_the_same_protocol(tmp_path):
         async def go():
             async with EngineClient(group.url, group.worker_urls) as client:
                 out = await client.generate(ids, {"max_new_tokens": 8, "temperature": 0.0})
-                aborted = asyncio.create_task(client.generate(ids, {"max_new_tokens": 4000, "ignore_eos": True},
-                                                              rid="gpu-abort"))
+                aborted = asyncio.create_task(
+                    client.generate(ids, {"max_new_tokens": 4000, "ignore_eos": True}, rid="gpu-abort")
+                )
                 await asyncio.sleep(0.5)
                 await client.abort("gpu-abort")
                 return out, await aborted

@@ -24,13 +24,35 @@ from slime_mt.types import Sample, Status
 THINK, END_THINK, EOT, NL, NL2 = 151667, 151668, 151645, 198, 271  # <think> </think> <|im_end|> "\n" "\n\n"
 LET, ME, CHECK, CALLING, TOOL = 10061, 752, 1779, 48853, 5392
 DIRECT, ANS, WER, ANSWER = 16027, 8099, 6566, 4226  # " ans" + "wer": a non-canonical split of " answer"
-THINKING = {NL: [THINK], THINK: [LET], LET: [ME], ME: [CHECK], CHECK: [END_THINK], END_THINK: [NL2],
-            NL2: [CALLING], CALLING: [TOOL], TOOL: [EOT]}  # "<think>Let me check</think>\n\nCalling tool"
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "expression": {"type": "string"}}, "required": ["expression"]}}}]
-PROMPT = [{"role": "system", "content": "You are a careful solver."},
-          {"role": "user", "content": "What is 17 * 23? Use the calculator."}]
+THINKING = {
+    NL: [THINK],
+    THINK: [LET],
+    LET: [ME],
+    ME: [CHECK],
+    CHECK: [END_THINK],
+    END_THINK: [NL2],
+    NL2: [CALLING],
+    CALLING: [TOOL],
+    TOOL: [EOT],
+}  # "<think>Let me check</think>\n\nCalling tool"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+PROMPT = [
+    {"role": "system", "content": "You are a careful solver."},
+    {"role": "user", "content": "What is 17 * 23? Use the calculator."},
+]
 RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
 
 
@@ -43,14 +65,25 @@ class RecordingClient(EngineClient):
 
     async def generate(self, input_ids=None, sampling_params=None, image_data=None, **kw):
         response = await super().generate(input_ids, sampling_params, image_data=image_data, **kw)
-        self.calls.append({"input_ids": list(input_ids), "image_data": list(image_data or []),
-                           "sampling_params": dict(sampling_params), "response": response})
+        self.calls.append(
+            {
+                "input_ids": list(input_ids),
+                "image_data": list(image_data or []),
+                "sampling_params": dict(sampling_params),
+                "response": response,
+            }
+        )
         return response
 
 
 def make_ctx(url, model_path, data=None, **rollout) -> RolloutContext:
-    ctx = RolloutContext(RecordingClient(url), load_tokenizer_or_processor(model_path),
-                         RolloutConfig(**rollout), data or DataConfig(apply_chat_template=True), argparse.Namespace())
+    ctx = RolloutContext(
+        RecordingClient(url),
+        load_tokenizer_or_processor(model_path),
+        RolloutConfig(**rollout),
+        data or DataConfig(apply_chat_template=True),
+        argparse.Namespace(),
+    )
     ctx.args.rollout_context = ctx
     return ctx
 
@@ -65,9 +98,24 @@ def train_in_megatron(tmp_path, payload: dict) -> dict:
 
     out = tmp_path / "samples.pt"
     torch.save(payload, out)
-    proc = subprocess.run([sys.executable, str(REPO / "tests/backends/megatron_worker.py"), "--tp", "1",
-                           "--checks", "train_file", "--samples", str(out), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/backends/megatron_worker.py"),
+            "--tp",
+            "1",
+            "--checks",
+            "train_file",
+            "--samples",
+            str(out),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
 
@@ -82,14 +130,31 @@ def image_episode(farm, model_path, kind, turns, **rollout):
     """A tiny VLM episode of ``turns`` turns: ``picture(1)`` in the prompt, ``picture(k + 2)`` in the
     k-th observation; short outputs (every fifth token id stops). -> (ctx, sample), COMPLETED."""
     target = farm.target(f"{kind.replace('-', '').replace('.', '')}-direct", model_path)
-    ctx = make_ctx(target.url, target.model_path, max_turns=turns, rollout_max_response_len=40,
-                   rollout_max_context_len=8192, rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT], **rollout)
-    prompt = [{"role": "user", "content": [{"type": "image", "image": picture(1)},
-                                           {"type": "text", "text": "Describe the shapes you are shown."}]}]
+    ctx = make_ctx(
+        target.url,
+        target.model_path,
+        max_turns=turns,
+        rollout_max_response_len=40,
+        rollout_max_context_len=8192,
+        rollout_stop_token_ids=list(range(3, 151643, 5)) + [EOT],
+        **rollout,
+    )
+    prompt = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": picture(1)},
+                {"type": "text", "text": "Describe the shapes you are shown."},
+            ],
+        }
+    ]
     observations = [{"text": f"Now this one ({k}).", "images": [picture(k + 2)]} for k in range(turns - 1)]
     sample = Sample(index=0, group_index=0, prompt=prompt, metadata={"rollout_id": 0})
-    asyncio.run(run_episode(ctx, sample, dict(ctx.sampling_params(), temperature=0.7),
-                            env=ScriptedEnv(observations, done_after=turns)))
+    asyncio.run(
+        run_episode(
+            ctx, sample, dict(ctx.sampling_params(), temperature=0.7), env=ScriptedEnv(observations, done_after=turns)
+        )
+    )
     assert sample.status == Status.COMPLETED and len(sample.turns) == turns, sample.metadata
     return ctx, sample
 
@@ -160,7 +225,7 @@ def chain_model(src, out, tokenizer_dir, transitions: dict[int, list[int]], logi
         model.model.norm.weight.fill_(1.0)
         for a, nxt in transitions.items():
             for b in nxt:  # normalised one-hot: sqrt(hidden) on direction a
-                model.lm_head.weight[b, direction[a]] = logit / hidden ** 0.5
+                model.lm_head.weight[b, direction[a]] = logit / hidden**0.5
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()

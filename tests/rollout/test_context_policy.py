@@ -11,9 +11,32 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_helpers import (ANS, ANSWER, CALLING, CHECK, DIRECT, END_THINK, EOT, LET, ME, NL, NL2, PROMPT, RESULTS,
-                              THINK, THINKING, TOOL, TOOLS, WER, ScriptedEnv, chain_model, image_episode, make_ctx, picture,
-                              train_in_megatron)
+from rollout_helpers import (
+    ANS,
+    ANSWER,
+    CALLING,
+    CHECK,
+    DIRECT,
+    END_THINK,
+    EOT,
+    LET,
+    ME,
+    NL,
+    NL2,
+    PROMPT,
+    RESULTS,
+    THINK,
+    THINKING,
+    TOOL,
+    TOOLS,
+    WER,
+    ScriptedEnv,
+    chain_model,
+    image_episode,
+    make_ctx,
+    picture,
+    train_in_megatron,
+)
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.config import ConfigError, DataConfig, build_config
@@ -38,8 +61,9 @@ def reference():
 def chain_engines(tiny_paths, tmp_path_factory):
     engines = {}
     for name, transitions in (("thinking", THINKING), ("sometimes", SOMETIMES)):
-        path = chain_model(tiny_paths["qwen3"], tmp_path_factory.mktemp(name), qwen3_reference_tokenizer_dir(),
-                           transitions)
+        path = chain_model(
+            tiny_paths["qwen3"], tmp_path_factory.mktemp(name), qwen3_reference_tokenizer_dir(), transitions
+        )
         engines[name] = LocalEngine(path, max_batch_size=8).start()
     yield engines
     for engine in engines.values():
@@ -50,17 +74,25 @@ def test_the_tokens_of_the_chain_model(reference):
     assert reference.encode(" ans", add_special_tokens=False) == [ANS]
     assert reference.encode("wer", add_special_tokens=False) == [WER]
     assert reference.encode("Direct answer", add_special_tokens=False) == [DIRECT, ANSWER]
-    assert reference.decode([THINK, LET, ME, CHECK, END_THINK, NL2, CALLING, TOOL]) == \
-        "<think>Let me check</think>\n\nCalling tool"
+    assert (
+        reference.decode([THINK, LET, ME, CHECK, END_THINK, NL2, CALLING, TOOL])
+        == "<think>Let me check</think>\n\nCalling tool"
+    )
 
 
 def tool_episode(engine, policy, seed, index=0):
-    ctx = make_ctx(engine.url, engine.model_path, max_turns=4, rollout_max_response_len=16,
-                   rollout_max_context_len=4096, context_policy=policy, sample_format="step_wise",
-                   data=DataConfig(apply_chat_template=True, rollout_seed=seed))
+    ctx = make_ctx(
+        engine.url,
+        engine.model_path,
+        max_turns=4,
+        rollout_max_response_len=16,
+        rollout_max_context_len=4096,
+        context_policy=policy,
+        sample_format="step_wise",
+        data=DataConfig(apply_chat_template=True, rollout_seed=seed),
+    )
     sample = Sample(index=index, group_index=0, prompt=PROMPT, metadata={"tools": TOOLS, "rollout_id": 0})
-    asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=ScriptedEnv(RESULTS, role="tool",
-                                                                                  done_after=4)))
+    asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=ScriptedEnv(RESULTS, role="tool", done_after=4)))
     assert sample.status == Status.COMPLETED, sample.metadata
     return ctx, sample
 
@@ -72,20 +104,23 @@ def stripped_history(sample, reference, upto):
     for k in range(upto):
         turn = sample.turns[k]
         thought = sample.tokens[turn.output_start] == THINK
-        messages += [{"role": "assistant", "content": "Calling tool" if thought else "Direct answer"},
-                     {"role": "tool", "content": RESULTS[k]["text"]}]
+        messages += [
+            {"role": "assistant", "content": "Calling tool" if thought else "Direct answer"},
+            {"role": "tool", "content": RESULTS[k]["text"]},
+        ]
     return messages
 
 
 def expected_context(sample, reference, upto):
     """The tokenized official render of the stripped history plus the generation prompt, with the
     unchanged (non-thinking) answers as generated: " ans" "wer", not the canonical " answer"."""
-    text = reference.apply_chat_template(stripped_history(sample, reference, upto), tools=TOOLS, tokenize=False,
-                                         add_generation_prompt=True)
+    text = reference.apply_chat_template(
+        stripped_history(sample, reference, upto), tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     ids = reference.encode(text, add_special_tokens=False)
     out, k = [], 0
     while k < len(ids):
-        if ids[k:k + 2] == [DIRECT, ANSWER]:
+        if ids[k : k + 2] == [DIRECT, ANSWER]:
             out += [DIRECT, ANS, WER]
             k += 2
         else:
@@ -95,8 +130,7 @@ def expected_context(sample, reference, upto):
 
 
 @pytest.mark.parametrize("model,seeds", [("thinking", [0]), ("sometimes", [0, 1, 2, 3])])
-def test_strip_thinking_steps_are_the_official_render_of_the_stripped_history(chain_engines, reference, model,
-                                                                                seeds):
+def test_strip_thinking_steps_are_the_official_render_of_the_stripped_history(chain_engines, reference, model, seeds):
     thought, plain, merges = 0, 0, 0
     for seed in seeds:
         ctx, sample = tool_episode(chain_engines[model], "strip_thinking", seed)
@@ -145,27 +179,51 @@ def test_window_and_a_user_policy_give_exact_steps(chain_engines, reference, pol
     engine = chain_engines["sometimes"]
     if policy == "user":
         (tmp_path / "policy.py").write_text(USER_POLICY)
-    ctx = make_ctx(engine.url, engine.model_path, max_turns=4, rollout_max_response_len=16,
-                   rollout_max_context_len=4096, sample_format="step_wise",
-                   data=DataConfig(apply_chat_template=True, rollout_seed=1),
-                   **({"context_policy_path": f"{tmp_path}/policy.py:summarise"} if policy == "user"
-                      else {"context_policy": policy}))
+    ctx = make_ctx(
+        engine.url,
+        engine.model_path,
+        max_turns=4,
+        rollout_max_response_len=16,
+        rollout_max_context_len=4096,
+        sample_format="step_wise",
+        data=DataConfig(apply_chat_template=True, rollout_seed=1),
+        **(
+            {"context_policy_path": f"{tmp_path}/policy.py:summarise"}
+            if policy == "user"
+            else {"context_policy": policy}
+        ),
+    )
     sample = Sample(index=0, group_index=0, prompt=PROMPT, metadata={"tools": TOOLS, "rollout_id": 0})
     asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=ScriptedEnv(RESULTS, role="tool", done_after=4)))
     steps, _ = finalize([sample], "step_wise", merge=True)
     raw, _ = finalize([sample], "step_wise", merge=False)
-    outputs = [sample.tokens[t.output_start:t.output_end] for t in sample.turns]
+    outputs = [sample.tokens[t.output_start : t.output_end] for t in sample.turns]
     for k, (step, call) in enumerate(zip(raw, ctx.client.calls)):
-        assert step.prompt_ids == call["input_ids"] and step.response_ids == call["response"]["output_ids"] == outputs[k]
-        turns = [[{"role": "assistant", "content": reference.decode(outputs[j][:-1])},
-                  {"role": "tool", "content": RESULTS[j]["text"]}] for j in range(k)]
+        assert (
+            step.prompt_ids == call["input_ids"] and step.response_ids == call["response"]["output_ids"] == outputs[k]
+        )
+        turns = [
+            [
+                {"role": "assistant", "content": reference.decode(outputs[j][:-1])},
+                {"role": "tool", "content": RESULTS[j]["text"]},
+            ]
+            for j in range(k)
+        ]
         if policy == "window:2":
             messages = PROMPT + windowed(turns, 2)
         elif k < 2:
             messages = PROMPT + windowed(turns, k)
         else:
-            messages = PROMPT + [{"role": "user", "content": f"Summary: {k - 1} earlier tool calls, last result "
-                                                             f"{RESULTS[k - 2]['text']!r}."}] + turns[-1]
+            messages = (
+                PROMPT
+                + [
+                    {
+                        "role": "user",
+                        "content": f"Summary: {k - 1} earlier tool calls, last result {RESULTS[k - 2]['text']!r}.",
+                    }
+                ]
+                + turns[-1]
+            )
         # the kept answers are spliced back as generated: render with a marker, then splice
         marked = [dict(m, content=f"@@{i}@@") if m["role"] == "assistant" else m for i, m in enumerate(messages)]
         text = reference.apply_chat_template(marked, tools=TOOLS, tokenize=False, add_generation_prompt=True)
@@ -183,8 +241,9 @@ def test_window_and_a_user_policy_give_exact_steps(chain_engines, reference, pol
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])
 def test_keep_last_images_sends_and_trains_exactly_the_kept_image(farm, tiny_paths, kind, tmp_path):
-    ctx, sample = image_episode(farm, tiny_paths[kind], kind, 4, context_policy="keep_last_images:1",
-                                sample_format="step_wise")
+    ctx, sample = image_episode(
+        farm, tiny_paths[kind], kind, 4, context_policy="keep_last_images:1", sample_format="step_wise"
+    )
     processor = load_tokenizer_or_processor(tiny_paths[kind])
     pad = processor.image_token_id
     steps, _ = finalize([sample], "step_wise", merge=False)
@@ -199,15 +258,22 @@ def test_keep_last_images_sends_and_trains_exactly_the_kept_image(farm, tiny_pat
         assert sample.turns[k].image_indices == (None if k == 0 else [k])
         if k:
             assert "[image omitted]" in processor.tokenizer.decode(step.prompt_ids)
-    trained = train_in_megatron(tmp_path, {"path": str(tiny_paths[kind]), "samples": steps,
-                                           "advantages": compute_advantages(steps, "dr_grpo")})
+    trained = train_in_megatron(
+        tmp_path, {"path": str(tiny_paths[kind]), "samples": steps, "advantages": compute_advantages(steps, "dr_grpo")}
+    )
     assert trained["sequences"] == 4 and trained["finite"] and trained["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("windows:2", "unknown policy"), ("window", "needs a count"), ("window:-1", "needs a count"),
-    ("strip_thinking:3", "takes no argument"), ("keep_last_images:x", "needs a count"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("windows:2", "unknown policy"),
+        ("window", "needs a count"),
+        ("window:-1", "needs a count"),
+        ("strip_thinking:3", "takes no argument"),
+        ("keep_last_images:x", "needs a count"),
+    ],
+)
 def test_bad_policy_specs_name_the_flag(spec, message):
     with pytest.raises(ContextPolicyError, match=message):
         parse_policy(spec)
@@ -224,8 +290,9 @@ def test_concat_with_a_rewriting_policy_is_a_config_error(setting):
 def test_a_user_policy_must_fit_the_signature_and_return_messages(tmp_path):
     from slime_mt.plugins import PluginError
 
-    (tmp_path / "p.py").write_text("def bad(sample):\n    return []\n\ndef text(args, sample, prompt, turns):\n"
-                                   "    return 'hello'\n")
+    (tmp_path / "p.py").write_text(
+        "def bad(sample):\n    return []\n\ndef text(args, sample, prompt, turns):\n    return 'hello'\n"
+    )
     with pytest.raises(PluginError, match="--context-policy-path"):
         load_policy(path=f"{tmp_path}/p.py:bad")
     from slime_mt.rollout.context_policy import apply_policy

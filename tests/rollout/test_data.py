@@ -30,12 +30,21 @@ CFG = DataConfig(input_key="problem", label_key="answer", multimodal_keys={"imag
 def test_jsonl_rows_with_images_from_path_base64_and_data_uri(tmp_path):
     (tmp_path / "a.png").write_bytes(png_bytes((1, 2, 3)))
     b64 = base64.b64encode(png_bytes((4, 5, 6))).decode()
-    rows = load_rows(write_jsonl(tmp_path / "train.jsonl", [
-        {"problem": "<image>Find x.", "answer": "4", "images": ["a.png"], "metadata": {"level": 2}},
-        {"problem": "Compare <image> and <image>", "answer": "1/2",
-         "images": [b64, "data:image/png;base64," + b64]},
-        {"problem": "No image here", "answer": 3},
-    ]), CFG)
+    rows = load_rows(
+        write_jsonl(
+            tmp_path / "train.jsonl",
+            [
+                {"problem": "<image>Find x.", "answer": "4", "images": ["a.png"], "metadata": {"level": 2}},
+                {
+                    "problem": "Compare <image> and <image>",
+                    "answer": "1/2",
+                    "images": [b64, "data:image/png;base64," + b64],
+                },
+                {"problem": "No image here", "answer": 3},
+            ],
+        ),
+        CFG,
+    )
     assert rows[0].prompt == [{"type": "image", "image": rows[0].images[0]}, {"type": "text", "text": "Find x."}]
     assert rows[0].images[0].getpixel((0, 0)) == (1, 2, 3)
     assert rows[0].metadata == {"level": 2} and rows[0].label == "4"
@@ -45,8 +54,13 @@ def test_jsonl_rows_with_images_from_path_base64_and_data_uri(tmp_path):
 
 
 def test_parquet_rows_with_image_structs(tmp_path):
-    table = pa.table({"problem": ["<image>How long is AB?"], "answer": ["5"],
-                      "images": [[{"bytes": png_bytes((9, 9, 9)), "path": None}]]})
+    table = pa.table(
+        {
+            "problem": ["<image>How long is AB?"],
+            "answer": ["5"],
+            "images": [[{"bytes": png_bytes((9, 9, 9)), "path": None}]],
+        }
+    )
     pq.write_table(table, tmp_path / "train.parquet")
     [row] = load_rows(tmp_path / "train.parquet", CFG)
     assert row.images[0].getpixel((0, 0)) == (9, 9, 9)
@@ -55,22 +69,46 @@ def test_parquet_rows_with_image_structs(tmp_path):
 
 def test_chat_message_prompts_get_image_parts(tmp_path):
     (tmp_path / "a.png").write_bytes(png_bytes())
-    [row] = load_rows(write_jsonl(tmp_path / "t.jsonl", [
-        {"problem": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "<image>x?"}],
-         "images": ["a.png"]}]), CFG)
+    [row] = load_rows(
+        write_jsonl(
+            tmp_path / "t.jsonl",
+            [
+                {
+                    "problem": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "<image>x?"}],
+                    "images": ["a.png"],
+                }
+            ],
+        ),
+        CFG,
+    )
     assert row.prompt[0] == {"role": "system", "content": "Be exact."}
     assert row.prompt[1]["content"][0]["type"] == "image"
 
 
-@pytest.mark.parametrize("rows,message", [
-    ([{"problem": "<image><image>", "images": ["a.png"]}], r"row 0 of bad.jsonl: 2 <image> placeholders but 1 images"),
-    ([{"problem": "ok"}, {"problem": "none", "images": ["a.png"]}], r"row 1 of bad.jsonl: 0 <image> placeholders but 1"),
-    ([{"problem": "<image>", "images": ["missing.png"]}], r"row 0 of bad.jsonl, image 0: cannot read image"),
-    ([{"problem": "<image>", "images": ["data:image/png;base64,AAAA"]}], r"row 0 of bad.jsonl, image 0: cannot read"),
-    ([{"question": "x"}], r"row 0 of bad.jsonl: missing prompt key 'problem' \(--input-key\)"),
-    ([{"problem": 5}], r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages"),
-    ([{"problem": "x", "metadata": "not json"}], r"row 0 of bad.jsonl: metadata 'metadata' is a string but not JSON"),
-])
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        (
+            [{"problem": "<image><image>", "images": ["a.png"]}],
+            r"row 0 of bad.jsonl: 2 <image> placeholders but 1 images",
+        ),
+        (
+            [{"problem": "ok"}, {"problem": "none", "images": ["a.png"]}],
+            r"row 1 of bad.jsonl: 0 <image> placeholders but 1",
+        ),
+        ([{"problem": "<image>", "images": ["missing.png"]}], r"row 0 of bad.jsonl, image 0: cannot read image"),
+        (
+            [{"problem": "<image>", "images": ["data:image/png;base64,AAAA"]}],
+            r"row 0 of bad.jsonl, image 0: cannot read",
+        ),
+        ([{"question": "x"}], r"row 0 of bad.jsonl: missing prompt key 'problem' \(--input-key\)"),
+        ([{"problem": 5}], r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages"),
+        (
+            [{"problem": "x", "metadata": "not json"}],
+            r"row 0 of bad.jsonl: metadata 'metadata' is a string but not JSON",
+        ),
+    ],
+)
 def test_bad_rows_name_row_and_file(tmp_path, rows, message):
     (tmp_path / "a.png").write_bytes(png_bytes())
     with pytest.raises(DatasetError, match=message):

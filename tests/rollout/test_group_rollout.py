@@ -25,21 +25,31 @@ def target(farm, tiny_paths):
 
 def dataset(tmp_path, n_prompts, n_samples):
     path = tmp_path / "guess.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Guess my number from 1 to 16 (game {i}).", "secret": 1 + i % 16})
-                            + "\n" for i in range(n_prompts)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Guess my number from 1 to 16 (game {i}).", "secret": 1 + i % 16}) + "\n"
+            for i in range(n_prompts)
+        )
+    )
     return PromptDataset(load_rows(path, DATA_CFG), n_samples)
 
 
 def context(target, **rollout):
-    defaults = dict(rollout_max_response_len=24, rollout_temperature=1.0, rollout_stop_token_ids=STOPS,
-                    rollout_concurrency=16)
+    defaults = dict(
+        rollout_max_response_len=24, rollout_temperature=1.0, rollout_stop_token_ids=STOPS, rollout_concurrency=16
+    )
     ctx = make_ctx(target.url, target.model_path, data=DATA_CFG, **{**defaults, **rollout})
     return ctx
 
 
 def test_example_env_by_file_path(target, tmp_path):
-    ctx = context(target, rollout_interaction_env_path=str(REPO / "examples/custom_env/guess_env.py"),
-                  rollout_batch_size=3, n_samples_per_prompt=4, max_turns=3)
+    ctx = context(
+        target,
+        rollout_interaction_env_path=str(REPO / "examples/custom_env/guess_env.py"),
+        rollout_batch_size=3,
+        n_samples_per_prompt=4,
+        max_turns=3,
+    )
     groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 5, 4))
     assert len(groups) == 3 and all(len(g) == 4 for g in groups)
     assert [{s.group_index for s in g} for g in groups] == [{0}, {1}, {2}]
@@ -56,16 +66,25 @@ def test_example_env_by_file_path(target, tmp_path):
 
 
 def test_custom_reward_dict_and_dynamic_filter_by_path(target, tmp_path):
-    (tmp_path / "plugins.py").write_text(textwrap.dedent("""
+    (tmp_path / "plugins.py").write_text(
+        textwrap.dedent("""
         async def rm(args, sample):
             return {"score": float(len(sample.turns)), "length": sample.response_length}
 
         def keep_even(args, samples):
             return samples[0].group_index % 2 == 0
-    """))
-    ctx = context(target, custom_rm_path=f"{tmp_path}/plugins.py:rm", reward_key="score",
-                  dynamic_sampling_filter_path=f"{tmp_path}/plugins.py:keep_even", over_sampling_batch_size=4,
-                  rollout_batch_size=3, n_samples_per_prompt=2, max_turns=1)
+    """)
+    )
+    ctx = context(
+        target,
+        custom_rm_path=f"{tmp_path}/plugins.py:rm",
+        reward_key="score",
+        dynamic_sampling_filter_path=f"{tmp_path}/plugins.py:keep_even",
+        over_sampling_batch_size=4,
+        rollout_batch_size=3,
+        n_samples_per_prompt=2,
+        max_turns=1,
+    )
     groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 10, 2))
     assert [g[0].group_index for g in groups] == [0, 2, 4]
     for s in (s for g in groups for s in g):
@@ -73,17 +92,26 @@ def test_custom_reward_dict_and_dynamic_filter_by_path(target, tmp_path):
 
 
 def test_flaky_env_over_64_trajectories(target, tmp_path):
-    (tmp_path / "flaky_env.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "flaky_env.py").write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from rollout_helpers import FlakyEnv
 
         def build_env(sample=None, args=None, **kw):
             return FlakyEnv(seed=sample.index, p_retry=0.3, p_hang=0.05, turns=3)
-    """))
-    ctx = context(target, rollout_interaction_env_path=str(tmp_path / "flaky_env.py"), rollout_batch_size=16,
-                  n_samples_per_prompt=4, max_turns=4, env_step_timeout=0.5, max_env_retries_per_turn=2,
-                  rollout_concurrency=64)
+    """)
+    )
+    ctx = context(
+        target,
+        rollout_interaction_env_path=str(tmp_path / "flaky_env.py"),
+        rollout_batch_size=16,
+        n_samples_per_prompt=4,
+        max_turns=4,
+        env_step_timeout=0.5,
+        max_env_retries_per_turn=2,
+        rollout_concurrency=64,
+    )
     groups = generate_rollout(ctx.args, 0, dataset(tmp_path, 16, 4))
     samples = [s for g in groups for s in g]
     assert len(samples) == 64

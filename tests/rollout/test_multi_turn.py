@@ -22,18 +22,43 @@ RANDOM_STOPS = list(range(3, 151643, 16)) + [151645]
 
 CASES = {
     # name: (model, prompt, observations, stop ids, prefix-stable template)
-    "qwen2.5": ("qwen2", [{"role": "user", "content": "Solve 3x = 12. Use the tool."}],
-                [{"text": "Tool says: x is 4"}, {"text": "Please give the final answer."}], RANDOM_STOPS, True),
-    "qwen3": ("qwen3", [{"role": "user", "content": "Earlier question"},
-                        {"role": "assistant", "content": "<think>\nfirst thoughts\n</think>\n\nEarlier answer"},
-                        {"role": "user", "content": "Think step by step: 2+5?"}],
-              [{"text": "Wrong, think again."}, {"text": "Closer."}], RANDOM_STOPS, False),
-    "smollm2": ("smollm2", [{"role": "user", "content": "Name one color. Answer with one word."}],
-                [{"text": "Name another color, one word."}, {"text": "And one more, one word."}], None, True),
-    "qwen2.5-vl": ("qwen2.5-vl", [{"role": "user", "content": [{"type": "image", "image": picture(1)},
-                                                               {"type": "text", "text": "What shape is this?"}]}],
-                   [{"text": "Look at this one too.", "images": [picture(2)]},
-                    {"text": "And this.", "images": [picture(3)]}], RANDOM_STOPS, True),
+    "qwen2.5": (
+        "qwen2",
+        [{"role": "user", "content": "Solve 3x = 12. Use the tool."}],
+        [{"text": "Tool says: x is 4"}, {"text": "Please give the final answer."}],
+        RANDOM_STOPS,
+        True,
+    ),
+    "qwen3": (
+        "qwen3",
+        [
+            {"role": "user", "content": "Earlier question"},
+            {"role": "assistant", "content": "<think>\nfirst thoughts\n</think>\n\nEarlier answer"},
+            {"role": "user", "content": "Think step by step: 2+5?"},
+        ],
+        [{"text": "Wrong, think again."}, {"text": "Closer."}],
+        RANDOM_STOPS,
+        False,
+    ),
+    "smollm2": (
+        "smollm2",
+        [{"role": "user", "content": "Name one color. Answer with one word."}],
+        [{"text": "Name another color, one word."}, {"text": "And one more, one word."}],
+        None,
+        True,
+    ),
+    "qwen2.5-vl": (
+        "qwen2.5-vl",
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": picture(1)}, {"type": "text", "text": "What shape is this?"}],
+            }
+        ],
+        [{"text": "Look at this one too.", "images": [picture(2)]}, {"text": "And this.", "images": [picture(3)]}],
+        RANDOM_STOPS,
+        True,
+    ),
 }
 
 
@@ -47,8 +72,15 @@ def engines(farm, tiny_paths, smollm2_path):
 def test_episode_tokens_are_engine_outputs_plus_observation_deltas(name, engines):
     model, prompt, observations, stops, prefix_stable = CASES[name]
     target = engines(model)
-    ctx = make_ctx(target.url, target.model_path, max_turns=4, rollout_max_response_len=48,
-                   rollout_max_context_len=4096, rollout_temperature=0.6, rollout_stop_token_ids=stops)
+    ctx = make_ctx(
+        target.url,
+        target.model_path,
+        max_turns=4,
+        rollout_max_response_len=48,
+        rollout_max_context_len=4096,
+        rollout_temperature=0.6,
+        rollout_stop_token_ids=stops,
+    )
     env = ScriptedEnv(observations, done_after=3)
     sample = Sample(index=0, group_index=0, prompt=prompt)
     asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=env))
@@ -70,8 +102,9 @@ def test_episode_tokens_are_engine_outputs_plus_observation_deltas(name, engines
         mask += [1] * len(out)
         logprobs += lps
         if k < len(observations):
-            delta = encoder.encode_observation(env.format_observation(observations[k]),
-                                               model_ended_turn=out[-1] == encoder.eot_id).ids
+            delta = encoder.encode_observation(
+                env.format_observation(observations[k]), model_ended_turn=out[-1] == encoder.eot_id
+            ).ids
             expected = expected + delta
             mask += [0] * len(delta)
             logprobs += [0.0] * len(delta)
@@ -81,7 +114,9 @@ def test_episode_tokens_are_engine_outputs_plus_observation_deltas(name, engines
     assert [t.output_tokens for t in sample.turns] == [len(c["response"]["output_ids"]) for c in calls]
 
     if prefix_stable:
-        _assert_renders_final_conversation(ctx, sample, prompt, observations, calls, env, exact_tokens=name == "smollm2")
+        _assert_renders_final_conversation(
+            ctx, sample, prompt, observations, calls, env, exact_tokens=name == "smollm2"
+        )
 
 
 def _assert_renders_final_conversation(ctx, sample, prompt, observations, calls, env, exact_tokens):
@@ -100,7 +135,7 @@ def _assert_renders_final_conversation(ctx, sample, prompt, observations, calls,
     rendered = encoder.render(messages, add_generation_prompt=False)
     image_id = getattr(ctx.processor, "image_token_id", -1)
     ours = tokenizer.decode(collapse_image_pads(sample.tokens, image_id)[0])
-    suffix = rendered[len(ours):]
+    suffix = rendered[len(ours) :]
     assert rendered.startswith(ours)
     assert suffix in ("\n", encoder.eot_text + "\n")
     if exact_tokens:
@@ -110,8 +145,14 @@ def _assert_renders_final_conversation(ctx, sample, prompt, observations, calls,
 def test_vlm_episode_images_and_tensors(engines):
     model, prompt, observations, stops, _ = CASES["qwen2.5-vl"]
     target = engines(model)
-    ctx = make_ctx(target.url, target.model_path, max_turns=4, rollout_max_response_len=48,
-                   rollout_temperature=0.6, rollout_stop_token_ids=stops)
+    ctx = make_ctx(
+        target.url,
+        target.model_path,
+        max_turns=4,
+        rollout_max_response_len=48,
+        rollout_temperature=0.6,
+        rollout_stop_token_ids=stops,
+    )
     env = ScriptedEnv(observations, done_after=3)
     sample = Sample(index=0, prompt=prompt)
     asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=env))

@@ -31,8 +31,12 @@ def new_weights(path) -> dict:
 
 def prompt_of(kind):
     if "vl" in kind:
-        return [{"role": "user", "content": [{"type": "image", "image": picture(1)},
-                                             {"type": "text", "text": "Describe the shape."}]}]
+        return [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": picture(1)}, {"type": "text", "text": "Describe the shape."}],
+            }
+        ]
     return [{"role": "user", "content": "Count from one to a hundred."}]
 
 
@@ -40,8 +44,15 @@ def interrupted_episode(kind, path, partial):
     """One single-turn episode whose turn a weight update interrupts after >= 8 generated tokens
     -> (ctx, sample, engine); the engine (now version 1) is left running for the caller to stop."""
     engine = LocalEngine(path, max_batch_size=4).start()
-    ctx = make_ctx(engine.url, path, partial_rollout=partial, fully_async=True, max_turns=1,
-                   rollout_max_response_len=BUDGET, rollout_max_context_len=4096)
+    ctx = make_ctx(
+        engine.url,
+        path,
+        partial_rollout=partial,
+        fully_async=True,
+        max_turns=1,
+        rollout_max_response_len=BUDGET,
+        rollout_max_context_len=4096,
+    )
     ctx.client.gate = UpdateGate()
     named = new_weights(path)
 
@@ -100,7 +111,9 @@ def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version_and_log
         # every token is what the engine produced: the response's tokens and log-probs, call by call
         start = sample.prompt_length
         assert sample.tokens[start:] == a + b
-        engine_logprobs = [lp for c in (first, second) for lp, *_ in c["response"]["meta_info"]["output_token_logprobs"]]
+        engine_logprobs = [
+            lp for c in (first, second) for lp, *_ in c["response"]["meta_info"]["output_token_logprobs"]
+        ]
         assert sample.rollout_log_probs == engine_logprobs
         # ... and what each version's greedy decoding gives from the same context
         images = first["image_data"] or None
@@ -116,11 +129,12 @@ def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version_and_log
         old = torch.tensor(asyncio.run(score(engine.url, second["input_ids"] + b, images))[-BUDGET:])
         behaviour = torch.tensor(train.rollout_log_probs)
         mask = torch.ones(BUDGET)
-        weights, keep, _ = off_policy_weights(old, behaviour, mask, torch.zeros(BUDGET, dtype=torch.long), 1,
-                                              "token", 0.0, 1e9)
+        weights, keep, _ = off_policy_weights(
+            old, behaviour, mask, torch.zeros(BUDGET, dtype=torch.long), 1, "token", 0.0, 1e9
+        )
         assert torch.allclose(weights, torch.exp(old - behaviour), rtol=1e-5)
-        assert torch.allclose(weights[len(a):], torch.ones(len(b)), atol=2e-3)  # version 1 scored by version 1
-        assert (weights[:len(a)] - 1).abs().max() > 0.05  # version 0 tokens against their own, older log-probs
+        assert torch.allclose(weights[len(a) :], torch.ones(len(b)), atol=2e-3)  # version 1 scored by version 1
+        assert (weights[: len(a)] - 1).abs().max() > 0.05  # version 0 tokens against their own, older log-probs
     finally:
         engine.stop()
 
@@ -135,7 +149,7 @@ def test_without_partial_rollout_an_interrupted_turn_is_generated_again(tiny_pat
         assert second["input_ids"] == first["input_ids"]  # the turn's context again, nothing kept
         assert second["sampling_params"]["max_new_tokens"] == BUDGET
         assert sample.metadata["regenerated_turns"] == 1 and "partial_resumes" not in sample.metadata
-        assert sample.tokens[sample.prompt_length:] == second["response"]["output_ids"]
+        assert sample.tokens[sample.prompt_length :] == second["response"]["output_ids"]
         assert sample.token_versions == [1] * BUDGET
     finally:
         engine.stop()

@@ -56,12 +56,26 @@ def run_steps(engine, tmp_path, steps, **rollout):
     manager -> (batches, manager, data, ctx)."""
     (tmp_path / "slow_env.py").write_text(textwrap.dedent(ENV))
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": 2.5 if i == 0 else 0.02}})
-                            + "\n" for i in range(40)))
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": 2.5 if i == 0 else 0.02}}) + "\n"
+            for i in range(40)
+        )
+    )
     data = PromptDataset(load_rows(rows, DATA_CFG), 2)
-    ctx = make_ctx(engine.url, engine.model_path, data=DATA_CFG, rollout_max_response_len=12, max_turns=3,
-                   rollout_stop_token_ids=STOPS, rollout_interaction_env_path=str(tmp_path / "slow_env.py"),
-                   n_samples_per_prompt=2, rollout_batch_size=2, fully_async=True, **rollout)
+    ctx = make_ctx(
+        engine.url,
+        engine.model_path,
+        data=DATA_CFG,
+        rollout_max_response_len=12,
+        max_turns=3,
+        rollout_stop_token_ids=STOPS,
+        rollout_interaction_env_path=str(tmp_path / "slow_env.py"),
+        n_samples_per_prompt=2,
+        rollout_batch_size=2,
+        fully_async=True,
+        **rollout,
+    )
     ctx.client.gate = UpdateGate()
     version = int(engine.weight_version)
     weights = load_hf_state(engine.model_path)
@@ -121,8 +135,9 @@ def test_no_trained_token_is_staler_than_the_bound_and_the_slow_group_is_dropped
 
 
 def test_with_masking_the_slow_group_trains_without_its_stale_tokens(engine, tmp_path):
-    batches, manager, _, ctx = run_steps(engine, tmp_path, 5, max_staleness=1, partial_rollout=True,
-                                         mask_offpolicy_in_partial_rollout=True)
+    batches, manager, _, ctx = run_steps(
+        engine, tmp_path, 5, max_staleness=1, partial_rollout=True, mask_offpolicy_in_partial_rollout=True
+    )
     try:
         stale = [(step, g) for step, b in batches for g in b.groups if step - oldest_version(g) > 1]
         assert stale and sum(b.stale_groups for _, b in batches) == len(stale)
@@ -140,9 +155,14 @@ def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
     """A filter that keeps even groups only: every trained group is even, the rejected ones are counted
     and do not count against the throttle (over-sampling widens it), the bound still holds."""
     (tmp_path / "even.py").write_text("def keep(args, samples):\n    return samples[0].group_index % 2 == 0\n")
-    batches, manager, _, ctx = run_steps(engine, tmp_path, 4, max_staleness=1,
-                                         dynamic_sampling_filter_path=f"{tmp_path / 'even.py'}:keep",
-                                         over_sampling_batch_size=4)
+    batches, manager, _, ctx = run_steps(
+        engine,
+        tmp_path,
+        4,
+        max_staleness=1,
+        dynamic_sampling_filter_path=f"{tmp_path / 'even.py'}:keep",
+        over_sampling_batch_size=4,
+    )
     try:
         trained = [g[0].group_index for _, b in batches for g in b.groups]
         assert trained and all(k % 2 == 0 for k in trained) and len(trained) == len(set(trained))

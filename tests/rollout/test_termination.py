@@ -47,7 +47,7 @@ def test_max_turns_completes_without_dangling_observation(target):
     last = sample.turns[-1]
     assert last.observation_end == last.output_end == len(sample.tokens)
     assert sample.tokens[-1] == ctx.client.calls[-1]["response"]["output_ids"][-1]
-    assert sample.loss_mask[-last.output_tokens:] == [1] * last.output_tokens
+    assert sample.loss_mask[-last.output_tokens :] == [1] * last.output_tokens
 
 
 def test_engine_length_truncates(target):
@@ -61,8 +61,9 @@ def test_turn_budget_is_what_is_left_of_the_context(target):
     env = ScriptedEnv([{"text": "a much longer observation " * 4}])
     free, _ = episode(target, env, max_turns=2, rollout_max_context_len=4096)
     limit = free.turns[0].observation_end + 2  # room for only 2 tokens in turn 2
-    sample, ctx = episode(target, ScriptedEnv([{"text": "a much longer observation " * 4}]), max_turns=2,
-                          rollout_max_context_len=limit)
+    sample, ctx = episode(
+        target, ScriptedEnv([{"text": "a much longer observation " * 4}]), max_turns=2, rollout_max_context_len=limit
+    )
     assert ctx.client.calls[1]["sampling_params"]["max_new_tokens"] == 2
     assert len(sample.tokens) <= limit
 
@@ -71,7 +72,9 @@ def test_observation_cut_at_context_limit(target):
     env = ScriptedEnv([{"text": "observation " * 40}])
     free, _ = episode(target, env, max_turns=2, rollout_max_context_len=4096)
     limit = free.turns[0].output_end + 7  # the observation needs far more than 7 tokens
-    sample, _ = episode(target, ScriptedEnv([{"text": "observation " * 40}]), max_turns=2, rollout_max_context_len=limit)
+    sample, _ = episode(
+        target, ScriptedEnv([{"text": "observation " * 40}]), max_turns=2, rollout_max_context_len=limit
+    )
     assert (sample.status, sample.metadata["termination"]) == (Status.TRUNCATED, "observation_cut")
     assert len(sample.tokens) == limit
     assert sample.loss_mask[-7:] == [0] * 7 and sample.turns[0].observation_tokens == 7
@@ -92,8 +95,9 @@ def test_engine_abort_gives_aborted(farm, tiny_paths):
     sample = Sample(index=0, prompt=PROMPT)
 
     async def go():
-        task = asyncio.create_task(run_episode(ctx, sample, {"temperature": 1.0, "max_new_tokens": 3000},
-                                               env=ScriptedEnv([{"text": "x"}])))
+        task = asyncio.create_task(
+            run_episode(ctx, sample, {"temperature": 1.0, "max_new_tokens": 3000}, env=ScriptedEnv([{"text": "x"}]))
+        )
         await asyncio.sleep(1.0)
         await ctx.client.abort(abort_all=True)
         return await task

@@ -9,8 +9,24 @@ IM_START, IM_END, NL = 151644, 151645, 198
 USER, ASSISTANT = 872, 77091
 OBS = 5481  # "obs"
 QWEN_USER_DELTA = [NL, IM_START, USER, NL, OBS, IM_END, NL, IM_START, ASSISTANT, NL]
-QWEN_TOOL_DELTA_NO_EOT = [IM_END, NL, IM_START, USER, NL, 151665, NL, 19, 17, NL, 151666, IM_END, NL, IM_START,
-                          ASSISTANT, NL]
+QWEN_TOOL_DELTA_NO_EOT = [
+    IM_END,
+    NL,
+    IM_START,
+    USER,
+    NL,
+    151665,
+    NL,
+    19,
+    17,
+    NL,
+    151666,
+    IM_END,
+    NL,
+    IM_START,
+    ASSISTANT,
+    NL,
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +41,24 @@ def tokenizers(tiny_paths, smollm2_path):
     }
 
 
-@pytest.mark.parametrize("name,message,ended,expected", [
-    ("qwen2.5", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
-    ("qwen3", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
-    ("qwen2.5-vl", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
-    ("qwen2.5", {"role": "tool", "content": "42"}, False, QWEN_TOOL_DELTA_NO_EOT),
-    ("qwen3", {"role": "tool", "content": "42"}, False, QWEN_TOOL_DELTA_NO_EOT),
-    # SmolLM2: <|im_start|>=1, <|im_end|>=2; its default system prompt is not repeated
-    ("smollm2", {"role": "user", "content": "obs"}, True, [198, 1, 4093, 198, 7031, 2, 198, 1, 520, 9531, 198]),
-    ("smollm2", {"role": "tool", "content": "42"}, False, [2, 198, 1, 19324, 198, 36, 34, 2, 198, 1, 520, 9531, 198]),
-])
+@pytest.mark.parametrize(
+    "name,message,ended,expected",
+    [
+        ("qwen2.5", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
+        ("qwen3", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
+        ("qwen2.5-vl", {"role": "user", "content": "obs"}, True, QWEN_USER_DELTA),
+        ("qwen2.5", {"role": "tool", "content": "42"}, False, QWEN_TOOL_DELTA_NO_EOT),
+        ("qwen3", {"role": "tool", "content": "42"}, False, QWEN_TOOL_DELTA_NO_EOT),
+        # SmolLM2: <|im_start|>=1, <|im_end|>=2; its default system prompt is not repeated
+        ("smollm2", {"role": "user", "content": "obs"}, True, [198, 1, 4093, 198, 7031, 2, 198, 1, 520, 9531, 198]),
+        (
+            "smollm2",
+            {"role": "tool", "content": "42"},
+            False,
+            [2, 198, 1, 19324, 198, 36, 34, 2, 198, 1, 520, 9531, 198],
+        ),
+    ],
+)
 def test_observation_delta_exact_tokens(tokenizers, name, message, ended, expected):
     encoder = ObservationEncoder(tokenizers[name])
     assert encoder.encode_observation(message, model_ended_turn=ended).ids == expected
@@ -53,8 +77,10 @@ def test_tools_preamble_is_not_repeated(tokenizers):
 def test_several_observation_messages(tokenizers):
     encoder = ObservationEncoder(tokenizers["qwen2.5"])
     delta = encoder.encode_observation([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}])
-    assert delta.text == ("\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n"
-                          "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert delta.text == (
+        "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_qwen3_thinking_off_generation_prompt(tokenizers):
@@ -69,8 +95,9 @@ def test_image_observation_expands_pads(tokenizers):
     processor = tokenizers["qwen2.5-vl"]
     encoder = ObservationEncoder(processor)
     image = Image.new("RGB", (84, 56), (10, 20, 30))
-    delta = encoder.encode_observation({"role": "user", "content": [{"type": "image", "image": image},
-                                                                    {"type": "text", "text": "see"}]})
+    delta = encoder.encode_observation(
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "see"}]}
+    )
     grid = delta.tensors["image_grid_thw"]
     assert grid.tolist() == [[1, 4, 6]]
     assert delta.ids.count(processor.image_token_id) == 6  # 1*4*6 / 4
@@ -90,8 +117,10 @@ def test_raw_observations_are_the_wrapped_text_tokenized_as_is(tokenizers, name)
     one = encoder.encode_raw_observation({"role": "tool", "content": "391"}, OBSERVATION)
     assert one.text == "\n<observation>391</observation>\n"
     assert one.ids == tokenizer.encode(one.text, add_special_tokens=False)
-    two = encoder.encode_raw_observation([{"role": "user", "content": "a"},
-                                          {"role": "user", "content": [{"type": "text", "text": "b"}]}], "[{observation}]")
+    two = encoder.encode_raw_observation(
+        [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]}],
+        "[{observation}]",
+    )
     assert two.text == "[a\nb]" and two.ids == tokenizer.encode("[a\nb]", add_special_tokens=False)
 
 
@@ -101,13 +130,15 @@ def test_a_raw_image_observation_renders_as_the_template_does(tokenizers):
     processor = tokenizers["qwen2.5-vl"]
     encoder = ObservationEncoder(processor)
     image = Image.new("RGB", (84, 56), (10, 20, 30))
-    out = encoder.encode_raw_observation({"role": "user", "content": [{"type": "text", "text": "see "},
-                                                                      {"type": "image", "image": image}]}, OBSERVATION)
+    out = encoder.encode_raw_observation(
+        {"role": "user", "content": [{"type": "text", "text": "see "}, {"type": "image", "image": image}]}, OBSERVATION
+    )
     assert out.text == "\n<observation>see <|vision_start|><|image_pad|><|vision_end|></observation>\n"
     assert out.ids.count(processor.image_token_id) == 6 and out.tensors["image_grid_thw"].tolist() == [[1, 4, 6]]
     with pytest.raises(EncodingError, match="no image processor"):
         ObservationEncoder(tokenizers["qwen2.5"]).encode_raw_observation(
-            {"role": "user", "content": [{"type": "image", "image": image}]}, OBSERVATION)
+            {"role": "user", "content": [{"type": "image", "image": image}]}, OBSERVATION
+        )
 
 
 # ---------------------------------------------------------------- --retokenize-chat-history masks
@@ -127,12 +158,21 @@ TAGGED = """{%- for message in messages -%}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "tool", "content": "ok"},
-     {"role": "assistant", "content": "\n\nleading newlines"}, {"role": "user", "content": "again"},
-     {"role": "assistant", "content": ""}],
-    [{"role": "user", "content": "Think."}, {"role": "assistant", "content": "<think>hmm</think>\n\nA"},
-     {"role": "user", "content": "More."}, {"role": "assistant", "content": "<think>so</think>\n\nB"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": "\n\nleading newlines"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": ""},
+    ],
+    [
+        {"role": "user", "content": "Think."},
+        {"role": "assistant", "content": "<think>hmm</think>\n\nA"},
+        {"role": "user", "content": "More."},
+        {"role": "assistant", "content": "<think>so</think>\n\nB"},
+    ],
 ]
 
 
@@ -166,10 +206,15 @@ def test_assistant_masks_of_the_real_templates(tokenizers, name):
     encoder = ObservationEncoder(processor)
     tokenizer = encoder.tokenizer
     image = Image.new("RGB", (84, 56), (10, 20, 30))
-    question = [{"type": "image", "image": image}, {"type": "text", "text": "Shape?"}] if name == "qwen2.5-vl" \
-        else "Shape?"
-    conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": "A square."},
-                    {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+    question = (
+        [{"type": "image", "image": image}, {"type": "text", "text": "Shape?"}] if name == "qwen2.5-vl" else "Shape?"
+    )
+    conversation = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "A square."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
     encoded, mask = encoder.encode_with_assistant_mask(conversation)
     assert len(mask) == len(encoded.ids)
     bodies = [tokenizer.decode(encoded.ids[a:b]) for a, b in mask_runs(mask)]

@@ -13,9 +13,31 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rollout_helpers import (ANS, CALLING, CHECK, DIRECT, END_THINK, EOT, LET, ME, NL, NL2, PROMPT, RESULTS, THINK,
-                              THINKING, TOOL, TOOLS, WER, ScriptedEnv, chain_model, image_episode, make_ctx, picture,
-                              train_in_megatron)
+from rollout_helpers import (
+    ANS,
+    CALLING,
+    CHECK,
+    DIRECT,
+    END_THINK,
+    EOT,
+    LET,
+    ME,
+    NL,
+    NL2,
+    PROMPT,
+    RESULTS,
+    THINK,
+    THINKING,
+    TOOL,
+    TOOLS,
+    WER,
+    ScriptedEnv,
+    chain_model,
+    image_episode,
+    make_ctx,
+    picture,
+    train_in_megatron,
+)
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
@@ -41,8 +63,9 @@ def engines(tiny_paths, tmp_path_factory):
     def get(template, chain):
         if (template, chain) not in started:
             transitions = {"direct": DIRECT_ANSWER, "either": EITHER, "thinking": THINKING}[chain]
-            path = chain_model(tiny_paths["qwen3"], tmp_path_factory.mktemp(f"{template}-{chain}"),
-                               TEMPLATES[template](), transitions)
+            path = chain_model(
+                tiny_paths["qwen3"], tmp_path_factory.mktemp(f"{template}-{chain}"), TEMPLATES[template](), transitions
+            )
             started[template, chain] = LocalEngine(path, max_batch_size=8).start()
         return started[template, chain]
 
@@ -52,12 +75,17 @@ def engines(tiny_paths, tmp_path_factory):
 
 
 def episode(engine, seed=0, index=0, turns=3, role="tool", **rollout):
-    ctx = make_ctx(engine.url, engine.model_path, max_turns=4, rollout_max_response_len=16,
-                   rollout_max_context_len=4096, data=DataConfig(apply_chat_template=True, rollout_seed=seed),
-                   **rollout)
+    ctx = make_ctx(
+        engine.url,
+        engine.model_path,
+        max_turns=4,
+        rollout_max_response_len=16,
+        rollout_max_context_len=4096,
+        data=DataConfig(apply_chat_template=True, rollout_seed=seed),
+        **rollout,
+    )
     sample = Sample(index=index, group_index=0, prompt=PROMPT, metadata={"tools": TOOLS, "rollout_id": 0})
-    asyncio.run(run_episode(ctx, sample, ctx.sampling_params(),
-                            env=ScriptedEnv(RESULTS, role=role, done_after=turns)))
+    asyncio.run(run_episode(ctx, sample, ctx.sampling_params(), env=ScriptedEnv(RESULTS, role=role, done_after=turns)))
     assert sample.status == Status.COMPLETED and len(sample.turns) == turns, sample.metadata
     sample.validate()
     return ctx, sample
@@ -83,23 +111,25 @@ def test_no_conversation_multi_turn_is_one_assistant_message(engines, template):
     assert outputs == [[DIRECT, ANS, WER, EOT]] * 3
     # token-in/token-out: each call's context is the running sequence, every turn's end-of-turn but the last dropped
     for k, (turn, call) in enumerate(zip(sample.turns, calls)):
-        assert turn.context_ids is None and call["input_ids"] == sample.tokens[:turn.output_start], k
+        assert turn.context_ids is None and call["input_ids"] == sample.tokens[: turn.output_start], k
         kept = outputs[k] if k == 2 else outputs[k][:-1]
-        assert sample.tokens[turn.output_start:turn.output_end] == kept, k
+        assert sample.tokens[turn.output_start : turn.output_end] == kept, k
         start = turn.output_start - sample.prompt_length
-        assert sample.rollout_log_probs[start:start + len(kept)] == logprobs_of(call)[:len(kept)], k
+        assert sample.rollout_log_probs[start : start + len(kept)] == logprobs_of(call)[: len(kept)], k
     # the loss mask is 1 exactly on the generated tokens that stayed
     generated = {i for t in sample.turns for i in range(t.output_start, t.output_end)}
     assert [i for i, m in enumerate(sample.loss_mask, sample.prompt_length) if m] == sorted(generated)
     assert sum(sample.loss_mask) == 3 * 3 + 1
     # the text is the render of the final conversation, with every turn inside ONE assistant message
-    response = sample.tokens[sample.prompt_length:]
+    response = sample.tokens[sample.prompt_length :]
     content = tokenizer.decode(response[:-1])
-    assert content == "Direct answer" + "".join(f"\n<observation>partial result {k}</observation>\nDirect answer"
-                                                for k in (1, 2))
-    rendered = tokenizer.apply_chat_template(PROMPT + [{"role": "assistant", "content": content}], tools=TOOLS,
-                                             tokenize=False)
-    prompt_text = tokenizer.decode(sample.tokens[:sample.prompt_length])
+    assert content == "Direct answer" + "".join(
+        f"\n<observation>partial result {k}</observation>\nDirect answer" for k in (1, 2)
+    )
+    rendered = tokenizer.apply_chat_template(
+        PROMPT + [{"role": "assistant", "content": content}], tools=TOOLS, tokenize=False
+    )
+    prompt_text = tokenizer.decode(sample.tokens[: sample.prompt_length])
     # Qwen3's official template gives the last assistant message an empty think block the model never made
     opening = "<think>\n\n</think>\n\n" if template == "qwen3" else ""
     assert rendered == prompt_text + opening + tokenizer.decode(response) + "\n"
@@ -116,11 +146,14 @@ def test_a_custom_observation_template_and_a_stop_string_turn(engines):
     engine = engines("qwen2.5", "direct")
     tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
     # "wer" is a stop string: no turn ends with the end-of-turn token, so nothing is dropped
-    ctx, sample = episode(engine, conversation_multi_turn=False, rollout_stop=["wer"],
-                          observation_template="\nResult: {observation}\n")
+    ctx, sample = episode(
+        engine, conversation_multi_turn=False, rollout_stop=["wer"], observation_template="\nResult: {observation}\n"
+    )
     assert outputs_of(ctx) == [[DIRECT, ANS, WER]] * 3
-    assert tokenizer.decode(sample.tokens[sample.prompt_length:]) == \
-        "Direct answer\nResult: partial result 1\nDirect answer\nResult: partial result 2\nDirect answer"
+    assert (
+        tokenizer.decode(sample.tokens[sample.prompt_length :])
+        == "Direct answer\nResult: partial result 1\nDirect answer\nResult: partial result 2\nDirect answer"
+    )
 
 
 # ---------------------------------------------------------------- --retokenize-chat-history
@@ -130,8 +163,10 @@ def history(outputs, tokenizer, upto, role="tool"):
     """The conversation before turn ``upto``, written independently: decoded answers, env results."""
     messages = list(PROMPT)
     for k in range(upto):
-        messages += [{"role": "assistant", "content": tokenizer.decode(outputs[k][:-1])},
-                     {"role": role, "content": RESULTS[k]["text"]}]
+        messages += [
+            {"role": "assistant", "content": tokenizer.decode(outputs[k][:-1])},
+            {"role": role, "content": RESULTS[k]["text"]},
+        ]
     return messages
 
 
@@ -141,12 +176,12 @@ def test_retokenize_contexts_are_the_render_and_drift_counts_the_split(engines, 
     tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
     samples, expected_drift = [], []
     for seed in range(8):
-        ctx, sample = episode(engine, seed=seed, index=seed, retokenize_chat_history=True,
-                              sample_format=sample_format)
+        ctx, sample = episode(engine, seed=seed, index=seed, retokenize_chat_history=True, sample_format=sample_format)
         outputs = outputs_of(ctx)
         for k, call in enumerate(ctx.client.calls):
-            text = tokenizer.apply_chat_template(history(outputs, tokenizer, k), tools=TOOLS, tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                history(outputs, tokenizer, k), tools=TOOLS, tokenize=False, add_generation_prompt=True
+            )
             assert call["input_ids"] == tokenizer.encode(text, add_special_tokens=False), k  # one-piece render
             if sample_format == "step_wise":  # the context differs from token-in/token-out after a split answer
                 split = any(out[1:3] == [ANS, WER] for out in outputs[:k])
@@ -171,8 +206,9 @@ def test_retokenize_contexts_are_the_render_and_drift_counts_the_split(engines, 
         final = tokenizer.apply_chat_template(history(outputs, tokenizer, 3)[:-1], tools=TOOLS, tokenize=False)
         assert sample.tokens == tokenizer.encode(final, add_special_tokens=False)
         assert sample.rollout_log_probs is None
-        assert [tokenizer.decode(sample.tokens[t.output_start:t.output_end]) for t in sample.turns] == \
-            [tokenizer.decode(out) for out in outputs]
+        assert [tokenizer.decode(sample.tokens[t.output_start : t.output_end]) for t in sample.turns] == [
+            tokenizer.decode(out) for out in outputs
+        ]
         spans = [(t.output_start - sample.prompt_length, t.output_end - sample.prompt_length) for t in sample.turns]
         assert mask_runs(sample.loss_mask) == spans
         (concat,), _ = finalize([sample], "concat", merge=False)
@@ -187,8 +223,9 @@ def test_retokenize_gives_qwen3_its_official_render_and_counts_stripped_thinking
     outputs = outputs_of(ctx)
     assert outputs == [[THINK, LET, ME, CHECK, END_THINK, NL2, CALLING, TOOL, EOT]] * 3
     for k, call in enumerate(ctx.client.calls):
-        text = reference.apply_chat_template(history(outputs, reference, k, "user"), tools=TOOLS, tokenize=False,
-                                             add_generation_prompt=True)
+        text = reference.apply_chat_template(
+            history(outputs, reference, k, "user"), tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
         assert call["input_ids"] == reference.encode(text, add_special_tokens=False), k
         assert call["input_ids"].count(THINK) == 0, k
     # drift, counted independently: an earlier turn keeps only "Calling tool<|im_end|>" (6 of 9 tokens
@@ -205,18 +242,30 @@ def test_retokenized_concat_samples_train_with_recomputed_old_log_probs(engines,
     train, _ = finalize(samples, "concat", merge=False)
     assert all(s.rollout_log_probs is None for s in train)
     # two groups, one per optimizer step: the old log-probs are recomputed before the first
-    trained = train_in_megatron(tmp_path, {"path": str(tiny_paths["qwen3"]), "samples": train, "prompts_per_step": 1,
-                                           "advantages": compute_advantages(train, "dr_grpo"),
-                                           "algo": {"use_tis": False}})
+    trained = train_in_megatron(
+        tmp_path,
+        {
+            "path": str(tiny_paths["qwen3"]),
+            "samples": train,
+            "prompts_per_step": 1,
+            "advantages": compute_advantages(train, "dr_grpo"),
+            "algo": {"use_tis": False},
+        },
+    )
     assert trained["optimizer_steps"] == 2 and trained["finite"] and trained["grad_norm"] > 0
     assert "train/train_rollout_logprob_abs_diff" not in trained["metrics"]  # nothing to compare with
 
 
 def test_tokens_without_rollout_log_probs_refuse_tis_and_skip_the_diff_metric():
     lp = torch.tensor([-1.0, -2.0, -0.5])
-    x = LossInputs(log_probs=lp.clone().requires_grad_(), old_log_probs=lp, advantages=torch.ones(3),
-                   rollout_log_probs=torch.tensor([-1.1, float("nan"), float("nan")]),
-                   weights=torch.tensor([1 / 3] * 3), seq_ids=torch.tensor([0, 1, 1]))
+    x = LossInputs(
+        log_probs=lp.clone().requires_grad_(),
+        old_log_probs=lp,
+        advantages=torch.ones(3),
+        rollout_log_probs=torch.tensor([-1.1, float("nan"), float("nan")]),
+        weights=torch.tensor([1 / 3] * 3),
+        seq_ids=torch.tensor([0, 1, 1]),
+    )
     loss, metrics = policy_loss(x, AlgoConfig())
     assert torch.isfinite(loss)
     assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1 / 3)  # over the sampled token only
@@ -226,16 +275,25 @@ def test_tokens_without_rollout_log_probs_refuse_tis_and_skip_the_diff_metric():
         policy_loss(x, AlgoConfig(use_tis=True))
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"retokenize_chat_history": True, "use_tis": True}, "--use-tis needs the rollout log-probs"),
-    ({"retokenize_chat_history": True, "context_policy": "window:2", "sample_format": "step_wise"},
-     "cannot be combined with a context policy"),
-    ({"conversation_multi_turn": False, "retokenize_chat_history": True},
-     "--no-conversation-multi-turn .* cannot be combined with --retokenize-chat-history"),
-    ({"conversation_multi_turn": False, "context_policy": "strip_thinking", "sample_format": "step_wise"},
-     "--no-conversation-multi-turn .* cannot be combined with a context policy"),
-    ({"observation_template": "<obs></obs>"}, "--observation-template.*exactly once"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"retokenize_chat_history": True, "use_tis": True}, "--use-tis needs the rollout log-probs"),
+        (
+            {"retokenize_chat_history": True, "context_policy": "window:2", "sample_format": "step_wise"},
+            "cannot be combined with a context policy",
+        ),
+        (
+            {"conversation_multi_turn": False, "retokenize_chat_history": True},
+            "--no-conversation-multi-turn .* cannot be combined with --retokenize-chat-history",
+        ),
+        (
+            {"conversation_multi_turn": False, "context_policy": "strip_thinking", "sample_format": "step_wise"},
+            "--no-conversation-multi-turn .* cannot be combined with a context policy",
+        ),
+        ({"observation_template": "<obs></obs>"}, "--observation-template.*exactly once"),
+    ],
+)
 def test_path_flags_that_cannot_work_together_are_config_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
         build_config(settings)
@@ -258,17 +316,25 @@ def test_retokenize_with_images_sends_every_image_and_trains_the_render(farm, ti
     pictures = [picture(k + 1) for k in range(3)]
     messages = list(sample.prompt)
     for k, call in enumerate(ctx.client.calls):
-        assert call["image_data"] == [encode_image(p) for p in pictures[:k + 1]], k  # every image of the history
+        assert call["image_data"] == [encode_image(p) for p in pictures[: k + 1]], k  # every image of the history
         assert call["input_ids"].count(pad) == k + 1, k
         out = call["response"]["output_ids"]
         messages.append({"role": "assistant", "content": processor.decode(out[:-1] if out[-1] == EOT else out)})
         if k < 2:
-            messages.append({"role": "user", "content": [{"type": "image", "image": pictures[k + 1]},
-                                                         {"type": "text", "text": f"Now this one ({k})."}]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": pictures[k + 1]},
+                        {"type": "text", "text": f"Now this one ({k})."},
+                    ],
+                }
+            )
     text = processor.apply_chat_template(messages, tokenize=False)
     expected = processor(text=text, images=pictures)
     assert sample.tokens == expected["input_ids"][0].tolist() and sample.rollout_log_probs is None
     assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == expected["image_grid_thw"].tolist()
     assert sample.multimodal_train_inputs["pixel_values"].equal(expected["pixel_values"])
     assert len(mask_runs(sample.loss_mask)) == 3 and all(
-        sample.tokens[i] != pad for i, m in enumerate(sample.loss_mask, sample.prompt_length) if m)
+        sample.tokens[i] != pad for i, m in enumerate(sample.loss_mask, sample.prompt_length) if m
+    )

@@ -28,14 +28,31 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.algo.batching import micro_batches_by_count, micro_batches_by_tokens, mini_batches_by_groups, \
-    reduction_weights
+from slime_mt.algo.batching import (
+    micro_batches_by_count,
+    micro_batches_by_tokens,
+    mini_batches_by_groups,
+    reduction_weights,
+)
 from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
-from slime_mt.backends.megatron.convert import CheckpointReader, TPGather, iter_hf_to_megatron, \
-    iter_megatron_to_hf, load_into, text_prefix
+from slime_mt.backends.megatron.convert import (
+    CheckpointReader,
+    TPGather,
+    iter_hf_to_megatron,
+    iter_megatron_to_hf,
+    load_into,
+    text_prefix,
+)
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
-from slime_mt.backends.megatron.models import ModelConfigError, TextPolicy, build_gpt, decoder_spec, \
-    have_transformer_engine, padded_vocab, read_hf_config
+from slime_mt.backends.megatron.models import (
+    ModelConfigError,
+    TextPolicy,
+    build_gpt,
+    decoder_spec,
+    have_transformer_engine,
+    padded_vocab,
+    read_hf_config,
+)
 from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
@@ -46,8 +63,16 @@ LOGIT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class MegatronActor:
-    def __init__(self, hf_path: str, train: TrainConfig, algo: AlgoConfig, info: ParallelInfo,
-                 temperature: float = 1.0, norm_max_len: int | None = None, total_steps: int = 1000):
+    def __init__(
+        self,
+        hf_path: str,
+        train: TrainConfig,
+        algo: AlgoConfig,
+        info: ParallelInfo,
+        temperature: float = 1.0,
+        norm_max_len: int | None = None,
+        total_steps: int = 1000,
+    ):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -60,24 +85,46 @@ class MegatronActor:
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
         if train.shared_prefix_training and (self.te or train.local_attention != "fused"):
-            raise ModelConfigError("--shared-prefix-training needs the fused local attention (--local-attention fused, "
-                                   "no Transformer Engine)")
+            raise ModelConfigError(
+                "--shared-prefix-training needs the fused local attention (--local-attention fused, "
+                "no Transformer Engine)"
+            )
         reader = CheckpointReader(hf_path)
         self.prefix = text_prefix(reader.names())
         self.policy = self._build(reader)
         self.model = DistributedDataParallel(
-            self.policy.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
-            self.policy)
+            self.policy.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            self.policy,
+        )
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
-                            clip_grad=train.clip_grad, bf16=train.bf16, params_dtype=self.dtype,
-                            adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8), [self.model])
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                min_lr=train.min_lr,
+                weight_decay=train.weight_decay,
+                clip_grad=train.clip_grad,
+                bf16=train.bf16,
+                params_dtype=self.dtype,
+                adam_beta1=0.9,
+                adam_beta2=0.98,
+                adam_eps=1e-8,
+            ),
+            [self.model],
+        )
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if train.lr_warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
-            lr_warmup_steps=train.lr_warmup_steps, lr_decay_steps=max(total_steps, train.lr_warmup_steps + 1),
+            self.optimizer,
+            init_lr=0.0 if train.lr_warmup_steps else train.lr,
+            max_lr=train.lr,
+            min_lr=train.min_lr,
+            lr_warmup_steps=train.lr_warmup_steps,
+            lr_decay_steps=max(total_steps, train.lr_warmup_steps + 1),
             lr_decay_style="cosine" if 0 < train.min_lr < train.lr else "constant",
-            start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=max(total_steps, 1),
-            wd_incr_style="constant")
+            start_wd=train.weight_decay,
+            end_wd=train.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
         self.reference = self._build(reader, frozen=True) if algo.use_kl_loss and algo.kl_loss_coef > 0 else None
         # rows of fp32 logits [rows, V/tp] alive at once in the log-prob path: LOGIT_CHUNK_BYTES worth
         local_vocab = padded_vocab(self.spec.vocab_size, info.tp_size) // info.tp_size
@@ -90,12 +137,22 @@ class MegatronActor:
         if self.spec.mrope_section is not None:
             from slime_mt.backends.megatron.vlm import build_vlm
 
-            model = build_vlm(self.hf_config, self.spec, reader, self.info.tp_size, self.info.tp_rank, self.dtype,
-                              self.device, self.te, freeze_vision=frozen or self.train_cfg.freeze_vision_tower,
-                              attention=self.train_cfg.local_attention)
+            model = build_vlm(
+                self.hf_config,
+                self.spec,
+                reader,
+                self.info.tp_size,
+                self.info.tp_rank,
+                self.dtype,
+                self.device,
+                self.te,
+                freeze_vision=frozen or self.train_cfg.freeze_vision_tower,
+                attention=self.train_cfg.local_attention,
+            )
         else:
-            gpt = build_gpt(self.spec, self.info.tp_size, self.dtype, self.device, self.te,
-                            self.train_cfg.local_attention)
+            gpt = build_gpt(
+                self.spec, self.info.tp_size, self.dtype, self.device, self.te, self.train_cfg.local_attention
+            )
             load_into(gpt, iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te))
             model = TextPolicy(gpt)
         if frozen:
@@ -129,12 +186,23 @@ class MegatronActor:
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
         """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens; the entropy
         carries a gradient only when the loss has an entropy term."""
-        extra = {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw,
-                 "image_order": row.image_order} if self._mrope else {}
+        extra = (
+            {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw, "image_order": row.image_order}
+            if self._mrope
+            else {}
+        )
         hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
-        return hidden_logprobs(rows, module.output_weight(), row.targets, self.spec.vocab_size, temperature,
-                               with_entropy, chunk=self.logit_chunk_rows, entropy_grad=self.algo.entropy_coef != 0)
+        return hidden_logprobs(
+            rows,
+            module.output_weight(),
+            row.targets,
+            self.spec.vocab_size,
+            temperature,
+            with_entropy,
+            chunk=self.logit_chunk_rows,
+            entropy_grad=self.algo.entropy_coef != 0,
+        )
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
@@ -155,13 +223,16 @@ class MegatronActor:
         if budget:
             lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in indices]
             return [[indices[k] for k in row] for row in micro_batches_by_tokens(lengths, budget)]
-        return [[indices[k] for k in row] for row in micro_batches_by_count(len(indices), self.train_cfg.micro_batch_size)]
+        return [
+            [indices[k] for k in row] for row in micro_batches_by_count(len(indices), self.train_cfg.micro_batch_size)
+        ]
 
     # ------------------------------------------------------------------ log-probs
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
-                         reference: bool = False) -> list[torch.Tensor | None]:
+    def compute_logprobs(
+        self, samples: list[TrainingSample], indices: list[int] | None = None, reference: bool = False
+    ) -> list[torch.Tensor | None]:
         """Response log-probs ``[len(response)]`` of ``samples[indices]`` (all by default; None for the
         others), at the rollout temperature; nothing is trained."""
         module = self.reference if reference else self.policy
@@ -186,8 +257,9 @@ class MegatronActor:
             order.setdefault(samples[i].group_id, len(order))
         return [i for i in indices if order[samples[i].group_id] % self.info.dp_size == self.info.dp_rank]
 
-    def train(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int,
-              on_policy: bool = True) -> dict[str, float]:
+    def train(
+        self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int, on_policy: bool = True
+    ) -> dict[str, float]:
         """One pass over the global ``samples``, one optimizer step per mini-batch of
         ``prompts_per_step`` prompt groups (all DP ranks together)."""
         started = time.perf_counter()
@@ -207,8 +279,14 @@ class MegatronActor:
         totals["train/optimizer_steps"] = len(mini_batches)
         return dict(totals)
 
-    def accumulate_gradients(self, samples: list[TrainingSample], mb: list[int], advantages: list[float],
-                             old: list | None = None, ref: list | None = None) -> dict[str, float]:
+    def accumulate_gradients(
+        self,
+        samples: list[TrainingSample],
+        mb: list[int],
+        advantages: list[float],
+        old: list | None = None,
+        ref: list | None = None,
+    ) -> dict[str, float]:
         """Forward/backward of this rank's share of mini-batch ``mb`` into the (zeroed) gradient
         buffers, then ``finalize_model_grads``. -> metric sums over the global mini-batch."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -221,16 +299,19 @@ class MegatronActor:
         temperature = 1.0 if self.train_cfg.sft else self.temperature
         for row_indices in self._rows(samples, self.dp_share(samples, mb)):
             row = self.pack(samples, row_indices)
-            lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft,
-                                         temperature=temperature)
+            lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
             inputs = LossInputs(
-                log_probs=lp, old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
-                rollout_log_probs=self._cat([_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids))
-                                             for i in row.sample_index]),
+                log_probs=lp,
+                old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
+                rollout_log_probs=self._cat(
+                    [_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids)) for i in row.sample_index]
+                ),
                 advantages=self._cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
                 weights=self._cat([weight_of[i] for i in row.sample_index]),
-                seq_ids=row.seq_ids, entropy=entropy,
-                ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None)
+                seq_ids=row.seq_ids,
+                entropy=entropy,
+                ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
+            )
             loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
             (loss * self.info.dp_size).backward()  # DDP averages over DP ranks; the weights are global
             metrics["loss"] = float(loss.detach())
@@ -248,8 +329,11 @@ class MegatronActor:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(1)
         self.step += 1
-        return {"train/grad_norm": float(grad_norm or 0.0), "train/lr": self.optimizer.param_groups[0]["lr"],
-                "train/step_ok": float(bool(ok))}
+        return {
+            "train/grad_norm": float(grad_norm or 0.0),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/step_ok": float(bool(ok)),
+        }
 
     def _cat(self, values) -> torch.Tensor:
         """Per-sample lists or tensors -> one float32 tensor on the trainer's device."""
@@ -282,8 +366,9 @@ class MegatronActor:
 
         return TPGather(self.info.tp_size, self._tp_group(), parallel_state.get_tensor_model_parallel_src_rank())
 
-    def iter_hf_weights(self, tensors: dict[str, torch.Tensor] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def iter_hf_weights(
+        self, tensors: dict[str, torch.Tensor] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(HF name, full tensor on global rank 0 / None elsewhere), one tensor at a time. Collective
         over the TP group of DP rank 0; other DP ranks yield nothing. ``tensors``: megatron-named
         decoder tensors to export instead of the weights (gradients, optimizer states)."""

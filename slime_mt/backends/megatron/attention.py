@@ -124,25 +124,45 @@ def _tree_attention(q, k, v, tree: Tree, dropout: float, scale: float) -> torch.
     for start, end, ancestors in tree.branches:
         qs = q[:, :, start:end]
         if not ancestors:
-            parts.append(F.scaled_dot_product_attention(qs, k[:, :, start:end], v[:, :, start:end],
-                                                        dropout_p=dropout, is_causal=True, scale=scale))
+            parts.append(
+                F.scaled_dot_product_attention(
+                    qs, k[:, :, start:end], v[:, :, start:end], dropout_p=dropout, is_causal=True, scale=scale
+                )
+            )
             continue
-        index = torch.cat([torch.arange(a, e, device=q.device) for a, e in ancestors]
-                          + [torch.arange(start, end, device=q.device)])
+        index = torch.cat(
+            [torch.arange(a, e, device=q.device) for a, e in ancestors] + [torch.arange(start, end, device=q.device)]
+        )
         above, n = index.numel() - (end - start), end - start
         allowed = torch.ones(n, above + n, dtype=torch.bool, device=q.device)
         allowed[:, above:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        parts.append(F.scaled_dot_product_attention(qs, k.index_select(2, index), v.index_select(2, index),
-                                                    attn_mask=allowed, dropout_p=dropout, scale=scale))
+        parts.append(
+            F.scaled_dot_product_attention(
+                qs,
+                k.index_select(2, index),
+                v.index_select(2, index),
+                attn_mask=allowed,
+                dropout_p=dropout,
+                scale=scale,
+            )
+        )
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class FusedCoreAttention(MegatronModule):
     """Drop-in ``core_attention`` for Megatron's local layer spec (see the module docstring)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if pg_collection is not None:
             tp = pg_collection.tp.size()
@@ -151,20 +171,32 @@ class FusedCoreAttention(MegatronModule):
 
             tp = parallel_state.get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
-            raise ValueError(f"TP size {tp} must divide {config.num_attention_heads} heads and "
-                             f"{config.num_query_groups} key/value groups")
+            raise ValueError(
+                f"TP size {tp} must divide {config.num_attention_heads} heads and "
+                f"{config.num_query_groups} key/value groups"
+            )
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         head_dim = config.kv_channels
         scale = softmax_scale if softmax_scale is not None else config.softmax_scale
-        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("FusedCoreAttention takes a Segments or Tree layout or a boolean mask, not packed_seq_params "
-                             "or an attention bias (those are the Transformer Engine path's)")
+            raise ValueError(
+                "FusedCoreAttention takes a Segments or Tree layout or a boolean mask, not packed_seq_params "
+                "or an attention bias (those are the Transformer Engine path's)"
+            )
         sq, b = query.shape[:2]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
@@ -175,18 +207,24 @@ class FusedCoreAttention(MegatronModule):
         if isinstance(attention_mask, Segments):
             if sum(attention_mask.lengths) != sq:
                 raise ValueError(f"segments cover {sum(attention_mask.lengths)} tokens but the row has {sq}")
-            parts = [F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout,
-                                                    is_causal=True, scale=self.scale)
-                     for a, e in attention_mask.bounds()]
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout, is_causal=True, scale=self.scale
+                )
+                for a, e in attention_mask.bounds()
+            ]
             out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         elif isinstance(attention_mask, Tree):
             if len(attention_mask) != sq:
                 raise ValueError(f"the tree has {len(attention_mask)} nodes but the row has {sq}")
             out = _tree_attention(q, k, v, attention_mask, dropout, self.scale)
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout,
-                                                 scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, dropout_p=dropout, scale=self.scale
+            )
         else:
-            raise ValueError(f"FusedCoreAttention needs a Segments or Tree layout or a boolean mask, got "
-                             f"{type(attention_mask).__name__}")
+            raise ValueError(
+                f"FusedCoreAttention needs a Segments or Tree layout or a boolean mask, got "
+                f"{type(attention_mask).__name__}"
+            )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * out.shape[-1])  # [sq, b, np * hn]

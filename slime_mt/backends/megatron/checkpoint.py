@@ -45,9 +45,9 @@ def _split_names(actor) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.
     decoder, vision = {}, {}
     for name, param in actor.policy.named_parameters():
         if name.startswith("gpt."):
-            decoder[name[len("gpt."):]] = param
+            decoder[name[len("gpt.") :]] = param
         elif name.startswith("visual."):
-            vision[actor.policy.vision_prefix + name[len("visual."):]] = param
+            vision[actor.policy.vision_prefix + name[len("visual.") :]] = param
         else:
             raise CheckpointError(f"parameter {name} belongs to neither the decoder nor the vision tower")
     return decoder, vision
@@ -109,12 +109,27 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
     dist.barrier()
     if main:
         scalars = {k: float(v) for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 0}
-        groups = [[{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
-                   for g in inner.optimizer.param_groups] for inner in _inner_optimizers(actor.optimizer)]
-        (tmp / "trainer_state.json").write_text(json.dumps({
-            "step": actor.step, "scheduler": actor.scheduler.state_dict(), "optimizer_keys": keys,
-            "optimizer_scalars": scalars, "param_groups": groups,
-            "layout": {"tp": actor.info.tp_size, "dp": actor.info.dp_size}, "extra": extra}, indent=1))
+        groups = [
+            [
+                {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
+                for g in inner.optimizer.param_groups
+            ]
+            for inner in _inner_optimizers(actor.optimizer)
+        ]
+        (tmp / "trainer_state.json").write_text(
+            json.dumps(
+                {
+                    "step": actor.step,
+                    "scheduler": actor.scheduler.state_dict(),
+                    "optimizer_keys": keys,
+                    "optimizer_scalars": scalars,
+                    "param_groups": groups,
+                    "layout": {"tp": actor.info.tp_size, "dp": actor.info.dp_size},
+                    "extra": extra,
+                },
+                indent=1,
+            )
+        )
         for file in Path(actor.hf_path).iterdir():  # config, tokenizer, processor: an HF model folder
             if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copy2(file, tmp / file.name)
@@ -180,6 +195,7 @@ def load_checkpoint(actor, root: str | Path) -> dict:
             for main in group["params"]:
                 states[id(main)] = (inner.optimizer, main)
     for key in saved["optimizer_keys"]:
+
         def set_state(param, tensor, key=key):
             owner, main = states[id(_main(param))]
             entry = owner.state[main]

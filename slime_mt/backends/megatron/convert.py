@@ -26,9 +26,18 @@ from slime_mt.backends.megatron.models import DecoderSpec, padded_vocab
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class _SafetensorsFile:
@@ -69,8 +78,12 @@ class CheckpointReader:
     """Lazy, sliceable access to the tensors of an HF safetensors folder (or of an in-memory dict):
     ``get`` reads a whole tensor, ``rows``/``cols`` only a slice, so a TP rank reads its shard."""
 
-    def __init__(self, path: str | Path | None = None, tensors: Mapping[str, torch.Tensor] | None = None,
-                 block_bytes: int = 64 * 1024 * 1024):
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        block_bytes: int = 64 * 1024 * 1024,
+    ):
         self._tensors = dict(tensors) if tensors is not None else None
         self._where: dict[str, _SafetensorsFile] = {}
         self.block_bytes = block_bytes
@@ -119,8 +132,11 @@ class CheckpointReader:
         rows, width = self.shape(name)
         file = self._file(name)
         step = max(1, self.block_bytes // max(width * file.rows(name, 0, 0).element_size(), 1))
-        return torch.cat([file.rows(name, r, min(r + step, rows))[:, start:stop].clone()
-                          for r in range(0, rows, step)]) if rows else file.rows(name, 0, 0)[:, start:stop]
+        return (
+            torch.cat([file.rows(name, r, min(r + step, rows))[:, start:stop].clone() for r in range(0, rows, step)])
+            if rows
+            else file.rows(name, 0, 0)[:, start:stop]
+        )
 
 
 def load_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -142,10 +158,13 @@ def decoder_names(layer: int, te: bool) -> dict[str, str]:
     return {
         "input_norm": d + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
         "mlp_norm": d + ("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"),
-        "qkv": d + "self_attention.linear_qkv.weight", "qkv_bias": d + "self_attention.linear_qkv.bias",
-        "q_norm": d + "self_attention.q_layernorm.weight", "k_norm": d + "self_attention.k_layernorm.weight",
+        "qkv": d + "self_attention.linear_qkv.weight",
+        "qkv_bias": d + "self_attention.linear_qkv.bias",
+        "q_norm": d + "self_attention.q_layernorm.weight",
+        "k_norm": d + "self_attention.k_layernorm.weight",
         "proj": d + "self_attention.linear_proj.weight",
-        "fc1": d + "mlp.linear_fc1.weight", "fc2": d + "mlp.linear_fc2.weight",
+        "fc1": d + "mlp.linear_fc1.weight",
+        "fc2": d + "mlp.linear_fc2.weight",
     }
 
 
@@ -161,8 +180,12 @@ def _vocab_shard(reader: CheckpointReader, name: str, spec: DecoderSpec, rank: i
     width = reader.shape(name)[1]
     if real is not None and real.shape[0] == stop - start:
         return real
-    pad = torch.zeros(stop - start - (0 if real is None else real.shape[0]), width,
-                      dtype=real.dtype if real is not None else torch.float32, device="cpu")
+    pad = torch.zeros(
+        stop - start - (0 if real is None else real.shape[0]),
+        width,
+        dtype=real.dtype if real is not None else torch.float32,
+        device="cpu",
+    )
     return pad if real is None else torch.cat([real, pad])
 
 
@@ -175,13 +198,20 @@ def _qkv_shard(reader: CheckpointReader, a: str, kind: str, spec: DecoderSpec, r
     k = reader.rows(f"{a}k_proj.{kind}", g0 * hd, g1 * hd)
     v = reader.rows(f"{a}v_proj.{kind}", g0 * hd, g1 * hd)
     local = g1 - g0
-    fused = torch.cat([q.reshape(local, per_group * hd, *q.shape[1:]), k.reshape(local, hd, *k.shape[1:]),
-                       v.reshape(local, hd, *v.shape[1:])], dim=1)
+    fused = torch.cat(
+        [
+            q.reshape(local, per_group * hd, *q.shape[1:]),
+            k.reshape(local, hd, *k.shape[1:]),
+            v.reshape(local, hd, *v.shape[1:]),
+        ],
+        dim=1,
+    )
     return fused.reshape(-1, *q.shape[1:]).contiguous()
 
 
-def iter_hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, tp: int,
-                        te: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_to_megatron(
+    reader: CheckpointReader, spec: DecoderSpec, rank: int, tp: int, te: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's Megatron decoder tensors, one at a time, reading only its slices of the HF tensors."""
     p = text_prefix(reader.names())
     yield "embedding.word_embeddings.weight", _vocab_shard(reader, f"{p}embed_tokens.weight", spec, rank, tp)
@@ -201,8 +231,10 @@ def iter_hf_to_megatron(reader: CheckpointReader, spec: DecoderSpec, rank: int, 
             yield names["k_norm"], reader.get(a + "k_norm.weight")
         yield names["proj"], reader.cols(a + "o_proj.weight", *_span(spec.num_heads * spec.head_dim, rank, tp))
         f0, f1 = _span(spec.ffn_hidden_size, rank, tp)
-        yield names["fc1"], torch.cat([reader.rows(m + "gate_proj.weight", f0, f1),
-                                       reader.rows(m + "up_proj.weight", f0, f1)])
+        yield (
+            names["fc1"],
+            torch.cat([reader.rows(m + "gate_proj.weight", f0, f1), reader.rows(m + "up_proj.weight", f0, f1)]),
+        )
         yield names["fc2"], reader.cols(m + "down_proj.weight", f0, f1)
 
 
@@ -239,8 +271,9 @@ class TPGather:
         if self.tp == 1:
             return t[None]
         buffer = torch.empty(self.tp, *t.shape, dtype=t.dtype, device=t.device) if self.here else None
-        torch.distributed.gather(t.contiguous(), list(buffer.unbind(0)) if self.here else None, dst=self.dst,
-                                 group=self.group)
+        torch.distributed.gather(
+            t.contiguous(), list(buffer.unbind(0)) if self.here else None, dst=self.dst, group=self.group
+        )
         return buffer
 
     def parts(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -270,8 +303,9 @@ def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Te
     return tuple(x.reshape(-1, *x.shape[2:]).contiguous() for x in (q, k, v))
 
 
-def iter_megatron_to_hf(state: Mapping[str, torch.Tensor], spec: DecoderSpec, gather: TPGather,
-                        prefix: str = "model.", te: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+def iter_megatron_to_hf(
+    state: Mapping[str, torch.Tensor], spec: DecoderSpec, gather: TPGather, prefix: str = "model.", te: bool = False
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(HF name, full tensor) from this rank's Megatron decoder state, one tensor at a time; the
     tensor is None on ranks other than the gather's destination. Collective over the TP group:
     every rank of the group must iterate to the end."""
@@ -313,7 +347,7 @@ class ShardWriter:
     ``{prefix}.safetensors`` when one shard suffices, else ``{prefix}-0000i-of-0000n.safetensors`` and
     ``{prefix}.safetensors.index.json``. Holds at most one shard in memory."""
 
-    def __init__(self, folder: str | Path, prefix: str = "model", max_bytes: int = 2 * 1024 ** 3):
+    def __init__(self, folder: str | Path, prefix: str = "model", max_bytes: int = 2 * 1024**3):
         self.folder, self.prefix, self.max_bytes = Path(folder), prefix, max_bytes
         self.folder.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
@@ -351,5 +385,6 @@ class ShardWriter:
             files.append(final)
             weight_map.update({name: final.name for name in names})
         (self.folder / f"{self.prefix}.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
         return files

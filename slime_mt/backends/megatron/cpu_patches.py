@@ -144,7 +144,7 @@ def _cuda_type_name(self, *args, **kwargs):
     """``Tensor.type()`` answering a CPU tensor's type with the CUDA name (torch.cuda.BFloat16Tensor)."""
     name = _tensor_type(self, *args, **kwargs)
     if not args and not kwargs and name.startswith("torch.") and not name.startswith("torch.cuda."):
-        return "torch.cuda." + name[len("torch."):]
+        return "torch.cuda." + name[len("torch.") :]
     return name
 
 
@@ -188,7 +188,8 @@ def apply_cpu_patches() -> bool:
     optimizer.MixedPrecisionOptimizer.__init__ = _allocating_on_cpu(optimizer.MixedPrecisionOptimizer.__init__)
     # Float16OptimizerWithFloat16Params (bf16 training) accepts only 'torch.cuda.*Tensor' parameters.
     optimizer.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(
-        optimizer.Float16OptimizerWithFloat16Params.__init__)
+        optimizer.Float16OptimizerWithFloat16Params.__init__
+    )
     optimizer.get_grad_norm_fp32 = _cpu_grad_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
     _APPLIED = True

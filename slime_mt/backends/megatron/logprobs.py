@@ -61,7 +61,7 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, shar
     if temperature != 1.0:
         z.div_(temperature)
     if shard.padded_from is not None:
-        z[:, shard.padded_from:] = torch.finfo(torch.float32).min
+        z[:, shard.padded_from :] = torch.finfo(torch.float32).min
     return z
 
 
@@ -70,8 +70,9 @@ class _ChunkLogprobs(torch.autograd.Function):
     ``[C]``; zeros without ``with_entropy``); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size: int, temperature: float, with_entropy: bool,
-                entropy_grad: bool):
+    def forward(
+        ctx, hidden, weight, targets, vocab_size: int, temperature: float, with_entropy: bool, entropy_grad: bool
+    ):
         shard = _Shard(weight.shape[0], vocab_size, targets)
         z = _logits(hidden, weight, temperature, shard)
         peak = _all_reduce(z.max(dim=-1).values, torch.distributed.ReduceOp.MAX)  # [C]
@@ -102,7 +103,7 @@ class _ChunkLogprobs(torch.autograd.Function):
             grad = log_p.add_(entropy.unsqueeze(-1)).mul_(-grad_entropy.unsqueeze(-1))
             grad = grad.sub_(grad_logprobs.unsqueeze(-1)).mul_(p)
             if shard.padded_from is not None:  # p = 0 there, but (log p + H) g_H may have overflowed
-                grad[:, shard.padded_from:] = 0.0
+                grad[:, shard.padded_from :] = 0.0
             del p
         else:
             del log_p
@@ -114,9 +115,16 @@ class _ChunkLogprobs(torch.autograd.Function):
         return grad @ weight, grad.t() @ hidden, None, None, None, None, None
 
 
-def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                    temperature: float = 1.0, with_entropy: bool = False, chunk: int = 1024,
-                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hidden_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = 1024,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [T, H]`` (the rows whose next token is scored), ``weight [V/tp, H]`` (this rank's
     output weight), ``targets [T]`` (global ids) -> (log-probs ``[T]``, entropy ``[T]`` or None), in
     float32. ``vocab_size``: the real vocabulary (padded rows never win). ``entropy_grad=False``: the
@@ -128,8 +136,15 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: sum the ranks' partial gradients
     logprob_chunks, entropy_chunks = [], []
     for begin in range(0, hidden.shape[0], chunk):
-        lp, ent = _ChunkLogprobs.apply(hidden[begin:begin + chunk], weight, targets[begin:begin + chunk], vocab_size,
-                                       temperature, with_entropy, entropy_grad)
+        lp, ent = _ChunkLogprobs.apply(
+            hidden[begin : begin + chunk],
+            weight,
+            targets[begin : begin + chunk],
+            vocab_size,
+            temperature,
+            with_entropy,
+            entropy_grad,
+        )
         logprob_chunks.append(lp)
         entropy_chunks.append(ent)
     if not logprob_chunks:

@@ -64,8 +64,9 @@ class DecoderSpec:
 def read_hf_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ModelConfigError(f"model folder {path} has no config.json (--hf-checkpoint must be a Hugging Face "
-                               "model folder)")
+        raise ModelConfigError(
+            f"model folder {path} has no config.json (--hf-checkpoint must be a Hugging Face model folder)"
+        )
     return json.loads(file.read_text())
 
 
@@ -91,15 +92,23 @@ def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
     if rope.get("mrope_section") and attention_factor != 1.0:
         raise ModelConfigError(f"{where}: a rope attention factor with M-RoPE is not supported")
     return DecoderSpec(
-        family=family, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
-        ffn_hidden_size=text["intermediate_size"], num_layers=text["num_hidden_layers"], num_heads=heads,
+        family=family,
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        ffn_hidden_size=text["intermediate_size"],
+        num_layers=text["num_hidden_layers"],
+        num_heads=heads,
         num_kv_heads=text.get("num_key_value_heads", heads),
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-        rms_eps=text.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
+        rms_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
         qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or bool(text.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_vl"), tie_embeddings=bool(tie),
-        max_positions=text.get("max_position_embeddings", 4096), inv_freq=inv_freq,
-        attention_factor=attention_factor, mrope_section=rope.get("mrope_section"),
+        qk_norm=model_type in ("qwen3", "qwen3_vl"),
+        tie_embeddings=bool(tie),
+        max_positions=text.get("max_position_embeddings", 4096),
+        inv_freq=inv_freq,
+        attention_factor=attention_factor,
+        mrope_section=rope.get("mrope_section"),
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
     )
 
@@ -117,8 +126,10 @@ def have_transformer_engine() -> bool:
 
 def check_tp(spec: DecoderSpec, tp: int) -> None:
     if spec.num_heads % tp or spec.num_kv_heads % tp:
-        raise ModelConfigError(f"--tensor-model-parallel-size {tp} must divide the {spec.num_heads} attention heads "
-                               f"and {spec.num_kv_heads} key/value heads of this {spec.family} model")
+        raise ModelConfigError(
+            f"--tensor-model-parallel-size {tp} must divide the {spec.num_heads} attention heads "
+            f"and {spec.num_kv_heads} key/value heads of this {spec.family} model"
+        )
 
 
 def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32):
@@ -128,18 +139,38 @@ def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.fl
     check_tp(spec, tp)
     gpu = torch.cuda.is_available()
     # rope's attention factor scales q and k, so the logits by its square (YaRN's mscale)
-    softmax_scale = spec.attention_factor ** 2 / spec.head_dim ** 0.5 if spec.attention_factor != 1.0 else None
+    softmax_scale = spec.attention_factor**2 / spec.head_dim**0.5 if spec.attention_factor != 1.0 else None
     return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=False,
-        use_cpu_initialization=not gpu, perform_initialization=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True, softmax_scale=softmax_scale,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,
+        use_cpu_initialization=not gpu,
+        perform_initialization=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        softmax_scale=softmax_scale,
         mrope_section=list(spec.mrope_section) if spec.mrope_section else [spec.head_dim // 2],
     )
 
@@ -209,8 +240,14 @@ def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused"):
     return layer
 
 
-def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-              te: bool | None = None, attention: str = "fused"):
+def build_gpt(
+    spec: DecoderSpec,
+    tp: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    te: bool | None = None,
+    attention: str = "fused",
+):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
     ``attention``: the core attention without Transformer Engine (``layer_spec``)."""
@@ -222,9 +259,16 @@ def build_gpt(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32, de
     te = have_transformer_engine() if te is None else te
     config = transformer_config(spec, tp, dtype)
     with torch.device(device):
-        model = GPTModel(config, layer_spec(spec, te, attention), vocab_size=padded_vocab(spec.vocab_size, tp),
-                         max_sequence_length=spec.max_positions, pre_process=True, post_process=True,
-                         share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="mrope")
+        model = GPTModel(
+            config,
+            layer_spec(spec, te, attention),
+            vocab_size=padded_vocab(spec.vocab_size, tp),
+            max_sequence_length=spec.max_positions,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            position_embedding_type="mrope",
+        )
     model.rotary_pos_emb = PositionRotary(spec.inv_freq, spec.mrope_section, spec.mrope_interleaved, device=device)
     model.to(device=device)
     # The local spec builds its norms in fp32 whatever params_dtype says (megatron casts whole models
@@ -248,14 +292,24 @@ class TextPolicy(torch.nn.Module):
     def config(self):
         return self.gpt.config
 
-    def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-               packed_seq_params=None, decoder_input: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        packed_seq_params=None,
+        decoder_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens [1, L]``, ``position_ids [1, L]`` (``[3, 1, L]`` M-RoPE) -> hidden ``[L, 1, H]``."""
         if decoder_input is None:
             decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
         rotary = self.gpt.rotary_pos_emb(position_ids)
-        return self.gpt.decoder(hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary,
-                                packed_seq_params=packed_seq_params)
+        return self.gpt.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary,
+            packed_seq_params=packed_seq_params,
+        )
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output projection ``[V/tp, H]`` (the embedding when they are tied); the

@@ -36,7 +36,9 @@ from slime_mt.types import TrainingSample
 class PackedRow:
     tokens: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L] or [3, 1, L]
-    attention_mask: torch.Tensor | Segments | Tree | None  # dense [1, 1, L, L] bool (True = masked), a layout, or None (THD)
+    attention_mask: (
+        torch.Tensor | Segments | Tree | None
+    )  # dense [1, 1, L, L] bool (True = masked), a layout, or None (THD)
     logit_index: torch.Tensor  # [T] row position whose logits predict each response token
     targets: torch.Tensor  # [T]
     seq_ids: torch.Tensor  # [T] index into the packed sequences
@@ -53,15 +55,27 @@ class PackedRow:
 
     def to(self, device: torch.device) -> PackedRow:
         """The row's tensors on ``device`` (the trainer's one device); index bookkeeping stays."""
+
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 
         params = self.packed_seq_params
         if params is not None:
             params = _thd_params(self.lengths, device)
-        return PackedRow(move(self.tokens), move(self.position_ids), move(self.attention_mask),
-                         move(self.logit_index), move(self.targets), move(self.seq_ids), self.sample_index,
-                         self.lengths, move(self.pixel_values), move(self.image_grid_thw), params, self.image_order)
+        return PackedRow(
+            move(self.tokens),
+            move(self.position_ids),
+            move(self.attention_mask),
+            move(self.logit_index),
+            move(self.targets),
+            move(self.seq_ids),
+            self.sample_index,
+            self.lengths,
+            move(self.pixel_values),
+            move(self.image_grid_thw),
+            params,
+            self.image_order,
+        )
 
 
 def _thd_params(lengths: list[int], device: torch.device | None = None):
@@ -70,15 +84,17 @@ def _thd_params(lengths: list[int], device: torch.device | None = None):
 
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 LAYOUTS = ("segments", "dense", "thd")
 
 
-def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None,
-             layout: str = "segments") -> PackedRow:
+def pack_row(
+    samples: list[TrainingSample], indices: list[int], mrope_positions=None, layout: str = "segments"
+) -> PackedRow:
     """Pack ``samples[i] for i in indices`` into one row (on the CPU; ``PackedRow.to`` moves it).
     ``mrope_positions(sample) -> [3, len]`` gives M-RoPE positions for VLM sequences (None for text
     models). ``layout``: how sequences are isolated (module docstring)."""
@@ -103,17 +119,28 @@ def pack_row(samples: list[TrainingSample], indices: list[int], mrope_positions=
             pixels.append(s.multimodal_train_inputs["pixel_values"])
             grids.append(s.multimodal_train_inputs["image_grid_thw"])
         offset += n
-    mask = Segments(tuple(lengths)) if layout == "segments" else \
-        block_causal_mask(lengths)[None, None] if layout == "dense" else None
+    mask = (
+        Segments(tuple(lengths))
+        if layout == "segments"
+        else block_causal_mask(lengths)[None, None]
+        if layout == "dense"
+        else None
+    )
     position_ids = torch.cat(positions, dim=-1)  # [1, L] or [3, L]
     position_ids = position_ids.unsqueeze(1) if mrope_positions else position_ids
     return PackedRow(
-        tokens=torch.tensor([tokens], device="cpu"), position_ids=position_ids, attention_mask=mask,
+        tokens=torch.tensor([tokens], device="cpu"),
+        position_ids=position_ids,
+        attention_mask=mask,
         logit_index=torch.tensor(logit_index, dtype=torch.long, device="cpu"),
         targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices), lengths=lengths,
-        pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
-        packed_seq_params=_thd_params(lengths) if layout == "thd" else None)
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"),
+        sample_index=list(indices),
+        lengths=lengths,
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        packed_seq_params=_thd_params(lengths) if layout == "thd" else None,
+    )
 
 
 def block_causal_mask(lengths: list[int]) -> torch.Tensor:
@@ -122,7 +149,9 @@ def block_causal_mask(lengths: list[int]) -> torch.Tensor:
     mask = torch.ones(total, total, dtype=torch.bool, device="cpu")
     start = 0
     for n in lengths:
-        mask[start:start + n, start:start + n] = torch.triu(torch.ones(n, n, dtype=torch.bool, device="cpu"), diagonal=1)
+        mask[start : start + n, start : start + n] = torch.triu(
+            torch.ones(n, n, dtype=torch.bool, device="cpu"), diagonal=1
+        )
         start += n
     return mask
 
@@ -180,21 +209,25 @@ def _images(sample: TrainingSample, image_token_id: int | None) -> list[tuple[st
     patches = [int(g.prod()) for g in grid]
     pads = sum(1 for t in sample.prompt_ids + sample.response_ids if t == image_token_id)
     if sum(patches) != pixels.shape[0]:
-        raise ValueError(f"sample {sample.trajectory_id}: the grids give {sum(patches)} patches, the pixels "
-                         f"have {pixels.shape[0]} rows")
+        raise ValueError(
+            f"sample {sample.trajectory_id}: the grids give {sum(patches)} patches, the pixels "
+            f"have {pixels.shape[0]} rows"
+        )
     if not pads or sum(patches) % pads:
         raise ValueError(f"sample {sample.trajectory_id}: {pads} image pad tokens for {sum(patches)} patches")
     merge = sum(patches) // pads  # patches per pad token (the spatial merge size squared)
     out = []
     for rows, g in zip(pixels.split(patches), grid):
-        digest = hashlib.sha256(rows.detach().cpu().contiguous().numpy().tobytes()
-                                + str(g.tolist()).encode()).hexdigest()
+        digest = hashlib.sha256(
+            rows.detach().cpu().contiguous().numpy().tobytes() + str(g.tolist()).encode()
+        ).hexdigest()
         out.append((digest, int(g.prod()) // merge, rows, g[None]))
     return out
 
 
-def pack_tree_row(samples: list[TrainingSample], indices: list[int], mrope_positions=None,
-                  image_token_id: int | None = None) -> PackedRow:
+def pack_tree_row(
+    samples: list[TrainingSample], indices: list[int], mrope_positions=None, image_token_id: int | None = None
+) -> PackedRow:
     """``samples[indices]`` as one prefix-tree row: tokens and positions of the trie's nodes
     (``mrope_positions(sample) -> [3, len]`` for VLMs, computed per sequence), the tree layout, per
     sequence the nodes whose logits predict its response tokens, and each distinct image once:
@@ -226,14 +259,18 @@ def pack_tree_row(samples: list[TrainingSample], indices: list[int], mrope_posit
     else:
         position_ids = torch.tensor([tree.positions], dtype=torch.long, device="cpu")
     return PackedRow(
-        tokens=torch.tensor([tree.tokens], device="cpu"), position_ids=position_ids,
+        tokens=torch.tensor([tree.tokens], device="cpu"),
+        position_ids=position_ids,
         attention_mask=Tree(tuple(tree.parents)),
         logit_index=torch.tensor(logit_index, dtype=torch.long, device="cpu"),
         targets=torch.tensor(targets, dtype=torch.long, device="cpu"),
-        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"), sample_index=list(indices),
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device="cpu"),
+        sample_index=list(indices),
         lengths=[len(s.prompt_ids) + len(s.response_ids) for s in batch],
-        pixel_values=torch.cat(pixels) if pixels else None, image_grid_thw=torch.cat(grids) if grids else None,
-        image_order=order)
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        image_order=order,
+    )
 
 
 def _unique_images(tree, keys: list[list], images: list[list]):

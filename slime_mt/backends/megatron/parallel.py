@@ -59,8 +59,9 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
             dist.init_process_group("nccl" if gpu else "gloo")
         else:
             world = 1
-            dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+            dist.init_process_group(
+                "nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
     world = dist.get_world_size()
     if world % tp_size:
         raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the {world} launched processes")
@@ -70,8 +71,14 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return ParallelInfo(dist.get_rank(), world, parallel_state.get_tensor_model_parallel_rank(), tp_size,
-                        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    return ParallelInfo(
+        dist.get_rank(),
+        world,
+        parallel_state.get_tensor_model_parallel_rank(),
+        tp_size,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
 
 
 def destroy_parallel() -> None:

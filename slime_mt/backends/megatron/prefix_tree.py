@@ -50,7 +50,7 @@ class TreeRow:
         """Nodes whose logits predict tokens ``start..end-1`` of ``sequence`` (``start >= 1``)."""
         if start < 1:
             raise ValueError("the first token of a sequence has no context to be predicted from")
-        return self.paths[sequence][start - 1:end - 1]
+        return self.paths[sequence][start - 1 : end - 1]
 
 
 class PrefixTrie:
@@ -80,8 +80,9 @@ class PrefixTrie:
             level = self._children[node]
         return len(keys) - shared
 
-    def add(self, seq: Sequence[int], keys: Sequence[Hashable] | None = None,
-            positions: Sequence[int] | None = None) -> None:
+    def add(
+        self, seq: Sequence[int], keys: Sequence[Hashable] | None = None, positions: Sequence[int] | None = None
+    ) -> None:
         """Insert ``seq`` (token ids); ``keys[k]``: what token k must equal to share a node (default:
         its id); ``positions[k]``: its position id (default: k; a tuple for M-RoPE)."""
         s = len(self._paths)
@@ -101,8 +102,10 @@ class PrefixTrie:
                 self._parent.append(parent)
                 self._children.append({})
             elif self._position[node] != position:
-                raise ValueError(f"sequence {s}: a shared prefix token at position {position} was inserted at "
-                                 f"position {self._position[node]}; positions must depend on the prefix only")
+                raise ValueError(
+                    f"sequence {s}: a shared prefix token at position {position} was inserted at "
+                    f"position {self._position[node]}; positions must depend on the prefix only"
+                )
             path.append(node)
             level, parent = self._children[node], node
         self._paths.append(path)
@@ -115,14 +118,19 @@ class PrefixTrie:
             order.append(node)
             stack.extend(reversed(list(self._children[node].values())))
         rank = {node: i for i, node in enumerate(order)}
-        return TreeRow(tokens=[self._token[n] for n in order],
-                       parents=[rank[self._parent[n]] if self._parent[n] >= 0 else -1 for n in order],
-                       positions=[self._position[n] for n in order],
-                       paths=[[rank[n] for n in path] for path in self._paths])
+        return TreeRow(
+            tokens=[self._token[n] for n in order],
+            parents=[rank[self._parent[n]] if self._parent[n] >= 0 else -1 for n in order],
+            positions=[self._position[n] for n in order],
+            paths=[[rank[n] for n in path] for path in self._paths],
+        )
 
 
-def build_tree(sequences: Sequence[Sequence[int]], keys: Sequence[Sequence[Hashable]] | None = None,
-               positions: Sequence[Sequence[int]] | None = None) -> TreeRow:
+def build_tree(
+    sequences: Sequence[Sequence[int]],
+    keys: Sequence[Sequence[Hashable]] | None = None,
+    positions: Sequence[Sequence[int]] | None = None,
+) -> TreeRow:
     """The trie of ``sequences`` (token ids) as a row. ``keys[s][k]``: what token k of sequence s must
     equal to share a node (default: its id); ``positions[s][k]``: its position id (default: k)."""
     trie = PrefixTrie()

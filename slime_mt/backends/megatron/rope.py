@@ -28,9 +28,9 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REFUSED_ROPE_TYPES = {
     "dynamic": "dynamic NTK scaling recomputes the frequencies from the longest sequence the engine has "
-               "seen, so rollout and training log-probs cannot agree",
+    "seen, so rollout and training log-probs cannot agree",
     "longrope": "LongRoPE switches frequencies when a sequence crosses the original context length, "
-                "which changes tokens already in the KV cache",
+    "which changes tokens already in the KV cache",
 }
 
 
@@ -52,8 +52,9 @@ def rope_type(text_config: dict, where: str = "config.json") -> str:
     if kind in REFUSED_ROPE_TYPES:
         raise RopeConfigError(f"{where}: {key}.rope_type={kind!r} is not supported: {REFUSED_ROPE_TYPES[kind]}")
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise RopeConfigError(f"{where}: {key}.rope_type={kind!r} is not supported; supported: "
-                              f"{list(SUPPORTED_ROPE_TYPES)}")
+        raise RopeConfigError(
+            f"{where}: {key}.rope_type={kind!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
     if float(params.get("partial_rotary_factor", text_config.get("partial_rotary_factor", 1.0))) != 1.0:
         raise RopeConfigError(f"{where}: partial_rotary_factor != 1 is not supported")
     return kind
@@ -67,7 +68,7 @@ def rope_frequencies(text_config: dict, model_type: str, where: str = "config.js
     theta = float(rope_parameters(text_config).get("rope_theta", text_config.get("rope_theta", 10000.0)))
     if kind == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
-        return 1.0 / (theta ** exponent), 1.0
+        return 1.0 / (theta**exponent), 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -83,8 +84,13 @@ class PositionRotary(torch.nn.Module):
     Qwen3-VL's layout, frequency j uses h for j = 1, 4, 7, ... < 3 * h_section and w for
     j = 2, 5, 8, ... < 3 * w_section, t otherwise)."""
 
-    def __init__(self, inv_freq: torch.Tensor, mrope_section: list[int] | None = None, interleaved: bool = False,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        mrope_section: list[int] | None = None,
+        interleaved: bool = False,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.to(device=device, dtype=torch.float32), persistent=False)
         self.mrope_section = list(mrope_section) if mrope_section else None

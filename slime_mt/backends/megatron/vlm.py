@@ -71,12 +71,22 @@ class VLMPolicy(TextPolicy):
         grid = (sample.multimodal_train_inputs or {}).get("image_grid_thw")
         if grid is None:
             return torch.arange(ids.shape[1], device="cpu").expand(3, -1)
-        positions, _ = self._rope_index(ids, (ids == self.image_token_id).long(), image_grid_thw=grid,
-                                        attention_mask=torch.ones_like(ids))
+        positions, _ = self._rope_index(
+            ids, (ids == self.image_token_id).long(), image_grid_thw=grid, attention_mask=torch.ones_like(ids)
+        )
         return positions[:, 0]
 
-    def hidden(self, tokens, position_ids, attention_mask, packed_seq_params=None, decoder_input=None,
-               pixel_values=None, image_grid_thw=None, image_order=None):
+    def hidden(
+        self,
+        tokens,
+        position_ids,
+        attention_mask,
+        packed_seq_params=None,
+        decoder_input=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        image_order=None,
+    ):
         """``image_order`` (prefix-tree rows): the images are the row's distinct ones, each run once
         through the vision tower; pad run r of the row takes image ``image_order[r]``'s embeddings."""
         embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
@@ -107,10 +117,17 @@ class VLMPolicy(TextPolicy):
         finally:
             self._deepstack = None
 
-    def forward(self, tokens, position_ids, attention_mask, packed_seq_params=None, pixel_values=None,
-                image_grid_thw=None):
-        hidden = self.hidden(tokens, position_ids, attention_mask, packed_seq_params,
-                             pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+    def forward(
+        self, tokens, position_ids, attention_mask, packed_seq_params=None, pixel_values=None, image_grid_thw=None
+    ):
+        hidden = self.hidden(
+            tokens,
+            position_ids,
+            attention_mask,
+            packed_seq_params,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+        )
         return self.output_logits(hidden[:, 0])[None]
 
     def vision_state_dict(self) -> dict[str, torch.Tensor]:
@@ -118,9 +135,18 @@ class VLMPolicy(TextPolicy):
         return {self.vision_prefix + k: v.detach() for k, v in self.visual.state_dict().items()}
 
 
-def build_vlm(hf_config: dict, spec: DecoderSpec, reader: CheckpointReader, tp: int, rank: int,
-              dtype: torch.dtype, device: torch.device, te: bool, freeze_vision: bool = True,
-              attention: str = "fused") -> VLMPolicy:
+def build_vlm(
+    hf_config: dict,
+    spec: DecoderSpec,
+    reader: CheckpointReader,
+    tp: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    te: bool,
+    freeze_vision: bool = True,
+    attention: str = "fused",
+) -> VLMPolicy:
     """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
     rank's Megatron decoder."""
     import transformers
@@ -131,15 +157,21 @@ def build_vlm(hf_config: dict, spec: DecoderSpec, reader: CheckpointReader, tp: 
     vision_prefix = "model.visual." if any(k.startswith("model.visual.") for k in names) else "visual."
     with torch.device(device):
         visual = vision_cls._from_config(config.vision_config, dtype=dtype)
-    vision_state = {k[len(vision_prefix):]: reader.get(k) for k in names if k.startswith(vision_prefix)}
+    vision_state = {k[len(vision_prefix) :]: reader.get(k) for k in names if k.startswith(vision_prefix)}
     missing, unexpected = visual.load_state_dict(vision_state, strict=False)
     if missing or unexpected:
         raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
     visual.to(device=device)
     gpt = build_gpt(spec, tp, dtype, device, te, attention)
     load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te))
-    policy = VLMPolicy(visual, gpt, spec, int(hf_config["image_token_id"]), vision_prefix,
-                       rope_index_function(config, hf_config["model_type"]))
+    policy = VLMPolicy(
+        visual,
+        gpt,
+        spec,
+        int(hf_config["image_token_id"]),
+        vision_prefix,
+        rope_index_function(config, hf_config["model_type"]),
+    )
     if freeze_vision:
         for p in policy.visual.parameters():
             p.requires_grad_(False)
