@@ -26,7 +26,7 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "sglang-router>=0.2", "matplotlib"],
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "sglang-router>=0.2", "matplotlib", "ruff==0.17.6"],
         "viz": ["matplotlib", "tensorboard"],
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
     },

@@ -4,10 +4,10 @@ Each mode is a real ``slime-mt train`` (tiny Qwen2, Megatron TP=1) on the same d
 embedded engine served in its own process (``slime-mt serve``, reached with ``--engine-url``; weights
 go to it through a safetensors folder, as they go to SGLang), so generation and training do not share
 one Python interpreter: on GPUs they do not share anything. Every prompt's episode length is drawn
-from a heavy-tailed (Pareto) distribution, and one env step in ten is slow. Per mode: trajectories trained per second over the training steps (from the
-first step's start to the last step's end), the trainer's idle fraction (waiting for groups), and
-for --fully-async the largest version gap of any trained token, asserted to be within
---max-staleness. The modes run one after another: run it on a quiet machine.
+from a heavy-tailed (Pareto) distribution, and one env step in ten is slow. Per mode: trajectories
+trained per second over the training steps (from the first step's start to the last step's end),
+the trainer's idle fraction (waiting for groups), and for --fully-async the largest version gap of
+any trained token, asserted to be within --max-staleness. The modes run one after another: run it on a quiet machine.
 
     .venv/bin/python benchmarks/async_throughput.py [--steps 8]
 """

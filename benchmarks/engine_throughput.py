@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 from slime_mt.assets import smollm2_dir, tiny_model_dir  # noqa: E402
 from slime_mt.engine.client import EngineClient  # noqa: E402
 from slime_mt.engine.images import encode_image  # noqa: E402

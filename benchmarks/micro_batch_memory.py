@@ -208,7 +208,8 @@ def main():
                 print(f"  {tokens:>6} tokens  {variant:<12}  {r['failed']}", flush=True)
             else:
                 print(
-                    f"  {tokens:>6} tokens  {variant:<12}  peak {r['peak_gib']:6.2f} GiB  {r['tokens_per_s']:8.0f} tok/s"
+                    f"  {tokens:>6} tokens  {variant:<12}  peak {r['peak_gib']:6.2f} GiB"
+                    f"  {r['tokens_per_s']:8.0f} tok/s"
                     f"  ({r['seconds']:.2f} s/step, {r['forwarded']} tokens forwarded)",
                     flush=True,
                 )

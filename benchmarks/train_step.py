@@ -20,6 +20,7 @@ inside a sequence / the dense L x L block-diagonal mask's entries; THD packing c
 """
 
 import argparse
+import functools
 import os
 import random
 import resource
@@ -114,7 +115,7 @@ def main():
         for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
             pass
         exported = peak_rss_mb()
-        steps = {"megatron": lambda: actor.train(samples, advantages, prompts_per_step=len(samples))}
+        steps = {"megatron": functools.partial(actor.train, samples, advantages, prompts_per_step=len(samples))}
         if hf is not None:
             steps["transformers"] = hf
         seconds = {name: [] for name in steps}

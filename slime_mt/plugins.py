@@ -107,4 +107,4 @@ def check_signature(fn: Callable, expected: Callable, label: str) -> None:
 
 
 def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)

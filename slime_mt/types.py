@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 NO_VERSION = -1  # the version of a token no policy generated (observations), or of an unnamed one
 
 
@@ -263,9 +262,10 @@ class TrainingSample:
 
     ``response_ids``, ``loss_mask``, ``rollout_log_probs`` and ``token_versions`` have equal lengths;
     observation tokens inside a response have mask 0, log-prob 0.0 and version NO_VERSION;
-    ``token_versions`` None: not recorded. ``rollout_log_probs`` None: the engine never
-    sampled these tokens as such (a re-tokenized history); the trainer's old log-probs stand in. ``trajectory_id`` ties the steps of one
-    trajectory together; ``group_id`` is its prompt group; ``is_last_step`` marks its final step.
+    ``token_versions`` None: not recorded. ``rollout_log_probs`` None: the engine never sampled
+    these tokens as such (a re-tokenized history); the trainer's old log-probs stand in.
+    ``trajectory_id`` ties the steps of one trajectory together; ``group_id`` is its prompt group;
+    ``is_last_step`` marks its final step.
     """
 
     prompt_ids: list[int]

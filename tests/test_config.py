@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from slime_mt.cli import main as cli_main
-from slime_mt.config import ConfigError, Config, build_parser, parse_config
+from slime_mt.config import Config, ConfigError, build_parser, parse_config
 
 
 def write(tmp_path, name, text):

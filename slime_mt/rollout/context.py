@@ -18,8 +18,8 @@ from typing import Any
 from slime_mt.config import Config, DataConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient
 from slime_mt.plugins import PluginError, load_module
-from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.template_check import path_of, warn_if_inexact
 from slime_mt.tokenization import ObservationEncoder
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from algo_helpers import make_sample
+
 from slime_mt.algo.advantages import compute_advantages, group_advantages
 from slime_mt.rollout.finalize import to_concat_samples, to_step_wise_samples
 from slime_mt.types import Status

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from algo_helpers import make_sample
+
 from slime_mt.rollout.finalize import (
     StepWiseError,
     finalize,

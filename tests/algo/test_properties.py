@@ -5,10 +5,10 @@
 (c) the micro-batch split does not change the loss or the gradient."""
 
 import torch
+from algo_helpers import make_sample
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from algo_helpers import make_sample
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.algo.batching import micro_batches_by_tokens, reduction_weights
 from slime_mt.algo.losses import LossInputs, policy_loss

@@ -174,7 +174,7 @@ def replicated_spread(actor) -> float:
         return 0.0
     spread = 0.0
     group = actor._tp_group()
-    for name, p in actor.policy.named_parameters():
+    for p in actor.policy.parameters():
         if getattr(p, "tensor_model_parallel", False):
             continue
         copies = [torch.empty_like(p) for _ in range(actor.info.tp_size)]
@@ -355,7 +355,7 @@ def vlm_tree_batches(path: Path) -> dict[str, list[TrainingSample]]:
     prompt_a, prompt_b = piece(question, a), piece(question, b)
     group = [sample(p[0], [p], ids(6), f"{k}/{i}", k) for k, p in enumerate((prompt_a, prompt_b)) for i in range(4)]
     steps, history, parts = [], list(prompt_a[0]), [prompt_a]
-    for k, image in enumerate((b, a, None)):
+    for image in (b, a, None):
         thinking, answer = ids(5), ids(3)
         steps.append(sample(history, list(parts), thinking + answer, "2/0", 2))
         if image is not None:
@@ -705,7 +705,7 @@ def check_engine_fidelity(args, info, out):
                 mm.append(None)
         with LocalEngine(path, seed=5) as engine:
 
-            async def go():
+            async def go(prompts, image_data, processor):
                 async with EngineClient(engine.url) as client:
                     reqs = []
                     for ids, imgs in zip(prompts, image_data):
@@ -719,7 +719,7 @@ def check_engine_fidelity(args, info, out):
                         )
                     return await asyncio.gather(*reqs)
 
-            responses = asyncio.run(go())
+            responses = asyncio.run(go(prompts, image_data, processor))
         actor = MegatronActor(str(path), TrainConfig(), AlgoConfig(), info, temperature=0.8)
         samples = [
             TrainingSample(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from megatron_worker import FAMILIES, REFUSED_ROPE, ROPE_CASES
+
 from slime_mt.backends.megatron.convert import load_hf_state
 
 WORKER = Path(__file__).with_name("megatron_worker.py")

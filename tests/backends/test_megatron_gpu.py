@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-
 from megatron_worker import FAMILIES
 from test_megatron import launch
 

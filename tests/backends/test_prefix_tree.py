@@ -51,7 +51,7 @@ def test_the_tree_layout_attends_exactly_like_the_dense_ancestor_mask(sequences,
     assert torch.equal((k_idx <= q_idx) & (q_idx < ends[None, :]), ~mask)  # flex_attention's mask_mod
     covered = [i for start, end, _ in layout.branches for i in range(start, end)]
     assert covered == list(range(n))
-    for start, end, ranges in layout.branches:
+    for start, _, ranges in layout.branches:
         assert {i for a, e in ranges for i in range(a, e)} == ancestors(tree, start) - {start}
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from engine_helpers import data_uri, diagram, run
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from engine_helpers import data_uri, diagram, run
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.processing import load_tokenizer_or_processor
 

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 import torch
+from engine_helpers import data_uri, diagram, run
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from engine_helpers import data_uri, diagram, run
 from slime_mt.engine.client import EngineClient
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.engine.server import LocalEngine

@@ -18,11 +18,11 @@ import os
 
 import httpx
 import pytest
+from engine_helpers import data_uri, diagram, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from engine_helpers import data_uri, diagram, run
 from slime_mt.engine.server import LocalEngine
 
 EXAMPLES = int(os.environ.get("SLIME_MT_FUZZ_EXAMPLES", "60"))
@@ -267,7 +267,7 @@ async def _round(url: str, fuzz: list[tuple], valid: dict, reference: list[int],
             http.post(url + "/generate", json=valid), *(fuzzed(*request) for request in fuzz)
         )
         await http.post(url + "/continue_generation")
-        for (method, path, body), response in zip(fuzz, answers[1:]):
+        for (_, path, body), response in zip(fuzz, answers[1:]):
             seen[(path, response.status_code)] += 1
             assert response.status_code < 500, (
                 path,

@@ -12,10 +12,10 @@ import zlib
 import httpx
 import pytest
 import torch
+from engine_helpers import diagram, eager_to_stop_model, run
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from engine_helpers import data_uri, diagram, eager_to_stop_model, run
 from slime_mt.engine.protocol import GenerateRequest, SamplingParams
 from slime_mt.engine.server import LocalEngine
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 import torch
-
 from engine_helpers import run
+
 from slime_mt.engine.client import EngineClient
 from slime_mt.engine.prefix_cache import PrefixCache, common_prefix
 from slime_mt.engine.server import LocalEngine
@@ -159,7 +159,7 @@ def test_behind_the_cache_aware_router_every_turn_finds_its_prefix(tiny_paths, t
 
     async def trajectory(client, k):
         ids, cached, expected = [100 + 7 * k + i for i in range(30)], [], [0]
-        for turn in range(4):
+        for _ in range(4):
             response = await client.generate(ids, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
             cached.append(response["meta_info"]["cached_tokens"])
             expected.append(len(ids) + len(response["output_ids"]) - 1)  # all but the last sampled token

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-
 from engine_helpers import data_uri, diagram, run
+
 from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError, EngineTimeoutError
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.server import LocalEngine
@@ -182,7 +182,7 @@ def test_no_client_call_outlives_its_timeout_and_errors_name_the_engine():
 
     with BlackHole() as hole:
         timings = run(go(hole.url))
-    for name, (seconds, message) in timings.items():
+    for name, (seconds, _) in timings.items():
         assert seconds < 0.5 + ABORT_GRACE + 0.5, (name, seconds)
     assert "aborted on the engine" in timings["generate"][1]
 

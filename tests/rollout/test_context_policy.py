@@ -9,8 +9,6 @@ Qwen3 runs with its real tokenizer and official template (from the qwen-token-co
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
-
 from rollout_helpers import (
     ANS,
     ANSWER,
@@ -37,6 +35,8 @@ from rollout_helpers import (
     picture,
     train_in_megatron,
 )
+from transformers import AutoTokenizer
+
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.config import ConfigError, DataConfig, build_config

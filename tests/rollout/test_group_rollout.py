@@ -5,8 +5,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from rollout_helpers import make_ctx
+
 from slime_mt.config import DataConfig
 from slime_mt.data import PromptDataset, load_rows
 from slime_mt.rollout.group_rollout import generate_rollout

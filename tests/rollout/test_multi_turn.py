@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-
 from rollout_helpers import ScriptedEnv, make_ctx, picture
+
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 import torch
-
 from rollout_helpers import make_ctx, picture
+
 from slime_mt.algo.losses import off_policy_weights
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.client import UPDATE_ABORT, EngineClient, UpdateGate

@@ -5,13 +5,12 @@ bound holds for every trained token; the slow group is dropped and counted, or k
 tokens masked; the throttle holds; no group is trained twice; a checkpoint's data state draws the
 untrained groups again."""
 
-import asyncio
 import json
 import textwrap
 
 import pytest
-
 from rollout_helpers import make_ctx
+
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.config import DataConfig
 from slime_mt.data import PromptDataset, load_rows

@@ -4,9 +4,9 @@ import asyncio
 import time
 
 import pytest
+from rollout_helpers import ScriptedEnv, make_ctx
 
 from envs.base import BaseInteractionEnv
-from rollout_helpers import ScriptedEnv, make_ctx
 from slime_mt.engine.launch import free_port
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status

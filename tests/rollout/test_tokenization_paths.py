@@ -11,8 +11,6 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
 from rollout_helpers import (
     ANS,
     CALLING,
@@ -38,6 +36,8 @@ from rollout_helpers import (
     picture,
     train_in_megatron,
 )
+from transformers import AutoTokenizer
+
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir

@@ -58,7 +58,6 @@ from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
-
 LOGIT_CHUNK_BYTES = 64 * 1024 * 1024
 
 

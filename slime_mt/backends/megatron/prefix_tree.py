@@ -12,8 +12,8 @@ gathering per path gives every sequence exactly its unpacked log-probs.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 import torch
 
