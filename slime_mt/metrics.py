@@ -97,6 +97,7 @@ PLOTS = {
         "time/trainer_idle_seconds",
         "time/rollout_idle_seconds",
         "async/dropped_groups",
+        "async/dropped_token_share",
         "async/partial_resumes",
     ],
 }

@@ -44,7 +44,7 @@ from slime_mt.engine.client import UpdateGate
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.metrics import rollout_metrics
-from slime_mt.rollout.staleness import mask_stale, staleness_metrics
+from slime_mt.rollout.staleness import drop_metrics, mask_stale, staleness_metrics
 from slime_mt.types import Status
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,10 @@ def train(cfg: Config) -> None:
                     extra["time/trainer_idle_seconds"] = rollout_seconds
                 train_samples, advantages, merge_metrics = _prepare(cfg, groups)
                 if r.mask_offpolicy_in_partial_rollout:
-                    extra["rollout/masked_stale_tokens"] = mask_stale(train_samples, step, r.max_staleness)
+                    trainable = sum(sum(s.loss_mask) for s in train_samples)
+                    masked = mask_stale(train_samples, step, r.max_staleness)
+                    extra["rollout/masked_stale_tokens"] = masked
+                    extra["async/masked_token_share"] = masked / max(trainable, 1)
                 extra.update(staleness_metrics(train_samples, step))
                 trained_groups = sorted(int(g[0].group_index) for g in groups if g)
                 pending = None
@@ -377,6 +380,7 @@ def _batch_metrics(batch) -> dict[str, float]:
         "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
         "time/trainer_idle_seconds": batch.trainer_wait_seconds,
         "time/rollout_idle_seconds": batch.rollout_idle_seconds,
+        **drop_metrics(batch.groups, batch.dropped),
     }
 
 

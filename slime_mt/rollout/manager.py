@@ -15,7 +15,8 @@ step and S = ``--max-staleness``:
             versions behind the step that takes it is dropped and counted, never trained (with
             ``--mask-offpolicy-in-partial-rollout`` its tokens beyond the bound are masked instead,
             ``staleness.mask_stale``).
-Filtered and dropped groups do not count against the throttle.
+Filtered and dropped groups do not count against the throttle, and every change to what it counts
+(a group finishing, dropped or taken, a new version) wakes the generation task at once.
 
 At a checkpoint the groups in the buffer and in flight go into the saved data state
 (``PromptDataset.state_dict(untrained=...)``): a resumed run draws them again, so no group is
@@ -48,11 +49,15 @@ class Batch:
     """What one training step takes: its groups and what happened while they were waited for."""
 
     groups: list[list[Sample]]
-    dropped_groups: int  # beyond the staleness bound, never trained
+    dropped: list[list[Sample]]  # beyond the staleness bound, never trained
     stale_groups: int  # beyond the bound, kept with their stale tokens masked (--mask-offpolicy-...)
     filtered_groups: int  # rejected by the dynamic-sampling filter since the last take
     trainer_wait_seconds: float  # the trainer waiting for groups
     rollout_idle_seconds: float  # no group in flight, since the last take
+
+    @property
+    def dropped_groups(self) -> int:
+        return len(self.dropped)
 
 
 class RolloutManager:
@@ -165,7 +170,8 @@ class RolloutManager:
         them; groups beyond the staleness bound are dropped (or kept to be masked)."""
         started = self._now()
         groups: list[list[Sample]] = []
-        dropped = stale = 0
+        dropped: list[list[Sample]] = []
+        stale = 0
         async with self._changed:
             while len(groups) < self.batch_size:
                 await self._changed.wait_for(lambda: self.buffer or self._error is not None)
@@ -186,9 +192,10 @@ class RolloutManager:
                             version,
                             self.max_staleness,
                         )
-                        dropped += 1
+                        dropped.append(group)
                         for s in group:
                             s.metadata["dropped_stale"] = True
+                        self._changed.notify_all()  # a slot is free: the generation task starts a group now
                         continue
                     stale += 1
                 groups.append(group)

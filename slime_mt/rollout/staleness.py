@@ -14,6 +14,10 @@ import collections
 from slime_mt.types import NO_VERSION, Sample, TrainingSample
 
 
+def _generated_tokens(sample: Sample) -> int:
+    return sum(sample.loss_mask)
+
+
 def oldest_version(group: list[Sample]) -> int | None:
     """The oldest version that generated a trainable token of the group (None: no versioned token)."""
     versions = [v for s in group for v, m in zip(s.token_versions or [], s.loss_mask) if m and v != NO_VERSION]
@@ -48,4 +52,21 @@ def staleness_metrics(samples: list[TrainingSample], version: int) -> dict[str, 
     }
     for gap, count in sorted(gaps.items()):
         out[f"rollout/version_gap_tokens/{gap}"] = count / total
+    return out
+
+
+def drop_metrics(trained: list[list[Sample]], dropped: list[list[Sample]]) -> dict[str, float]:
+    """What dropping stale groups removed from a step, to see its bias toward short episodes (the
+    groups that outlive the bound are the long ones): the share of the generated tokens that were
+    dropped, and per sample the mean turns and generated tokens of dropped and of trained groups
+    (the dropped means only when a group was dropped)."""
+    kept = [s for g in trained for s in g]
+    lost = [s for g in dropped for s in g]
+    kept_tokens = sum(_generated_tokens(s) for s in kept)
+    lost_tokens = sum(_generated_tokens(s) for s in lost)
+    out = {"async/dropped_token_share": lost_tokens / max(kept_tokens + lost_tokens, 1)}
+    for name, samples, tokens in (("trained", kept, kept_tokens), ("dropped", lost, lost_tokens)):
+        if samples:
+            out[f"async/{name}_turns_mean"] = sum(len(s.turns) for s in samples) / len(samples)
+            out[f"async/{name}_generated_tokens_mean"] = tokens / len(samples)
     return out

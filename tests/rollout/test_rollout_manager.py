@@ -5,6 +5,7 @@ bound holds for every trained token; the slow group is dropped and counted, or k
 tokens masked; the throttle holds; no group is trained twice; a checkpoint's data state draws the
 untrained groups again."""
 
+import asyncio
 import json
 import textwrap
 
@@ -169,5 +170,109 @@ def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
         assert manager.extra == 2
         for step, batch in batches:
             assert all(step - oldest_version(g) <= 1 for g in batch.groups)
+    finally:
+        ctx.run_sync(manager.stop())
+
+
+HELD = """
+import asyncio
+import collections
+
+from rollouts.multi_turn import generate as multi_turn_generate
+
+released = {}  # group index -> asyncio.Event: the group's samples return once it is set
+generated = collections.Counter()  # group index -> samples that finished generating
+
+
+async def generate(args, sample, sampling_params):
+    done = await multi_turn_generate(args, sample, sampling_params)
+    generated[sample.group_index] += 1
+    await released.setdefault(sample.group_index, asyncio.Event()).wait()
+    return done
+"""
+
+
+def test_a_dropped_groups_slot_is_filled_at_once_and_the_drop_is_measured(engine, tmp_path):
+    """B=1, S=1. Group 0 generates under version 0 and is held back until version 2; group 3 is held
+    too, so when the step at version 2 drops group 0 nothing else can wake the generation task: the
+    freed slot must start group 4 at once, while the step still waits. The step's metrics then say
+    what the drop removed (group 0's turns and generated tokens against the trained ones)."""
+    from slime_mt.plugins import load_module
+    from slime_mt.rollout.staleness import drop_metrics
+
+    (tmp_path / "slow_env.py").write_text(textwrap.dedent(ENV))
+    (tmp_path / "held.py").write_text(HELD)
+    held = load_module(str(tmp_path / "held.py"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": 0.01}}) + "\n" for i in range(8))
+    )
+    data = PromptDataset(load_rows(rows, DATA_CFG), 2)
+    ctx = make_ctx(
+        engine.url,
+        engine.model_path,
+        data=DATA_CFG,
+        rollout_max_response_len=12,
+        max_turns=3,
+        rollout_stop_token_ids=STOPS,
+        rollout_interaction_env_path=str(tmp_path / "slow_env.py"),
+        custom_generate_function_path=f"{tmp_path / 'held.py'}:generate",
+        n_samples_per_prompt=2,
+        rollout_batch_size=1,
+        fully_async=True,
+        max_staleness=1,
+    )
+    ctx.client.gate = UpdateGate()
+    weights = load_hf_state(engine.model_path)
+    start = int(engine.weight_version)
+    manager = RolloutManager(ctx, data, version=start)
+
+    async def release(k):
+        held.released.setdefault(k, asyncio.Event()).set()
+
+    async def wait_for(predicate, what, seconds=20.0):
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not predicate():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.01)
+
+    def new_version(version):
+        ctx.run_sync(ctx.client.gate.close(ctx.client))
+        engine.update_weights_from_tensors(weights, weight_version=str(version))
+        ctx.run_sync(ctx.client.gate.open(ctx.client))
+        ctx.run_sync(manager.set_version(version))
+
+    manager.start()
+    try:
+        ctx.run_sync(wait_for(lambda: held.generated[0] == 2, "group 0 never finished generating"))
+        ctx.run_sync(release(1))
+        assert [g[0].group_index for g in ctx.run_sync(manager.take(start)).groups] == [1]
+        new_version(start + 1)
+        ctx.run_sync(release(2))
+        assert [g[0].group_index for g in ctx.run_sync(manager.take(start + 1)).groups] == [2]
+        new_version(start + 2)
+        ctx.run_sync(wait_for(lambda: 3 in manager.running, "group 3 never started"))
+        ctx.run_sync(release(0))  # generated under the first version: two behind the next step
+
+        async def step_at_version_2():
+            take = asyncio.ensure_future(manager.take(start + 2))
+            await wait_for(lambda: 4 in manager.running or take.done(), "the freed slot stayed empty", 5.0)
+            assert not take.done() and 3 in manager.running  # only the drop could have started group 4
+            await release(3)
+            await release(4)
+            return await take
+
+        batch = ctx.run_sync(step_at_version_2())
+        assert [g[0].group_index for g in batch.groups] == [3] and batch.dropped_groups == 1
+        (lost,) = batch.dropped
+        assert lost[0].group_index == 0 and all(s.metadata["dropped_stale"] for s in lost)
+        metrics = drop_metrics(batch.groups, batch.dropped)
+        lost_tokens = sum(sum(s.loss_mask) for s in lost)
+        kept_tokens = sum(sum(s.loss_mask) for g in batch.groups for s in g)
+        assert metrics["async/dropped_token_share"] == lost_tokens / (lost_tokens + kept_tokens)
+        assert metrics["async/dropped_turns_mean"] == sum(len(s.turns) for s in lost) / 2
+        assert metrics["async/dropped_generated_tokens_mean"] == lost_tokens / 2
+        assert metrics["async/trained_generated_tokens_mean"] == kept_tokens / 2
+        assert manager.admitted() <= manager.capacity()
     finally:
         ctx.run_sync(manager.stop())
