@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -57,60 +58,94 @@ class EngineTimeoutError(EngineError):
 
 
 UPDATE_ABORT = "weight_update_abort"  # meta_info key marking a generate that a weight update aborted
-DRAIN_ABORT_INTERVAL = 0.5  # seconds between abort-all calls while an update waits for requests to return
+DRAIN_SECONDS = 1.0  # the longest an update waits for requests still out after the engines paused
+DRAIN_ABORT_INTERVAL = 0.25  # seconds between abort-all calls while it waits
+CONTROL_CONNECTIONS = 32  # control calls (pause, abort, updates) have their own pool
 
 
 class UpdateGate:
-    """Weight updates in the middle of generation (``--fully-async``).
+    """Weight updates in the middle of generation (``--fully-async``, ``--async``).
 
-    Every ``EngineClient.generate`` passes the gate. ``close`` stops new calls at the gate, pauses
-    the engines with ``mode="abort"`` (requests in flight return at once, finish_reason abort, with
-    the tokens they generated under the old weights) and waits until every call in flight has
-    returned; the caller updates the weights, then ``open`` continues generation and lets the waiting
-    calls through. So no request is inside an engine while its weights change, and the
-    ``weight_version`` of every response names the weights that generated all of its tokens. A
-    response that an update aborted carries ``meta_info["weight_update_abort"] = True``; the rollout
-    resumes it from its tokens (``--partial-rollout``) or generates it again.
-    Its methods run on the client's event loop.
+    Every request ``EngineClient.generate`` sends leaves the client through the gate: it waits while
+    the gate is closed, then for a free connection of the client's pool (``max_connections``), and
+    leaves only if the gate is still open. Once an update begins nothing new reaches an engine: a
+    request queued for a connection (or retrying after a failure) stays in the client until the gate
+    opens again.
+
+    ``close`` (an update begins) closes the gate and pauses every engine with ``mode="abort"``: an
+    engine aborts the requests it has admitted (they return at once, finish_reason abort, with the
+    tokens generated under the old weights) and answers once none is left; a request that reaches an
+    engine after that (a router's extra hop, a request already on the wire) waits at the engine's
+    admission, where abort-all does not reach it, until ``/continue_generation`` (SGLang's tokenizer
+    manager holds it on its pause condition). ``close`` then waits at most ``drain_seconds`` for the
+    requests still out to come back, repeating abort-all for an engine that admitted a late one; the
+    requests left out are held at an engine's admission and have generated nothing, so the update
+    need not wait for them (``held_by_engines`` counts them). The caller updates the weights; ``open``
+    continues the engines, and the held requests then generate from their context under the new
+    weights alone, as a turn generated again would.
+
+    So no request generates while weights change, and the ``weight_version`` of every response names
+    the weights of all of its tokens. A response that an update aborted carries
+    ``meta_info["weight_update_abort"] = True``; the rollout resumes it from its tokens
+    (``--partial-rollout``) or generates it again. Methods run on the client's event loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, drain_seconds: float = DRAIN_SECONDS) -> None:
+        self.drain_seconds = drain_seconds
         self._open = asyncio.Event()
         self._open.set()
-        self._in_flight = 0
-        self._drained = asyncio.Event()
-        self._drained.set()
+        self._out = 0  # requests sent to an engine and not back
+        self._back = asyncio.Event()
+        self._back.set()
         self.updates = 0  # closes so far
+        self.held_by_engines = 0  # requests the last close left waiting at an engine's admission
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
 
     @contextlib.asynccontextmanager
-    async def passage(self) -> AsyncIterator[Callable[[], bool]]:
-        """Wait while the gate is closed, then hold a place until the call returns; yields a function
-        telling whether an update began since the call passed."""
-        while not self._open.is_set():
+    async def sending(self, slots: asyncio.Semaphore) -> AsyncIterator[Callable[[], bool]]:
+        """One request leaving for an engine: wait for the gate and a connection (``slots``); yields a
+        function telling whether an update began while the request was out."""
+        while True:
             await self._open.wait()
-        passed = self.updates
-        self._in_flight += 1
-        self._drained.clear()
+            await slots.acquire()
+            if self._open.is_set():
+                break
+            slots.release()  # the gate closed while the request waited for a connection: it stays here
+        sent_at = self.updates
+        self._out += 1
+        self._back.clear()
         try:
-            yield lambda: self.updates != passed
+            yield lambda: self.updates != sent_at
         finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._drained.set()
+            self._out -= 1
+            if not self._out:
+                self._back.set()
+            slots.release()
 
     async def close(self, client: EngineClient) -> None:
-        """Stop new calls, abort the engines' requests and pause them, wait for every call to return."""
+        """Stop requests at the gate, abort and pause the engines, wait (bounded) for those still out."""
         self.updates += 1
         self._open.clear()
         await client.pause(mode="abort")
-        while not self._drained.is_set():  # a request that reached an engine after the pause waits there
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_seconds
+        while not self._back.is_set() and (left := deadline - loop.time()) > 0:
             try:
-                await asyncio.wait_for(self._drained.wait(), DRAIN_ABORT_INTERVAL)
+                await asyncio.wait_for(self._back.wait(), min(DRAIN_ABORT_INTERVAL, left))
             except asyncio.TimeoutError:
                 await client.abort(abort_all=True)
+        self.held_by_engines = self._out
+        if self._out:
+            logger.info("weight update %d: %d requests wait at the engines' admission", self.updates, self._out)
 
     async def open(self, client: EngineClient) -> None:
-        """Continue generation on every engine and let the waiting calls through."""
+        """Continue generation on every engine and let the waiting requests through."""
         try:
             await client.resume()
         finally:
@@ -118,7 +153,11 @@ class UpdateGate:
 
 
 class EngineClient:
-    """Async client; share one per run (pooled connections). Use as ``async with`` or call close()."""
+    """Async client; share one per run (pooled connections). Use as ``async with`` or call close().
+
+    ``/generate`` requests use a pool of ``max_connections`` (a request waits in the client for a free
+    one, where an update gate can hold it); control calls have a pool of their own, so a pause or an
+    abort never queues behind generation."""
 
     def __init__(
         self,
@@ -135,20 +174,35 @@ class EngineClient:
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
+        self._control: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def _new_http(self, connections: int) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
 
     @property
     def http(self) -> httpx.AsyncClient:
-        # Created lazily so the client binds to the event loop that first uses it.
+        """The ``/generate`` pool. Created lazily so the client binds to the event loop that first uses it."""
         if self._client is None:
-            self._client = httpx.AsyncClient(limits=self._limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
+            self._client = self._new_http(self.max_connections)
+            self._slots = asyncio.Semaphore(self.max_connections)
         return self._client
 
+    @property
+    def control(self) -> httpx.AsyncClient:
+        """The pool of control calls (pause, continue, abort, weight updates, health, info)."""
+        if self._control is None:
+            self._control = self._new_http(CONTROL_CONNECTIONS)
+        return self._control
+
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for client in (self._client, self._control):
+            if client is not None:
+                await client.aclose()
+        self._client = self._control = self._slots = None
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -203,26 +257,38 @@ class EngineClient:
         return await self._generate(body, [f"{rid}_{i}" for i in range(len(input_ids))], timeout)
 
     async def _generate(self, body: dict, rids: list[str], timeout: float | None) -> Any:
-        if self.gate is None:
-            return await self._generate_now(body, rids, timeout)
-        async with self.gate.passage() as interrupted:
-            result = await self._generate_now(body, rids, timeout)
-            if interrupted():
-                for response in result if isinstance(result, list) else [result]:
-                    meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
-                    if (meta.get("finish_reason") or {}).get("type") == "abort":
-                        meta[UPDATE_ABORT] = True
-            return result
+        """Send through the pool and the update gate, with retries, within ``timeout`` (time spent
+        waiting at a closed gate before the first attempt not counted); a response an update aborted
+        is marked ``UPDATE_ABORT``."""
+        if self.gate is not None:
+            await self.gate.wait_open()
+        http = self.http
+        update = {"began": False}
 
-    async def _generate_now(self, body: dict, rids: list[str], timeout: float | None) -> Any:
+        async def send() -> httpx.Response:
+            if self.gate is None:
+                async with self._slots:
+                    return await http.post(self.url + "/generate", json=body)
+            async with self.gate.sending(self._slots) as update_began:
+                try:
+                    return await http.post(self.url + "/generate", json=body)
+                finally:
+                    update["began"] = update_began()
+
         limit = timeout or self.timeout
         try:
-            return await asyncio.wait_for(self._post_with_retries(self.url, "/generate", body), limit)
+            result = await asyncio.wait_for(self._post_with_retries(self.url + "/generate", send), limit)
         except asyncio.TimeoutError:
             await self._abort_within_grace(rids)
             raise EngineTimeoutError(
                 f"{self.url}/generate: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
             ) from None
+        if update["began"]:
+            for response in result if isinstance(result, list) else [result]:
+                meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
+                if (meta.get("finish_reason") or {}).get("type") == "abort":
+                    meta[UPDATE_ABORT] = True
+        return result
 
     async def _abort_within_grace(self, rids: list[str]) -> None:
         try:
@@ -232,32 +298,34 @@ class EngineClient:
                 "aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls, ABORT_GRACE
             )
 
-    async def _post_with_retries(self, base: str, path: str, body: dict, text: bool = False) -> Any:
-        """POST with retries on connection errors and 5xx -> the JSON answer (``text``: the body as
-        text, for endpoints that answer plain text). Raises EngineRequestError (4xx) or EngineError
-        naming ``base + path``; the caller bounds the total time."""
+    async def _post_with_retries(
+        self, where: str, send: Callable[[], Awaitable[httpx.Response]], text: bool = False
+    ) -> Any:
+        """``send()`` with retries on connection errors and 5xx -> the JSON answer (``text``: the body
+        as text, for endpoints that answer plain text). Raises EngineRequestError (4xx) or EngineError
+        naming ``where``; the caller bounds the total time."""
         last = "no attempt"
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                response = await self.http.post(base + path, json=body)
+                response = await send()
             except RETRYABLE_ERRORS as e:
                 last = f"{type(e).__name__}: {e}"
-                logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
+                logger.warning("engine %s attempt %d failed: %s", where, attempt + 1, last)
                 continue
             except httpx.TimeoutException as e:
-                raise EngineTimeoutError(f"engine {base}{path} did not answer: {type(e).__name__}: {e}") from None
+                raise EngineTimeoutError(f"engine {where} did not answer: {type(e).__name__}: {e}") from None
             except httpx.HTTPError as e:
-                raise EngineError(f"engine {base}{path} cannot be reached: {type(e).__name__}: {e}") from None
+                raise EngineError(f"engine {where} cannot be reached: {type(e).__name__}: {e}") from None
             if response.status_code >= 500:
                 last = f"HTTP {response.status_code}: {_message(response)}"
-                logger.warning("engine %s%s attempt %d failed: %s", base, path, attempt + 1, last)
+                logger.warning("engine %s attempt %d failed: %s", where, attempt + 1, last)
                 continue
             if response.status_code >= 400:
-                raise EngineRequestError(base + path, response.status_code, _message(response))
-            return response.text if text else _json_of(response, base + path)
-        raise EngineError(f"engine {base}{path} failed after {self.max_retries + 1} attempts; last failure: {last}")
+                raise EngineRequestError(where, response.status_code, _message(response))
+            return response.text if text else _json_of(response, where)
+        raise EngineError(f"engine {where} failed after {self.max_retries + 1} attempts; last failure: {last}")
 
     # ------------------------------------------------------------------ control endpoints
 
@@ -269,8 +337,9 @@ class EngineClient:
         limit = timeout or self.timeout
 
         async def one(url: str) -> Any:
+            send = functools.partial(self.control.post, url + path, json=body or {})
             try:
-                return await asyncio.wait_for(self._post_with_retries(url, path, body or {}, text), limit)
+                return await asyncio.wait_for(self._post_with_retries(url + path, send, text), limit)
             except asyncio.TimeoutError:
                 raise EngineTimeoutError(f"engine {url}{path} did not answer within {limit:.1f}s") from None
 
@@ -290,7 +359,7 @@ class EngineClient:
 
         async def one(url: str) -> None:
             try:
-                await self.http.post(url + "/abort_request", json=body, timeout=10.0)
+                await self.control.post(url + "/abort_request", json=body, timeout=10.0)
             except httpx.HTTPError as e:
                 logger.warning("abort on %s failed: %s", url, e)
 
@@ -309,15 +378,24 @@ class EngineClient:
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, timeout: float | None = None
     ) -> list[dict]:
-        """Every worker loads ``model_path`` (all or nothing on each); sets ``weight_version`` when given."""
+        """Every worker loads ``model_path`` (all or nothing on each); sets ``weight_version`` when given.
+        Returns once every worker acknowledged the load (SGLang's ``success``); EngineError otherwise."""
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        return await self._broadcast("/update_weights_from_disk", body, timeout)
+        results = await self._broadcast("/update_weights_from_disk", body, timeout)
+        acknowledged = [isinstance(r, dict) and r.get("success") is True for r in results]
+        refused = [(url, r) for url, r, ok in zip(self.worker_urls, results, acknowledged) if not ok]
+        if refused:
+            raise EngineError(
+                f"/update_weights_from_disk {model_path} was not acknowledged by "
+                + "; ".join(f"{url}: {str(r)[:300]}" for url, r in refused)
+            )
+        return results
 
     async def _get(self, url: str, path: str) -> Any:
         try:
-            response = await self.http.get(url + path, timeout=30.0)
+            response = await self.control.get(url + path, timeout=30.0)
         except httpx.HTTPError as e:
             raise EngineError(f"engine {url}{path} did not answer: {type(e).__name__}: {e}") from None
         if response.status_code >= 400:
@@ -332,7 +410,7 @@ class EngineClient:
 
     async def _answers(self, url: str, timeout: float) -> bool:
         try:
-            return (await self.http.get(url, timeout=timeout)).status_code == 200
+            return (await self.control.get(url, timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
 

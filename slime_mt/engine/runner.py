@@ -39,6 +39,7 @@ class Sequence:
     input_logprob_start: int = 0
     position: int = 0  # next rotary position
     cached_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache
+    epoch: int = 0  # the scheduler's weight updates when it was admitted
 
 
 class ModelRunner:

@@ -3,8 +3,14 @@
 Each loop iteration admits waiting requests (prefill each alone, merge its KV cache into the
 running batch) up to ``max_batch_size``, then runs one decode step for the whole batch, samples,
 and finishes sequences that hit ``max_new_tokens`` or the context length, a stop token or a stop
-string (checked in SGLang's order). Aborts and pauses take effect between steps; weight updates hold
-the same lock as a step, so a step never sees half-updated weights.
+string (checked in SGLang's order). Aborts and pauses take effect between steps.
+
+Weight updates (``update_weights``) follow SGLang's model-update lock: unless the engine is paused,
+an update waits until every running request has finished, and no request is admitted meanwhile, so
+every token of a response comes from the weights its ``weight_version`` names. Paused in place
+(``pause("in_place")``), the update applies at once and the paused requests continue on their KV
+state, as in SGLang. Each update starts a new weights epoch: a sequence admitted under an older one
+never enters the prefix cache.
 
 Failure isolation: an exception while admitting a request fails that request alone (HTTP 400 for a
 ``ProtocolError``, else an ``EngineFault`` naming the cause, HTTP 500) and the requests admitted with
@@ -16,9 +22,11 @@ its waiter cancelled counts as an abort.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -70,6 +78,8 @@ class Scheduler:
         self._batch = Batch()
         self._paused = False
         self._stopped = False
+        self._updates_waiting = 0  # updates waiting for the running requests to finish: admit nothing
+        self._epoch = 0  # weight updates so far
         self._generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._thread = threading.Thread(target=self._loop, name="slime-mt-engine", daemon=True)
         self.generated_tokens = 0
@@ -141,6 +151,40 @@ class Scheduler:
     def paused(self) -> bool:
         return self._paused
 
+    def aborting(self) -> int:
+        """Requests marked aborted and not yet answered."""
+        with self._cond:
+            return sum(1 for j in list(self._waiting) + list(self._running.values()) if j.abort_reason())
+
+    def update_weights(self, load: Callable[[], int], weight_version: str | None) -> int:
+        """Run ``load()`` (all-or-nothing) between decode steps once no request is running (at once when
+        paused) -> its result; then clear the prefix cache and, when given, set ``weight_version``
+        (SGLang keeps the version otherwise). A failed ``load`` changes neither."""
+        with self._holding_updates():
+            while True:
+                with self.lock:  # held by every admission and decode step
+                    if self._paused or not self._running or self._stopped:
+                        count = load()
+                        self._epoch += 1
+                        if self.prefix_cache is not None:
+                            self.prefix_cache.clear()
+                        if weight_version is not None:
+                            self.weight_version = weight_version
+                        return count
+                with self._cond:
+                    self._cond.wait(0.005)
+
+    @contextlib.contextmanager
+    def _holding_updates(self):
+        with self._cond:
+            self._updates_waiting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._updates_waiting -= 1
+                self._cond.notify_all()
+
     def load(self) -> dict:
         with self._cond:
             return {
@@ -166,7 +210,10 @@ class Scheduler:
                     if self._stopped:
                         break
                     while (
-                        self._waiting and len(self._running) + len(admitted) < self.max_batch_size and not self._paused
+                        self._waiting
+                        and len(self._running) + len(admitted) < self.max_batch_size
+                        and not self._paused
+                        and not self._updates_waiting
                     ):
                         admitted.append(self._waiting.popleft())
                     dropped = [j for j in self._waiting if j.abort_reason()]
@@ -250,7 +297,8 @@ class Scheduler:
         generator = self._generator
         if sampling.sampling_seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
-        return Sequence(req.rid, prompt_ids, sampling, generator), vision, sampling.max_new_tokens > 0
+        seq = Sequence(req.rid, prompt_ids, sampling, generator, epoch=self._epoch)
+        return seq, vision, sampling.max_new_tokens > 0
 
     def _step_batch(self) -> None:
         """Drop aborted sequences and run one decode step; a failure fails the running batch."""
@@ -352,9 +400,9 @@ class Scheduler:
     def _remember_row(self, row: int) -> None:
         """Cache the KV state of batch row ``row`` (before it leaves the batch): its columns are the
         rightmost ones (rows are left-padded), one per prompt token and generated token but the last."""
-        if self.prefix_cache is None:
-            return
         seq = self._batch.seqs[row]
+        if self.prefix_cache is None or seq.epoch != self._epoch:  # no state of older weights
+            return
         n = len(seq.prompt_ids) + len(seq.output_ids) - 1
         self._remember(
             seq,
@@ -365,7 +413,7 @@ class Scheduler:
         )
 
     def _remember(self, seq: Sequence, kv) -> None:
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.epoch == self._epoch:  # no state of older weights
             self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv)
 
     def _job_of(self, seq: Sequence) -> Job:

@@ -11,6 +11,13 @@ bodies are bounded in size and nesting, images in bytes and pixels, and decoded 
 a weight update is all-or-nothing (the previous weights and ``weight_version`` keep serving after a
 failed one); the batch's other requests are aborted when one of a batch fails or the client leaves.
 
+Pausing follows SGLang's tokenizer manager: while paused (any mode), a ``/generate`` that arrives
+waits at admission, before the scheduler, where ``/abort_request`` (abort-all included) does not
+reach it, and goes on after ``/continue_generation``. ``/pause_generation`` with mode ``abort``
+aborts every admitted request and answers once all of them have been answered; ``in_place`` keeps
+the running requests where they are. A weight update waits for running requests unless paused
+(``Scheduler.update_weights``).
+
     with LocalEngine(model_path) as engine:      # binds 127.0.0.1, waits for /health
         client = EngineClient(engine.url)
         engine.update_weights_from_tensors(named_tensors, weight_version="1")   # in-process weight sync
@@ -57,6 +64,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024 * 1024
 MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS  # all images of one request together
 DISCONNECT_POLL_SECONDS = 1.0
+PAUSE_POLL_SECONDS = 0.005
 
 
 class _JSON(JSONResponse):
@@ -150,6 +158,8 @@ class EngineApp:
         self.scheduler = scheduler
         self.runner = scheduler.runner
         self.model_path = model_path
+        self._admission = asyncio.Event()  # cleared while paused: /generate waits before the scheduler
+        self._admission.set()
         routes = [
             Route("/generate", self.generate, methods=["POST", "PUT"]),
             Route("/health", self.health, methods=["GET"]),
@@ -175,6 +185,7 @@ class EngineApp:
         self._require_alive()
         body = await _json_body(request)
         requests, is_batch = parse_generate(body, self.runner.vocab_size)
+        await self._admission.wait()  # held while paused, as SGLang's is_pause_cond holds it
         if any(req.images for req in requests):
             if not self.runner.is_vlm:
                 raise ProtocolError(f"image_data given but the served model {self.model_path} is text-only")
@@ -287,11 +298,15 @@ class EngineApp:
         mode = body.get("mode")
         if mode is not None and not isinstance(mode, str):
             raise ProtocolError(f"pause_generation: mode must be abort, in_place or retract, got {show(mode)}")
+        self._admission.clear()
         self.scheduler.pause(mode or "abort")
+        while self.scheduler.aborting() and self.scheduler.alive:  # SGLang answers once they are all answered
+            await asyncio.sleep(PAUSE_POLL_SECONDS)
         return _JSON({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: Request):
         self.scheduler.resume()
+        self._admission.set()
         return _JSON({"success": True, "message": "Generation continued."})
 
     async def update_weights_from_disk(self, request: Request):
@@ -302,7 +317,7 @@ class EngineApp:
         if version is not None and not isinstance(version, str):
             raise ProtocolError(f"update_weights_from_disk: weight_version must be a string, got {show(version)}")
         count = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: update_weights(self.scheduler, lambda: self.runner.load_weights_from_disk(path), version)
+            None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights_from_disk(path), version)
         )
         return _JSON(
             {
@@ -318,19 +333,6 @@ def _retrieve(waiter: asyncio.Future) -> None:
     """Mark a waiter's exception as seen (a batch that answered early leaves some behind)."""
     if not waiter.cancelled():
         waiter.exception()
-
-
-def update_weights(scheduler: Scheduler, load, weight_version: str | None) -> int:
-    """Run ``load()`` between decode steps; on success set ``weight_version`` when one is given (as
-    SGLang does, the version is unchanged otherwise). ``load`` is all-or-nothing, so a failure
-    leaves the weights and the version as they were."""
-    with scheduler.lock:
-        count = load()
-        if scheduler.prefix_cache is not None:  # states of the old weights must not be reused
-            scheduler.prefix_cache.clear()
-        if weight_version is not None:
-            scheduler.weight_version = weight_version
-    return count
 
 
 class LocalEngine:
@@ -388,7 +390,7 @@ class LocalEngine:
     def update_weights_from_tensors(self, named: dict[str, torch.Tensor], weight_version: str | None = None) -> int:
         """In-process weight sync (trainer and engine in one process): copy HF-named tensors, all or
         nothing (a WeightUpdateError leaves the weights and the version as they were)."""
-        return update_weights(self.scheduler, lambda: self.scheduler.runner.load_weights(named), weight_version)
+        return self.scheduler.update_weights(lambda: self.scheduler.runner.load_weights(named), weight_version)
 
     def stop(self) -> None:
         if self._server is not None:
