@@ -22,6 +22,7 @@ from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.template_check import path_of, warn_if_inexact
 from slime_mt.tokenization import ObservationEncoder
+from slime_mt.types import parse_version
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RolloutContext:
     _env_module: Any = None
     _policy: Any = None
     _loop: asyncio.AbstractEventLoop | None = None
+    start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
@@ -55,6 +57,15 @@ class RolloutContext:
             ),
         )
         return ctx
+
+    def version_of(self, engine_version: Any) -> int:
+        """An engine's ``weight_version`` -> the version number of the weights that generated a token.
+        SGLang reports ``"default"`` until its first update: in a run that is the starting weights
+        (engines are launched with the run's starting version, and ``--engine-url`` engines get the
+        starting weights pushed), so it reads as ``start_version``; NO_VERSION for any other name."""
+        if engine_version == "default":
+            return self.start_version
+        return parse_version(engine_version)
 
     @property
     def tokenizer(self):

@@ -5,9 +5,10 @@ its output tokens are appended with their log-probs (loss mask 1); ``env.step(te
 observation is delta-encoded and appended (loss mask 0). Stops and resulting status:
 
   env done -> COMPLETED            max_turns reached -> COMPLETED (last output kept, no observation)
-  engine "length" -> TRUNCATED     engine "abort" -> ABORTED
-  context budget exhausted, or an observation cut to fit -> TRUNCATED
+  engine "length" -> TRUNCATED     context budget exhausted, or an observation cut to fit -> TRUNCATED
   env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
+  engine "abort": the call is made again (see ``generate_turn``); past the engine retry budget
+  (aborts no weight update caused) -> FAILED, never trained as if the model had ended the turn
 
 Three tokenization paths, as SkyRL's generator has them:
   default                        each observation is its own chat message, delta-encoded after the
@@ -19,11 +20,11 @@ Three tokenization paths, as SkyRL's generator has them:
   --retokenize-chat-history      each context is the whole conversation rendered by the template and
                                  tokenized anew; see ``retokenize.py`` for what the sample trains
 
-A call that a weight update aborted (``--fully-async``, see ``UpdateGate``) is resumed with
-``--partial-rollout``: its tokens stay, with their log-probs and the version that generated them, and
-the next call continues from them with what is left of the turn's budget, so one turn can hold
-tokens of two versions (``Sample.token_versions``). Without it the turn is generated again from its
-context. Images and the multimodal buffer are untouched by either.
+A call that an engine aborted (a weight update in the middle of a turn, see ``UpdateGate``, or any
+other abort) is resumed with ``--partial-rollout``: its tokens stay, with their log-probs and the
+version that generated them, and the next call continues from them with what is left of the turn's
+budget, so one turn can hold tokens of two versions (``Sample.token_versions``). Without it the turn
+is generated again from its context. Images and the multimodal buffer are untouched by either.
 
 ``rollout_max_context_len`` bounds the context a call sends plus its output (prompt + response
 under the append policy; the rewritten context under another ``--context-policy``, see
@@ -51,7 +52,7 @@ from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
 from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
-from slime_mt.types import Sample, Status, Turn, parse_version
+from slime_mt.types import Sample, Status, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -314,45 +315,110 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     return sample
 
 
+class EngineAbortedTurn(EngineError):
+    """The engine aborted one turn more often than ``--engine-max-retries`` allows, and no weight
+    update caused it: the sample fails (an aborted trajectory is never trained as the model's own end)."""
+
+
+def resumed_output(
+    tokenizer, ids: list[int], stops: list[str], skip_special_tokens: bool = True
+) -> tuple[int, str | None]:
+    """Where a turn made of several calls ends -> (how many of its ``ids`` it keeps, the stop string
+    that ends it, or None). Each call's engine checked the stop strings over its own output only, so
+    one that spans a resume point went unseen: the turn ends at the first token whose output (the
+    decode of the turn's ids up to it) holds a stop string, where one call would have ended it."""
+
+    def stop_in(n: int) -> str | None:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=skip_special_tokens)
+        return next((stop for stop in stops if stop in text), None)
+
+    if not stops or stop_in(len(ids)) is None:
+        return len(ids), None
+    short, long = 0, len(ids)  # stop_in(short) is None, stop_in(long) is not: outputs only grow
+    while long - short > 1:
+        middle = (short + long) // 2
+        if stop_in(middle) is None:
+            short = middle
+        else:
+            long = middle
+    return long, stop_in(long)
+
+
+def _version_name(ctx: RolloutContext, engine_version):
+    """The version a turn records: the engine's name, ``"default"`` read as the run's starting version."""
+    return str(ctx.start_version) if engine_version == "default" else engine_version
+
+
+def _count(sample: Sample, key: str) -> None:
+    sample.metadata[key] = sample.metadata.get(key, 0) + 1
+
+
 async def generate_turn(
     ctx: RolloutContext, sample: Sample, engine_ids: list[int], params: dict, image_data: list[str] | None
 ) -> tuple[list[int], list[float], list[int], str, dict]:
-    """One turn's engine call(s) -> (output ids, log-probs, per-token versions, text, the last call's
-    meta_info). A call a weight update aborted is resumed from its tokens (``--partial-rollout``) or
-    made again from the turn's context; ``sample.metadata`` counts ``partial_resumes`` and
-    ``regenerated_turns``."""
+    """One turn's engine call(s) -> (output ids, log-probs, per-token versions, text, the turn's
+    meta_info: the last call's, with the turn's finish reason).
+
+    A call that ends in abort is made again: one a weight update aborted (``UPDATE_ABORT``) as often
+    as updates come; any other (an engine restarted, an operator's ``/abort_request``, an over-sampling
+    cut) at most ``--engine-max-retries`` times in the turn, then EngineAbortedTurn fails the sample.
+    With ``--partial-rollout`` the next call continues from the turn's tokens, which keep their
+    log-probs and version; without it the turn starts again from its context. A turn of several calls
+    ends at the first stop string of its joined output and its text is the decode of all its ids
+    (a character split across calls is whole). ``sample.metadata`` counts ``partial_resumes`` and
+    ``regenerated_turns`` (weight updates) and ``engine_aborts`` (the others)."""
     ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
-    text = ""
+    texts: list[str] = []
     budget = params["max_new_tokens"]
-    segment = 0
+    calls = aborts = 0
     while True:
         call = dict(params, max_new_tokens=budget - len(ids))
-        if segment and "sampling_seed" in call:  # a resumed call must not replay the first call's draws
-            call["sampling_seed"] = (call["sampling_seed"] + segment) % (2**31 - 1)
+        if calls and "sampling_seed" in call:  # a call made again must not replay the last call's draws
+            call["sampling_seed"] = (call["sampling_seed"] + calls) % (2**31 - 1)
         response = await ctx.client.generate(engine_ids + ids, call, image_data=image_data or None)
+        calls += 1
         meta = response["meta_info"]
         new = list(response["output_ids"])
         new_logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
         if len(new_logprobs) != len(new):
             raise EngineError(f"engine returned {len(new)} tokens but {len(new_logprobs)} log-probs")
-        interrupted = bool(meta.get(UPDATE_ABORT))
-        if interrupted and not ctx.rollout.partial_rollout:
-            sample.metadata["regenerated_turns"] = sample.metadata.get("regenerated_turns", 0) + 1
-            ids, logprobs, versions, text = [], [], [], ""
-            segment += 1
+        aborted, by_update = meta["finish_reason"]["type"] == "abort", bool(meta.get(UPDATE_ABORT))
+        if aborted and not by_update:
+            aborts += 1
+            _count(sample, "engine_aborts")
+            if aborts > ctx.client.max_retries:
+                raise EngineAbortedTurn(
+                    f"the engine aborted turn {len(sample.turns)} {aborts} times, no weight update among them "
+                    f"(--engine-max-retries {ctx.client.max_retries}); last: {meta['finish_reason']}"
+                )
+        if aborted and not ctx.rollout.partial_rollout:
+            if by_update:
+                _count(sample, "regenerated_turns")
+            ids, logprobs, versions, texts = [], [], [], []
             continue
         ids += new
         logprobs += new_logprobs
-        versions += [parse_version(meta.get("weight_version"))] * len(new)
-        text += response.get("text", "")
-        if not interrupted:
-            return ids, logprobs, versions, text, meta
-        sample.metadata["partial_resumes"] = sample.metadata.get("partial_resumes", 0) + 1
+        versions += [ctx.version_of(meta.get("weight_version"))] * len(new)
+        texts.append(response.get("text", ""))
+        if not aborted:
+            break
+        if by_update:
+            _count(sample, "partial_resumes")
         if len(ids) >= budget:
-            return ids, logprobs, versions, text, {**meta, "finish_reason": {"type": "length", "length": budget}}
-        segment += 1
+            meta = {**meta, "finish_reason": {"type": "length", "length": budget}}
+            break
+    if len(texts) == 1:
+        return ids, logprobs, versions, texts[0], meta
+    skip = params.get("skip_special_tokens", True)
+    keep, stop = resumed_output(ctx.tokenizer, ids, params.get("stop") or [], skip)
+    text = ctx.tokenizer.decode(ids[:keep], skip_special_tokens=skip)
+    if stop is not None:
+        meta = {**meta, "finish_reason": {"type": "stop", "matched": stop}}
+        if not params.get("no_stop_trim", False):
+            text = text[: text.index(stop)]
+    return ids[:keep], logprobs[:keep], versions[:keep], text, meta
 
 
 async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r, policy) -> None:
@@ -381,16 +447,13 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             output_end=len(sample.tokens),
             observation_end=len(sample.tokens),
             finish_reason=finish["type"],
-            weight_version=meta.get("weight_version"),
+            weight_version=_version_name(ctx, meta.get("weight_version")),
             engine_seconds=engine_seconds,
             num_images=traj.buffer.num_images,
             context_ids=context_ids,
             image_indices=image_indices,
         )
         sample.turns.append(turn)
-        if finish["type"] == "abort":
-            sample.status, sample.metadata["termination"] = Status.ABORTED, "engine_abort"
-            return
         if finish["type"] == "length":
             sample.status, sample.metadata["termination"] = Status.TRUNCATED, "engine_length"
             return

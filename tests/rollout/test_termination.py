@@ -89,24 +89,6 @@ def test_context_exhausted_before_a_turn(target):
     assert len(ctx.client.calls) == 1 and len(sample.tokens) == limit
 
 
-def test_engine_abort_gives_aborted(farm, tiny_paths):
-    target = farm.target("q2abort-direct", tiny_paths["qwen2"])
-    ctx = make_ctx(target.url, target.model_path, max_turns=2, rollout_max_response_len=3000)
-    sample = Sample(index=0, prompt=PROMPT)
-
-    async def go():
-        task = asyncio.create_task(
-            run_episode(ctx, sample, {"temperature": 1.0, "max_new_tokens": 3000}, env=ScriptedEnv([{"text": "x"}]))
-        )
-        await asyncio.sleep(1.0)
-        await ctx.client.abort(abort_all=True)
-        return await task
-
-    asyncio.run(go())
-    assert (sample.status, sample.metadata["termination"]) == (Status.ABORTED, "engine_abort")
-    assert sample.turns[-1].finish_reason == "abort"
-
-
 class Broken(BaseInteractionEnv):
     def __init__(self):
         self.closed = False
