@@ -7,7 +7,9 @@
   generated tokens (mask 1), reward on the last step, ``is_last_step`` marking it; VLM steps carry
   the tensors of the images in their own context.
 - merge: greedy prefix-aware merge of consecutive steps of a trajectory whose context extends the
-  previous step's prompt + response: the observation delta joins with mask 0, log-prob 0.0.
+  previous step's prompt + response, tokens and images alike (a context policy can put another
+  screenshot of the same size, and so the same image pad run, where an earlier one was): the
+  observation delta joins with mask 0, log-prob 0.0.
 
 Every format carries each response token's weight version (``token_versions``, NO_VERSION on
 observation tokens) next to its rollout log-prob, so a turn resumed across a weight update trains
@@ -166,6 +168,19 @@ def validate_step_wise(samples: list[TrainingSample]) -> None:
             seen.add(s.trajectory_id)
 
 
+def _images_extend(before: dict | None, after: dict | None) -> bool:
+    """``after``'s images begin with ``before``'s: the same grids and the same pixel rows."""
+    if not before:
+        return True
+    if not after:
+        return False
+    grid, pixels = before["image_grid_thw"], before["pixel_values"]  # [N, 3], [rows, C]
+    later_grid, later_pixels = after["image_grid_thw"], after["pixel_values"]
+    if later_grid.shape[0] < grid.shape[0] or not torch.equal(later_grid[: grid.shape[0]], grid):
+        return False
+    return later_pixels.shape[0] >= pixels.shape[0] and torch.equal(later_pixels[: pixels.shape[0]], pixels)
+
+
 def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
     """Greedy prefix-aware merge within each trajectory (input: validated step-wise samples)."""
     merged: list[TrainingSample] = []
@@ -173,7 +188,9 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
     for step in samples:
         if current is not None and current.trajectory_id == step.trajectory_id:
             context = current.prompt_ids + current.response_ids
-            if step.prompt_ids[: len(context)] == context:
+            if step.prompt_ids[: len(context)] == context and _images_extend(
+                current.multimodal_train_inputs, step.multimodal_train_inputs
+            ):
                 delta = step.prompt_ids[len(context) :]
                 current = dataclasses.replace(
                     step,

@@ -122,6 +122,37 @@ def test_vlm_step_wise_slices_images_and_merge_keeps_last_context():
     assert torch.equal(merged.multimodal_train_inputs["image_grid_thw"], grid)
 
 
+@pytest.mark.parametrize("shown, merged", [(1, False), (0, True)])
+def test_merge_needs_the_same_images_not_only_the_same_tokens(shown, merged):
+    """A GUI trajectory: screenshot A in the prompt, screenshot B (same size, so the same pad run)
+    after turn 1. A context policy shows turn 2 only one screenshot, in the prompt's place: B
+    (``shown=1``) gives turn 2 a context whose tokens extend turn 1's, but merging would train turn
+    1's tokens against B's pixels, so the steps stay apart; A again (``shown=0``) merges."""
+    pad = 151655
+    context_2 = [1, pad, pad, pad, pad, 2, 10, 3, 4]  # the observation's screenshot moved into the prompt
+    sample = make_sample(
+        [1, pad, pad, pad, pad, 2],
+        [([10], [-0.1], [3, pad, pad, pad, pad, 4]), ([11], [-0.2], [])],
+        contexts=[None, context_2],
+    )
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])  # 16 pixel rows -> 4 pads each
+    pixels = torch.cat([torch.zeros(16, 3), torch.ones(16, 3)])  # A, then B
+    sample.multimodal_train_inputs = {"pixel_values": pixels, "image_grid_thw": grid}
+    sample.turns[0].num_images, sample.turns[1].num_images = 1, 2
+    sample.turns[1].image_indices = [shown]
+    steps = to_step_wise_samples([sample])
+    assert steps[1].prompt_ids[: len(steps[0].prompt_ids) + 1] == steps[0].prompt_ids + steps[0].response_ids
+    out = merge_step_wise(steps)
+    assert len(out) == (1 if merged else 2)
+    if merged:
+        assert out[0].response_ids == [10, 3, 4, 11] and out[0].loss_mask == [1, 0, 0, 1]
+        assert torch.equal(out[0].multimodal_train_inputs["pixel_values"], pixels[:16])
+    else:
+        assert [
+            torch.equal(s.multimodal_train_inputs["pixel_values"], p) for s, p in zip(out, (pixels[:16], pixels[16:]))
+        ] == [True, True]
+
+
 @pytest.mark.parametrize(
     "status,mask_truncated,trainable",
     [
