@@ -173,6 +173,11 @@ class EngineConfig:
         "trajectory's next turn prefills only its new tokens; 0: off.",
     )
     engine_request_timeout: float = _opt(600.0, "Seconds before one /generate request fails.")
+    keep_weight_versions: int = _opt(
+        1,
+        "Engines outside the trainer's process load weights from RUN_DIR/weights/v{N}: folders kept beyond the "
+        "one the engines serve (older ones are deleted once every engine has acknowledged a newer version).",
+    )
     engine_max_retries: int = _opt(3, "Retries of a /generate request on connection errors and 5xx.")
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
     sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
@@ -186,6 +191,19 @@ class AlgoConfig:
         "grpo", "Advantage estimator.", choices=["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gspo"]
     )
     normalize_advantages_std: bool = _opt(True, "GRPO: divide by the group's reward std.")
+    normalize_advantages: bool = _opt(
+        False,
+        "slime's --normalize-advantages: whiten the advantages over every trainable token of the step "
+        "(token-weighted mean and unbiased variance, as slime does); for reinforce_plus_plus_baseline it "
+        "replaces the default whitening over trajectories.",
+    )
+    gspo_gradient: str = _opt(
+        "token",
+        "GSPO's gradient. token (GSPO-token): each token's gradient carries its own TIS weight; sequence "
+        "(slime's GSPO): the ratio is a function of the sequence's mean log-ratio, so every token of a "
+        "sequence carries the sequence's mean TIS weight. Equal without --use-tis.",
+        choices=["token", "sequence"],
+    )
     eps_clip: float = _opt(0.2, "PPO clip range (low side).")
     eps_clip_high: float | None = _opt(None, "PPO clip range, high side (default: --eps-clip).")
     eps_clip_c: float | None = _opt(None, "Dual-clip constant c > 1 for negative advantages.")
@@ -552,6 +570,13 @@ def _validate_async(r: RolloutConfig) -> None:
             f"--fully-async streams groups through --custom-generate-function-path; the batch "
             f"--rollout-function-path {r.rollout_function_path} cannot be streamed (keep the default)"
         )
+    if r.fully_async and r.retokenize_chat_history and r.sample_format == "concat":
+        raise ConfigError(
+            "--fully-async with --retokenize-chat-history and --sample-format concat: the staleness bound, its "
+            "masking and TIS need the weight version and rollout log-prob of every trained token, and a concat "
+            "sample of a re-rendered history trains re-tokenized text that has neither (the bound would be off); "
+            "use --sample-format step_wise, which trains each turn's generated tokens as generated"
+        )
     if r.partial_rollout and not r.fully_async:
         raise ConfigError(
             "--partial-rollout resumes turns that a weight update interrupts, which only "
@@ -688,6 +713,12 @@ def _validate(cfg: Config) -> None:
         "global_batch_size",
         t.global_batch_size,
         f"must be a multiple of --micro-batch-size={t.micro_batch_size}",
+    )
+    _require(
+        cfg.engine.keep_weight_versions >= 0,
+        "keep_weight_versions",
+        cfg.engine.keep_weight_versions,
+        "must be >= 0 (0: only the folder the engines serve)",
     )
     _require(
         cfg.engine.engine_cache_tokens >= 0,

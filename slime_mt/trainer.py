@@ -8,8 +8,9 @@ data and the rollout; every rank owns its Megatron shard. Per step:
   (weight_version = the step) -> metrics
   -> checkpoint every --save-interval and at the end.
 
-``--async``: the rollout of step k+1 runs (engine thread + rollout loop) while step k trains, one
-step off-policy; the version gap is recorded and TIS (--use-tis) corrects for it.
+``--async`` (slime's ``train_async``): the rollout of step k+1 runs (engine thread + rollout loop)
+while step k trains, and finishes before the new weights go to the engines, so every token it
+generates is exactly one version behind the step that trains it; TIS (--use-tis) corrects for it.
 
 ``--fully-async``: rank 0's ``RolloutManager`` generates groups without stopping; each step takes
 the next finished groups within ``--max-staleness`` and the new weights reach the engines in the
@@ -19,6 +20,9 @@ resume with ``--partial-rollout``). A checkpoint requeues the groups not yet tra
 Every mode records each trained token's version gap (``rollout/version_gap_tokens/<gap>``) and the
 trained group indices (``trained_groups`` in metrics.jsonl). Ctrl-C finishes the current step, saves,
 and stops the engines.
+
+Weights reach the engines through the client's ``UpdateGate`` in every mode: nothing generates while
+they change, whatever a rollout function left running.
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 import signal
 import statistics
 import tempfile
@@ -41,6 +43,7 @@ from slime_mt.algo.advantages import compute_advantages
 from slime_mt.config import Config, ConfigError
 from slime_mt.data import PromptDataset
 from slime_mt.engine.client import UpdateGate
+from slime_mt.engine.weight_sync import WeightFolders
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.metrics import rollout_metrics
@@ -64,7 +67,7 @@ class RolloutSide:
     eval_data: PromptDataset | None
     rollout_fn: object
     metrics: object
-    weights_dir: Path
+    weight_folders: WeightFolders | None  # engines outside this process load weights from these
     data_state_before_prefetch: dict | None = None
 
 
@@ -132,9 +135,11 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
         tp_size=cfg.train.tensor_model_parallel_size,
     )
     ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+    ctx.client.gate = UpdateGate()
     rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
     metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
-    return RolloutSide(engines, ctx, data, eval_data, rollout_fn, metrics, run_dir / "weights")
+    folders = None if engines.local_engines else WeightFolders(run_dir / "weights", cfg.engine.keep_weight_versions)
+    return RolloutSide(engines, ctx, data, eval_data, rollout_fn, metrics, folders)
 
 
 def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
@@ -142,16 +147,18 @@ def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
     train_samples, merge_metrics = finalize(
         samples, cfg.rollout.sample_format, cfg.rollout.merge_step_wise, cfg.rollout.mask_truncated
     )
-    advantages = compute_advantages(train_samples, cfg.algo.advantage_estimator, cfg.algo.normalize_advantages_std)
+    a = cfg.algo
+    advantages = compute_advantages(
+        train_samples, a.advantage_estimator, a.normalize_advantages_std, a.normalize_advantages
+    )
     return train_samples, advantages, merge_metrics
 
 
-def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
-    """New weights to every engine (collective: every rank streams its shards to global rank 0, which
-    pushes them): in-process for embedded engines, a safetensors folder otherwise. With the client's
-    update gate (``--fully-async``) the engines are paused and emptied only around the update itself."""
-    from slime_mt.backends.megatron.convert import ShardWriter
-
+def _sync_weights(actor, side: RolloutSide | None, version: int) -> None:
+    """New weights to every engine as ``version`` (collective: every rank streams its shards to global
+    rank 0, which pushes them): in-process for embedded engines, a safetensors folder otherwise (the
+    folders no engine needs are deleted once every engine has acknowledged this one). The client's
+    update gate pauses and empties the engines only around the update itself."""
     stream = actor.iter_hf_weights()
     if side is None:
         for _ in stream:
@@ -162,19 +169,12 @@ def _sync_weights(actor, side: RolloutSide | None, version: str) -> None:
         named = dict(stream)
         with _gate_closed(side):
             for engine in engines.local_engines:
-                engine.update_weights_from_tensors(named, weight_version=version)
+                engine.update_weights_from_tensors(named, weight_version=str(version))
         return
-    folder = side.weights_dir / f"v{version}"
-    tmp = side.weights_dir / f".tmp_v{version}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    writer = ShardWriter(tmp, "model")
-    for name, tensor in stream:
-        writer.add(name, tensor)
-    writer.close()
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    folder = side.weight_folders.write(version, stream)
     with _gate_closed(side):
-        side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=version))
+        side.ctx.run_sync(side.ctx.client.update_weights_from_disk(str(folder), weight_version=str(version)))
+    side.weight_folders.acknowledged(version)
 
 
 @contextlib.contextmanager
@@ -246,15 +246,18 @@ def train(cfg: Config) -> None:
             if side is not None:
                 side.data.load_state_dict(extra["data"])
                 side.metrics.truncate_after(start)
-        if cfg.checkpoint.load:
-            _sync_weights(actor, side, str(start))
+        if side is not None:
+            side.ctx.start_version = start
+        if cfg.checkpoint.load or cfg.engine.engine_url:
+            # the engines serve the run's starting weights as its starting version: a resumed run's
+            # checkpoint, and for engines the run did not start, whatever an earlier run left there
+            _sync_weights(actor, side, start)
         pool = (
             concurrent.futures.ThreadPoolExecutor(1, "slime-mt-async-rollout")
             if cfg.rollout.async_mode and side
             else None
         )
         if side is not None and r.fully_async:
-            side.ctx.client.gate = UpdateGate()
             manager = RolloutManager(side.ctx, side.data, version=start)
             manager.start()
         pending = None
@@ -312,8 +315,13 @@ def train(cfg: Config) -> None:
                 on_policy=not (r.async_mode or r.fully_async),
             )
             train_finished = time.time()
+            drained_seconds = 0.0
+            if pending is not None:  # --async: the prefetched rollout ends under the weights it started with
+                waited = time.perf_counter()
+                concurrent.futures.wait([pending])
+                drained_seconds = time.perf_counter() - waited
             t_sync = time.perf_counter()
-            _sync_weights(actor, side, str(step + 1))
+            _sync_weights(actor, side, step + 1)
             sync_seconds = time.perf_counter() - t_sync
             if manager is not None:
                 side.ctx.run_sync(manager.set_version(step + 1))
@@ -332,6 +340,10 @@ def train(cfg: Config) -> None:
                     "time/train_started": train_started,
                     "time/train_finished": train_finished,
                 }
+                if drained_seconds:
+                    metrics["time/trainer_idle_seconds"] = (
+                        metrics.get("time/trainer_idle_seconds", 0.0) + drained_seconds
+                    )
                 if not (r.async_mode or r.fully_async):  # the engines wait while the step trains and syncs
                     metrics["time/rollout_idle_seconds"] = t_metrics["train/seconds"] + sync_seconds
                 if cfg.checkpoint.eval_interval and (step + 1) % cfg.checkpoint.eval_interval == 0 and side.eval_data:

@@ -53,6 +53,7 @@ SLIME_FLAGS = [
     "--use-tis",
     "--tis-clip",
     "--tis-clip-low",
+    "--normalize-advantages",
     "--tensor-model-parallel-size",
     "--micro-batch-size",
     "--lr",
@@ -199,11 +200,23 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--tis-clip-low", "1.5"], r"--tis-clip-low=1.5"),
         (["--engine", "sglang"], r"--hf-checkpoint=None: is required to launch SGLang"),
         (["--over-sampling-batch-size", "8"], r"--over-sampling-batch-size=8: must be >= --rollout-batch-size=32"),
+        (["--keep-weight-versions", "-1"], r"--keep-weight-versions=-1: must be >= 0"),
+        (
+            ["--fully-async", "--retokenize-chat-history"],
+            r"--fully-async with --retokenize-chat-history and --sample-format concat: .* --sample-format step_wise",
+        ),
     ],
 )
 def test_invalid_values_name_flag_and_value(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):
         parse_config(argv)
+
+
+def test_fully_async_takes_retokenized_histories_step_wise():
+    """Step-wise samples of a re-rendered history train the generated tokens, each with its log-prob
+    and version, so the staleness bound holds for them."""
+    cfg = parse_config(["--fully-async", "--retokenize-chat-history", "--sample-format", "step_wise"])
+    assert cfg.rollout.fully_async and cfg.rollout.retokenize_chat_history
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,23 @@ class Router:
         self._process.stop()
 
 
+def sglang_command(
+    model_path: str,
+    port: int,
+    tp_size: int = 1,
+    mem_fraction_static: float = 0.7,
+    extra_args: str | None = None,
+    base_gpu_id: int = 0,
+    weight_version: str = "0",
+) -> list[str]:
+    """The ``launch_server`` command line. ``--weight-version``: SGLang names its starting weights
+    "default" otherwise, and the run's version of every token it generates would be unknown."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--tp-size", str(tp_size), "--mem-fraction-static", str(mem_fraction_static)]
+    cmd += ["--base-gpu-id", str(base_gpu_id), "--weight-version", weight_version, "--skip-server-warmup"]
+    return cmd + (extra_args.split() if extra_args else [])
+
+
 class SGLangServer:
     """``python -m sglang.launch_server`` on 127.0.0.1, waited for through ``/health_generate``."""
 
@@ -147,28 +164,13 @@ class SGLangServer:
         mem_fraction_static: float = 0.7,
         extra_args: str | None = None,
         base_gpu_id: int = 0,
+        weight_version: str = "0",
     ):
         require_sglang()
         self.port = port or free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model_path,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--tp-size",
-            str(tp_size),
-            "--mem-fraction-static",
-            str(mem_fraction_static),
-            "--base-gpu-id",
-            str(base_gpu_id),
-            "--skip-server-warmup",
-        ]
-        cmd += extra_args.split() if extra_args else []
+        cmd = sglang_command(
+            model_path, self.port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version
+        )
         self._process = _Process(cmd, Path(log_dir) / f"sglang-{self.port}.log", "sglang server")
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
@@ -213,9 +215,10 @@ def start_engines(
     seed: int = 0,
     tp_size: int = 1,
     connect_timeout: float = 30.0,
+    weight_version: str = "0",
 ) -> EngineGroup:
     """Connect to ``cfg.engine_url`` (waiting up to ``connect_timeout`` s for each) or launch
-    ``cfg.num_engines`` engines (+ a router when > 1)."""
+    ``cfg.num_engines`` engines (+ a router when > 1) serving ``model_path`` as ``weight_version``."""
     if cfg.engine_url:
         group = EngineGroup(cfg.engine_url[0], list(cfg.engine_url[1:] or cfg.engine_url))
         for url in group.worker_urls:
@@ -234,6 +237,7 @@ def start_engines(
                     port=port,
                     max_batch_size=cfg.engine_max_batch_size,
                     seed=seed + i,
+                    weight_version=weight_version,
                     cache_tokens=cfg.engine_cache_tokens,
                 ).start()
                 group.local_engines.append(engine)
@@ -246,6 +250,7 @@ def start_engines(
                     cfg.sglang_mem_fraction_static,
                     cfg.sglang_extra_args,
                     base_gpu_id=i * tp_size,
+                    weight_version=weight_version,
                 )
             group._stoppers.append(engine.stop)
             group.worker_urls.append(engine.url)

@@ -1,0 +1,57 @@
+"""Weight folders for engines outside the trainer's process, and how SGLang engines are launched."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slime_mt.engine.launch import sglang_command
+from slime_mt.engine.weight_sync import WeightFolders
+
+TENSORS = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]
+
+
+def names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize("keep, left", [(0, ["v5"]), (1, ["v4", "v5"]), (2, ["v3", "v4", "v5"])])
+def test_only_the_served_version_and_the_kept_ones_stay(tmp_path, keep, left):
+    folders = WeightFolders(tmp_path / "weights", keep)
+    for version in range(1, 6):
+        folder = folders.write(version, iter(TENSORS))
+        assert (folder / "model.safetensors.index.json").is_file() or list(folder.glob("*.safetensors"))
+        folders.acknowledged(version)
+        assert len(names(tmp_path / "weights")) <= keep + 1
+    assert names(tmp_path / "weights") == left
+    loaded = {k: v for f in (tmp_path / "weights" / "v5").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(loaded["lm_head.weight"], TENSORS[1][1])
+
+
+def test_nothing_is_deleted_before_every_engine_acknowledged_a_newer_version(tmp_path):
+    """An update that failed (or still runs) acknowledges nothing: the folder an engine may be
+    reading, and the one it serves, both stay."""
+    folders = WeightFolders(tmp_path / "weights", keep=0)
+    folders.write(1, iter(TENSORS))
+    folders.acknowledged(1)
+    folders.write(2, iter(TENSORS))  # the update to v2 failed on an engine: no acknowledgement
+    folders.write(3, iter(TENSORS))
+    assert names(tmp_path / "weights") == ["v1", "v2", "v3"]
+    assert folders.acknowledged(3) == [tmp_path / "weights" / "v1", tmp_path / "weights" / "v2"]
+    assert names(tmp_path / "weights") == ["v3"]
+
+
+def test_folders_an_earlier_run_left_are_deleted_at_start_and_nothing_else(tmp_path):
+    root = tmp_path / "weights"
+    for name in ("v3", "v7", ".tmp_v8", "notes", "vanilla"):
+        (root / name).mkdir(parents=True)
+    (root / "README").write_text("kept")
+    WeightFolders(root, keep=1)
+    assert names(root) == ["README", "notes", "vanilla"]
+
+
+def test_sglang_is_launched_with_the_runs_starting_weight_version():
+    cmd = sglang_command("/models/m", 30000, tp_size=2, extra_args="--dp-size 2", weight_version="12")
+    assert cmd[cmd.index("--weight-version") + 1] == "12"
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[-2:] == ["--dp-size", "2"]
+    default = sglang_command("/models/m", 30000)
+    assert default[default.index("--weight-version") + 1] == "0"
