@@ -7,9 +7,11 @@ tokens), so ``sum(per_token_loss * weights)`` summed over micro-batches is the n
 whole global batch, whatever the micro-batch split.
 
 Terms: PPO clipped surrogate with asymmetric clip (``eps_clip``, ``eps_clip_high``) and dual clip
-(``eps_clip_c``); GSPO's sequence ratio; KL to a reference (k1, k2, k3 = low_var_kl); entropy bonus;
-off-policy correction against the rollout log-probs (token TIS, sequence TIS, token mask outside a
-band, geometric-mean sequence mask).
+(``eps_clip_c``); GSPO's sequence ratio, with GSPO-token's gradient or slime's (``gspo_gradient``);
+KL to a reference (k1, k2, k3, low_var_kl = k3 clamped to [-10, 10], as slime has them); entropy
+bonus; off-policy correction against the rollout log-probs (token TIS, sequence TIS, token mask
+outside a band, geometric-mean sequence mask). Where this differs from slime on purpose, the
+README's "Where the math differs from slime" says how and which flag gives slime's numbers.
 """
 
 from __future__ import annotations
@@ -42,13 +44,16 @@ def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> t
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate of pi vs ref ``[T]``: k1 = log r, k2 = (log r)^2 / 2,
-    k3 = low_var_kl = exp(-log r) - 1 + log r (clamped to [-10, 10]), with log r = lp - ref."""
+    k3 = exp(-log r) - 1 + log r, low_var_kl = k3 clamped to [-10, 10] (slime and verl clamp only
+    this one), with log r = lp - ref."""
     log_ratio = log_probs - ref_log_probs
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    if kind == "low_var_kl":
         return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
     raise ValueError(f"unknown KL type {kind!r}; use k1, k2, k3 or low_var_kl")
 
@@ -106,9 +111,11 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     log_ratio = x.log_probs - x.old_log_probs  # [T]
     if cfg.advantage_estimator == "gspo":
         counts = segment_sum(mask, x.seq_ids, num_seqs).clamp_min(1)
-        seq_log_ratio = segment_sum(log_ratio.detach() * mask, x.seq_ids, num_seqs) / counts  # [S]
-        # sg[s_i] * pi/sg[pi]: the value is the sequence ratio, the gradient flows per token
-        ratio = torch.exp(seq_log_ratio[x.seq_ids] + x.log_probs - x.log_probs.detach())
+        if cfg.gspo_gradient == "sequence":  # slime's: exp(mean log-ratio), the gradient through the mean
+            ratio = torch.exp(segment_sum(log_ratio * mask, x.seq_ids, num_seqs) / counts)[x.seq_ids]
+        else:  # GSPO-token: sg[s_i] * pi/sg[pi], the value is the sequence ratio, the gradient per token
+            seq_log_ratio = segment_sum(log_ratio.detach() * mask, x.seq_ids, num_seqs) / counts  # [S]
+            ratio = torch.exp(seq_log_ratio[x.seq_ids] + x.log_probs - x.log_probs.detach())
     else:
         ratio = torch.exp(log_ratio)
     low, high = cfg.eps_clip, cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip

@@ -92,3 +92,30 @@ def test_step_wise_broadcast_by_trajectory_not_position():
     assert per_step == pytest.approx(expected)
     a, b = (1 - 0.5) / std([1, 0]), (3 - 2) / std([3, 1])
     assert per_traj == pytest.approx([a, -a, 0.0, b, -b], abs=1e-5)
+
+
+def test_normalize_advantages_is_slimes_token_weighted_whitening():
+    """--normalize-advantages: the advantages of reinforce_plus_plus_baseline (group-centred, not
+    whitened per trajectory) broadcast to the trainable tokens and whitened over them, as slime's
+    distributed_masked_whiten does: long responses weigh more, the FAILED sample's tokens not at all."""
+    turns = [([10, 11, 12], [-0.1] * 3, [20]), ([13], [-0.3], [])]  # 4 trainable tokens
+    samples = [
+        make_sample([1], turns, reward=1.0, group=0, index=0),
+        make_sample([1], [turns[1]], reward=0.0, group=0, index=1),  # 1 trainable token
+        make_sample([1], turns, reward=3.0, group=1, index=2),
+        make_sample([1], [turns[1]], reward=1.0, group=1, index=3),
+        make_sample([1], turns, reward=9.0, group=1, index=4, status=Status.FAILED),
+    ]
+    concat = to_concat_samples(samples)
+    out = compute_advantages(concat, "reinforce_plus_plus_baseline", normalize_advantages=True)
+    centered = [0.5, -0.5, 1.0, -1.0, 0.0]  # FAILED left out of group 1's mean
+    tokens = torch.tensor(
+        [a for a, t in zip(centered, concat) for m in t.loss_mask if m], dtype=torch.float64
+    )  # slime: one value per trainable token
+    mean, var = tokens.mean(), tokens.var(unbiased=True)
+    assert out[:4] == pytest.approx(((torch.tensor(centered[:4]) - mean) / torch.sqrt(var + 1e-8)).tolist())
+    assert sum(concat[4].loss_mask) == 0
+    default = compute_advantages(concat, "reinforce_plus_plus_baseline")
+    assert default != pytest.approx(out)  # the default whitens over trajectories, one value each
+    step_wise = compute_advantages(to_step_wise_samples(samples), "reinforce_plus_plus_baseline", True, True)
+    assert step_wise[:2] == pytest.approx([out[0]] * 2)  # one trajectory's steps share its whitened value

@@ -1,5 +1,6 @@
 """Loss terms against hand-computed values on small tensors, clip and TIS edges included."""
 
+import dataclasses
 import math
 
 import pytest
@@ -63,6 +64,55 @@ def test_gspo_uses_the_sequence_ratio():
 )
 def test_kl_estimators(kind, expected):
     assert float(kl_penalty(torch.tensor([0.5]), torch.tensor([0.0]), kind)[0]) == pytest.approx(expected)
+
+
+def test_only_low_var_kl_is_clamped_as_in_slime():
+    far = (torch.tensor([-20.0]), torch.tensor([0.0]))  # log r = -20: k3 = e^20 - 21
+    assert float(kl_penalty(*far, "k3")[0]) == pytest.approx(math.exp(20) - 21, rel=1e-6)
+    assert float(kl_penalty(*far, "low_var_kl")[0]) == 10.0
+
+
+def slime_gspo_tis_loss(lp, old, rollout, adv, weights, seq, eps, tis_clip):
+    """slime's GSPO with TIS, from its formulas (not its code): per sequence the KL
+    sum(mask * (old - lp)) / max(sum(mask), 1), expanded to the sequence's tokens; ratio = exp(-KL);
+    the PPO-clipped loss per token, times clip(exp(old - rollout), 0, tis_clip); reduced by ``weights``."""
+    mask = (weights > 0).to(lp.dtype)
+    kl = torch.stack([((old - lp) * mask)[seq == s].sum() / mask[seq == s].sum().clamp_min(1) for s in seq.unique()])
+    ratio = torch.exp(-kl[seq])
+    loss = torch.maximum(-ratio * adv, -ratio.clamp(1 - eps, 1 + eps) * adv)
+    return (loss * torch.exp(old - rollout).clamp(0, tis_clip) * weights).sum()
+
+
+def test_gspo_with_tis_takes_slimes_gradient_with_gspo_gradient_sequence():
+    """Two sequences whose tokens carry different TIS weights. With --gspo-gradient sequence the loss
+    and every token's gradient are slime's; GSPO-token (the default) has the same loss, but each token's
+    gradient carries its own TIS weight where slime's carries its sequence's mean weight."""
+    lp = [-1.0, -0.7, -1.2, -0.4, -2.0]
+    old = [-1.1, -0.6, -1.2, -0.5, -1.9]
+    rollout = [-1.4, -0.5, -1.0, -0.5, -2.3]  # TIS weights exp(old - rollout) vary within a sequence
+    adv, seq, weights = [1.0, 1.0, 1.0, -0.5, -0.5], [0, 0, 0, 1, 1], [0.2] * 5
+    cfg = AlgoConfig(advantage_estimator="gspo", eps_clip=0.3, use_tis=True, tis_clip=2.0)
+
+    def grad(loss_of):
+        x = inputs(lp, old, adv, weights=weights, seq=seq, rollout=rollout)
+        loss = loss_of(x)
+        loss.backward()
+        return float(loss), x.log_probs.grad
+
+    t = {k: torch.tensor(v) for k, v in dict(old=old, rollout=rollout, adv=adv, weights=weights).items()}
+    slime_loss, slime_grad = grad(
+        lambda x: slime_gspo_tis_loss(x.log_probs, t["old"], t["rollout"], t["adv"], t["weights"], x.seq_ids, 0.3, 2.0)
+    )
+    sequence_loss, sequence_grad = grad(lambda x: policy_loss(x, dataclasses.replace(cfg, gspo_gradient="sequence"))[0])
+    token_loss, token_grad = grad(lambda x: policy_loss(x, cfg)[0])
+    assert sequence_loss == pytest.approx(slime_loss, rel=1e-6) and token_loss == pytest.approx(slime_loss, rel=1e-6)
+    assert torch.allclose(sequence_grad, slime_grad, rtol=1e-6, atol=1e-8)
+    assert not torch.allclose(token_grad, slime_grad, rtol=1e-3)
+    # GSPO-token by hand: token k gets -A * r_seq * w_k * tis_k; slime's gives every token the mean of w * tis
+    tis = torch.exp(t["old"] - t["rollout"]).clamp(0, 2.0)
+    r = torch.exp(torch.tensor([sum(a - b for a, b in zip(lp[:3], old[:3])) / 3, (0.1 + -0.1) / 2]))
+    assert torch.allclose(token_grad, -t["adv"] * r[torch.tensor(seq)] * t["weights"] * tis, rtol=1e-5)
+    assert torch.allclose(sequence_grad[:3], (-r[0] * (t["weights"] * tis)[:3].mean()).expand(3), rtol=1e-5)
 
 
 def test_kl_and_entropy_terms_enter_the_loss():
