@@ -7,7 +7,10 @@ one Python interpreter: on GPUs they do not share anything. Every prompt's episo
 from a heavy-tailed (Pareto) distribution, and one env step in ten is slow. Per mode: trajectories
 trained per second over the training steps (from the first step's start to the last step's end),
 the trainer's idle fraction (waiting for groups), and for --fully-async the largest version gap of
-any trained token, asserted to be within --max-staleness. The modes run one after another: run it on a quiet machine.
+any trained token, asserted to be within --max-staleness, and what the bound removed: the share of
+generated tokens in dropped groups (or masked, with --mask-offpolicy-in-partial-rollout) and the mean
+turns and generated tokens per trajectory of dropped against trained groups (the groups that outlive
+the bound are the long ones). The modes run one after another: run it on a quiet machine.
 
     .venv/bin/python benchmarks/async_throughput.py [--steps 8]
 """
@@ -150,6 +153,19 @@ def _train(folder, run_dir, name, model, port, flags, steps, batch, samples, env
     rows = rows[1:]  # the first step waits for a cold start in every mode
     wall = sum(r["time/step_seconds"] for r in rows)
     idle = sum(r["time/trainer_idle_seconds"] for r in rows)
+    kept = [
+        (r["rollout/samples"], r.get("async/trained_turns_mean"), r.get("async/trained_generated_tokens_mean"))
+        for r in rows
+    ]
+    lost = [
+        (
+            r.get("async/dropped_groups", 0) * samples,
+            r.get("async/dropped_turns_mean"),
+            r.get("async/dropped_generated_tokens_mean"),
+        )
+        for r in rows
+    ]
+    kept_tokens, lost_tokens = _total(kept, 2), _total(lost, 2)
     return {
         "mode": name,
         "trajectories": sum(r["rollout/samples"] for r in rows),
@@ -158,7 +174,24 @@ def _train(folder, run_dir, name, model, port, flags, steps, batch, samples, env
         "dropped": sum(r.get("async/dropped_groups", 0) for r in rows),
         "resumes": sum(r.get("async/partial_resumes", 0) for r in rows),
         "gap_max": max(r.get("rollout/token_version_gap_max", 0) for r in rows),
+        "dropped_token_share": lost_tokens / max(kept_tokens + lost_tokens, 1),
+        "masked_token_share": sum(r.get("rollout/masked_stale_tokens", 0) for r in rows) / max(kept_tokens, 1),
+        "trained_turns": _mean(kept, 1),
+        "trained_tokens": _mean(kept, 2),
+        "dropped_turns": _mean(lost, 1),
+        "dropped_tokens": _mean(lost, 2),
     }
+
+
+def _total(steps: list[tuple], k: int) -> float:
+    """Sum over steps of (trajectories x the step's mean of field k)."""
+    return sum(step[0] * step[k] for step in steps if step[k] is not None)
+
+
+def _mean(steps: list[tuple], k: int) -> float | None:
+    """Per-trajectory mean of field k over the steps (weighted by their trajectories); None without any."""
+    n = sum(step[0] for step in steps if step[k] is not None)
+    return _total(steps, k) / n if n else None
 
 
 def main() -> None:
@@ -176,6 +209,10 @@ def main() -> None:
         ("async", ["--async"]),
         ("fully_async_s1", ["--fully-async", "--partial-rollout", "--max-staleness", "1"]),
         ("fully_async_s2", ["--fully-async", "--partial-rollout", "--max-staleness", "2"]),
+        (
+            "fully_async_s1_mask",
+            ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--mask-offpolicy-in-partial-rollout"],
+        ),
     ]
     results = {}
     for name, flags in modes:
@@ -186,7 +223,23 @@ def main() -> None:
             f"{r['dropped']:.0f}, partial resumes {r['resumes']:.0f}, max token version gap {r['gap_max']:.0f})",
             flush=True,
         )
-    for name, bound in (("fully_async_s1", 1), ("fully_async_s2", 2)):
+        if name.startswith("fully_async"):
+            lost = (
+                f"dropped {r['dropped_token_share']:.1%} of generated tokens"
+                if r["dropped"]
+                else f"dropped none, masked {r['masked_token_share']:.1%} of trained tokens"
+            )
+            dropped = (
+                f"; dropped groups {r['dropped_turns']:.2f} turns, {r['dropped_tokens']:.1f} tokens"
+                if r["dropped_turns"] is not None
+                else ""
+            )
+            print(
+                f"{'':15s} bias: {lost}; per trajectory, trained groups {r['trained_turns']:.2f} turns, "
+                f"{r['trained_tokens']:.1f} tokens{dropped}",
+                flush=True,
+            )
+    for name, bound in (("fully_async_s1", 1), ("fully_async_s2", 2), ("fully_async_s1_mask", 1)):
         assert results[name]["gap_max"] <= bound, f"{name}: a trained token is {results[name]['gap_max']} versions old"
     rate = {k: v["trajectories"] / v["seconds"] for k, v in results.items()}
     for name in ("fully_async_s1", "fully_async_s2"):
