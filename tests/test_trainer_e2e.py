@@ -274,6 +274,7 @@ def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path):
     assert len(trained) == len(set(trained)) == 6
     assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
     assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert all(0.0 <= r["async/dropped_token_share"] < 1.0 and r["async/trained_turns_mean"] >= 1 for r in rows)
 
 
 def test_fully_async_killed_and_resumed_trains_every_step_once_and_no_group_twice(geo3k, tmp_path):

@@ -418,6 +418,8 @@ async def generate_turn(
         meta = {**meta, "finish_reason": {"type": "stop", "matched": stop}}
         if not params.get("no_stop_trim", False):
             text = text[: text.index(stop)]
+    elif meta["finish_reason"]["type"] == "length":  # the turn's length, not its last call's
+        meta = {**meta, "finish_reason": {"type": "length", "length": keep}}
     return ids[:keep], logprobs[:keep], versions[:keep], text, meta
 
 

@@ -3,6 +3,7 @@ and small scripted environments."""
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -76,10 +77,17 @@ class RecordingClient(EngineClient):
         return response
 
 
+@functools.cache
+def processor_of(model_path: str):
+    """The model folder's tokenizer or processor, loaded once per test process (a Qwen tokenizer
+    takes about a second to load, and the rollout tests build hundreds of contexts; nothing mutates it)."""
+    return load_tokenizer_or_processor(model_path)
+
+
 def make_ctx(url, model_path, data=None, **rollout) -> RolloutContext:
     ctx = RolloutContext(
         RecordingClient(url),
-        load_tokenizer_or_processor(model_path),
+        processor_of(str(model_path)),
         RolloutConfig(**rollout),
         data or DataConfig(apply_chat_template=True),
         argparse.Namespace(),
