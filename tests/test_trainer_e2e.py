@@ -171,32 +171,45 @@ def initial_decoder(name: str) -> torch.Tensor:
     return load_hf_state(tiny_model_dir("qwen2.5-vl"))[name]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_two_steps_end_to_end(geo3k, tmp_path, tp):
-    proc = run(train_cmd(geo3k, tmp_path, tp=tp))
+DETERMINISTIC = ["--rollout-concurrency", "1", "--save-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def straight(geo3k, tmp_path_factory):
+    """A 4-step run at TP=1 with one trajectory in flight at a time and a checkpoint every step: the
+    end-to-end checks at TP=1 read it, and the kill-and-resume test compares against it."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    proc = run(train_cmd(geo3k, run_dir, *DETERMINISTIC, steps=4))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1]
+    return run_dir
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_end_to_end(geo3k, tmp_path, tp, request):
+    if tp == 1:
+        run_dir, steps = request.getfixturevalue("straight"), 4
+    else:
+        run_dir, steps = tmp_path, 2
+        proc = run(train_cmd(geo3k, run_dir, tp=tp, steps=steps))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(steps))
     for key in REQUIRED:
         assert all(key in r for r in rows), key
     assert max(r["rollout/turns_max"] for r in rows) >= 2  # multi-turn rollouts happened
     assert rows[0]["train/grad_norm"] > 0
-    # the engine's weight version advanced and the second rollout's samples were generated with version 1
-    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
-    assert rows[1]["rollout/sample_weight_version_min"] == 1.0
+    # the engine's weight version advanced and each later rollout's samples were generated with the step's version
+    assert [r["rollout/weight_version"] for r in rows] == [float(k + 1) for k in range(steps)]
+    assert [r["rollout/sample_weight_version_min"] for r in rows[1:]] == [float(k) for k in range(1, steps)]
     # weights changed, and the checkpoint exists
-    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000002"
-    state = final_weights(tmp_path)
+    assert (run_dir / "ckpt" / "latest").read_text() == f"iter_{steps:07d}"
+    state = final_weights(run_dir)
     norm = state["model.norm.weight"]
     assert not torch.equal(norm, initial_decoder("model.norm.weight"))
 
 
-def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path):
-    deterministic = ["--rollout-concurrency", "1", "--save-interval", "1"]
-    straight = tmp_path / "straight"
-    proc = run(train_cmd(geo3k, straight, *deterministic, steps=4))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path, straight):
+    deterministic = DETERMINISTIC
     killed = tmp_path / "killed"
     kill_after_two_steps(train_cmd(geo3k, killed, *deterministic, steps=4), killed)
     assert (killed / "ckpt" / "latest").read_text() == "iter_0000002"
@@ -426,7 +439,7 @@ def build_env(sample=None, args=None, **kw):
 @pytest.mark.slow
 def test_context_management_example_trains_step_wise(tmp_path):
     """examples/context_management (the demo game with a hint turn, window:1, step-wise, merged) for
-    three steps. The first step's batch also holds a group whose env cannot be built (FAILED before
+    two steps. The first step's batch also holds a group whose env cannot be built (FAILED before
     the first turn) and one whose prompt fills the context (TRUNCATED before it): it trains, and
     both are counted."""
     from slime_mt.assets import smollm2_dir
@@ -463,7 +476,7 @@ def test_context_management_example_trains_step_wise(tmp_path):
             "--log-dir",
             str(tmp_path / "run"),
             "--num-rollout",
-            "3",
+            "2",
             "--n-samples-per-prompt",
             "4",
             "--rollout-batch-size",
@@ -479,7 +492,7 @@ def test_context_management_example_trains_step_wise(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1]
     first = rows[0]
     assert first["train/samples_without_turns"] == 8
     assert first["rollout/status/failed"] == 4 and first["rollout/termination/context_exhausted"] == 4

@@ -901,9 +901,10 @@ def check_logprob_chunks(args, info, out):
     actor = MegatronActor(str(tiny_model_dir("qwen2")), TrainConfig(), AlgoConfig(), info)
     weight, vocab = actor.policy.output_weight(), actor.spec.vocab_size
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(300, actor.spec.hidden_size, generator=g).requires_grad_(True)
-    targets = torch.randint(0, vocab, (300,), generator=g)
-    scale = torch.rand(300, generator=g)  # d loss / d log p per token
+    rows = 160  # chunks of 64, 64 and 32 rows
+    hidden = torch.randn(rows, actor.spec.hidden_size, generator=g).requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    scale = torch.rand(rows, generator=g)  # d loss / d log p per token
 
     def gradients(run):
         hidden.grad = None
@@ -953,7 +954,7 @@ def check_logprob_chunks(args, info, out):
         "weight_grad_max": float(want[3].abs().max()),
         "largest_saved": max(saved),
         "chunk_logits": 64 * local_vocab,
-        "all_logits": 300 * local_vocab,
+        "all_logits": rows * local_vocab,
         "metric_entropy_diff": float((metric[1] - want[1]).abs().max()),
         "metric_entropy_requires_grad": bool(with_metric_ent.requires_grad),
         "metric_grad_diff": max(float((metric[k] - none[k]).abs().max()) for k in (2, 3)),

@@ -15,7 +15,7 @@ from rollout_helpers import chain_model, make_ctx
 from transformers import AutoTokenizer
 
 from slime_mt.algo.advantages import compute_advantages
-from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
+from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.engine.client import EngineClient
 from slime_mt.engine.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
@@ -113,8 +113,8 @@ QWEN_IDS = [785, 4226, 374, 81250, 242, 116, 3918, 9217, 29, 803, 1467]  # "The 
         ([], 11, None, "The answer is 𝔸.</answer> more text"),
     ],
 )
-def test_a_resumed_turn_ends_at_the_first_stop_of_its_joined_output(stops, keep, stop, text):
-    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir("qwen2.5")))
+def test_a_resumed_turn_ends_at_the_first_stop_of_its_joined_output(qwen_tokenizer, stops, keep, stop, text):
+    tokenizer = qwen_tokenizer
     assert tokenizer.decode(QWEN_IDS[:5]).endswith("\ufffd")  # 𝔸 is three tokens: a cut inside it is not text
     assert resumed_output(tokenizer, QWEN_IDS, stops) == (keep, stop)
     assert tokenizer.decode(QWEN_IDS[:keep]) == text
