@@ -1,0 +1,193 @@
+"""The rules a configuration must satisfy: values in range, and flags that need or exclude each
+other. ``Config.validate`` applies them; every error is a ConfigError naming the flag and its value,
+and for a combination both flags and what to use instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime_mt.config import Config, ConfigError, RolloutConfig, flag_name
+from slime_mt.rollout.context_policy import ContextPolicyError, rewrites_history
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag_name(key)}={value!r}: {why}")
+
+
+def _validate_async(r: RolloutConfig) -> None:
+    _require(r.max_staleness >= 0, "max_staleness", r.max_staleness, "must be >= 0 (0: on-policy)")
+    if r.fully_async and r.async_mode:
+        raise ConfigError(
+            "--fully-async and --async are two modes: --async rolls out one step ahead, "
+            "--fully-async generates continuously; pass one"
+        )
+    if r.fully_async and r.rollout_function_path != RolloutConfig.rollout_function_path:
+        raise ConfigError(
+            f"--fully-async streams groups through --custom-generate-function-path; the batch "
+            f"--rollout-function-path {r.rollout_function_path} cannot be streamed (keep the default)"
+        )
+    if r.fully_async and r.retokenize_chat_history and r.sample_format == "concat":
+        raise ConfigError(
+            "--fully-async with --retokenize-chat-history and --sample-format concat: the staleness bound, its "
+            "masking and TIS need the weight version and rollout log-prob of every trained token, and a concat "
+            "sample of a re-rendered history trains re-tokenized text that has neither (the bound would be off); "
+            "use --sample-format step_wise, which trains each turn's generated tokens as generated"
+        )
+    if r.partial_rollout and not r.fully_async:
+        raise ConfigError(
+            "--partial-rollout resumes turns that a weight update interrupts, which only "
+            "--fully-async does: add --fully-async"
+        )
+    if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
+        raise ConfigError(
+            "--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add --partial-rollout"
+        )
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the flag and value of the first impossible setting or combination."""
+    r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
+    for key in (
+        "max_turns",
+        "rollout_max_response_len",
+        "rollout_max_context_len",
+        "n_samples_per_prompt",
+        "rollout_batch_size",
+        "num_rollout",
+        "rollout_concurrency",
+    ):
+        _require(getattr(r, key) > 0, key, getattr(r, key), "must be a positive integer")
+    for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
+        _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
+    for key in ("max_tokens_per_micro_batch",):
+        value = getattr(t, key)
+        _require(value is None or value > 0, key, value, "must be a positive integer")
+    for key, value in (
+        ("save_interval", c.save_interval),
+        ("eval_interval", c.eval_interval),
+        ("over_sampling_batch_size", r.over_sampling_batch_size),
+    ):
+        _require(value is None or value > 0, key, value, "must be a positive integer")
+    _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")
+    _require(
+        r.env_step_timeout is None or r.env_step_timeout > 0,
+        "env_step_timeout",
+        r.env_step_timeout,
+        "must be > 0 seconds",
+    )
+    _require(
+        r.rollout_temperature > 0,
+        "rollout_temperature",
+        r.rollout_temperature,
+        "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)",
+    )
+    _require(0 < r.rollout_top_p <= 1, "rollout_top_p", r.rollout_top_p, "must be in (0, 1]")
+    _require(
+        r.rollout_top_k == -1 or r.rollout_top_k > 0, "rollout_top_k", r.rollout_top_k, "must be -1 (off) or positive"
+    )
+    _require(
+        r.rollout_max_response_len <= r.rollout_max_context_len,
+        "rollout_max_response_len",
+        r.rollout_max_response_len,
+        f"exceeds --rollout-max-context-len={r.rollout_max_context_len}",
+    )
+    try:
+        rewrites = rewrites_history(r.context_policy, r.context_policy_path)
+    except ContextPolicyError as e:
+        raise ConfigError(str(e)) from None
+    if rewrites and r.sample_format == "concat":
+        policy = (
+            f"--context-policy-path={r.context_policy_path!r}"
+            if r.context_policy_path
+            else f"--context-policy={r.context_policy!r}"
+        )
+        raise ConfigError(
+            f"{policy} rewrites what the model sees, so one concatenated sequence per trajectory "
+            f"would train contexts the model never saw: use --sample-format step_wise"
+        )
+    _require(
+        r.observation_template.count("{observation}") == 1,
+        "observation_template",
+        r.observation_template,
+        "must contain {observation} exactly once",
+    )
+    if not r.conversation_multi_turn and (rewrites or r.retokenize_chat_history):
+        other = "--retokenize-chat-history" if r.retokenize_chat_history else "a context policy that rewrites history"
+        raise ConfigError(
+            f"--no-conversation-multi-turn keeps every turn in one assistant message, token-in/"
+            f"token-out; it cannot be combined with {other}"
+        )
+    if rewrites and r.retokenize_chat_history:
+        raise ConfigError(
+            "--retokenize-chat-history renders the whole conversation every turn; it cannot be "
+            "combined with a context policy that rewrites history (use one or the other)"
+        )
+    if r.retokenize_chat_history and r.sample_format == "concat" and a.use_tis:
+        raise ConfigError(
+            "--use-tis needs the rollout log-probs of the trained tokens, but with "
+            "--retokenize-chat-history and --sample-format concat the trained assistant tokens are "
+            "re-tokenized and were never sampled as such: drop --use-tis or use --sample-format "
+            "step_wise (which trains the generated tokens with their log-probs)"
+        )
+    if r.over_sampling_batch_size is not None:
+        _require(
+            r.over_sampling_batch_size >= r.rollout_batch_size,
+            "over_sampling_batch_size",
+            r.over_sampling_batch_size,
+            f"must be >= --rollout-batch-size={r.rollout_batch_size}",
+        )
+    _validate_async(r)
+    _require(a.eps_clip > 0, "eps_clip", a.eps_clip, "must be > 0")
+    if a.eps_clip_high is not None:
+        _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high, f"must be >= --eps-clip={a.eps_clip}")
+    if a.eps_clip_c is not None:
+        _require(a.eps_clip_c > 1, "eps_clip_c", a.eps_clip_c, "dual-clip constant must be > 1")
+    _require(a.kl_loss_coef >= 0, "kl_loss_coef", a.kl_loss_coef, "must be >= 0")
+    _require(a.tis_clip > 0, "tis_clip", a.tis_clip, "must be > 0")
+    _require(
+        0 <= a.tis_clip_low <= 1 <= a.tis_clip,
+        "tis_clip_low",
+        a.tis_clip_low,
+        f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}",
+    )
+    _require(t.lr > 0, "lr", t.lr, "must be > 0")
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    _require(
+        samples % t.global_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must divide --rollout-batch-size x --n-samples-per-prompt = {samples}",
+    )
+    _require(
+        t.global_batch_size % r.n_samples_per_prompt == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --n-samples-per-prompt={r.n_samples_per_prompt} "
+        "(optimizer steps take whole prompt groups)",
+    )
+    _require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --micro-batch-size={t.micro_batch_size}",
+    )
+    _require(
+        cfg.engine.keep_weight_versions >= 0,
+        "keep_weight_versions",
+        cfg.engine.keep_weight_versions,
+        "must be >= 0 (0: only the folder the engines serve)",
+    )
+    _require(
+        cfg.engine.engine_cache_tokens >= 0,
+        "engine_cache_tokens",
+        cfg.engine.engine_cache_tokens,
+        "must be >= 0 (0: no prefix cache)",
+    )
+    if cfg.engine.engine == "sglang" and not cfg.engine.engine_url:
+        _require(
+            t.hf_checkpoint is not None,
+            "hf_checkpoint",
+            t.hf_checkpoint,
+            "is required to launch SGLang engines (or pass --engine-url)",
+        )
