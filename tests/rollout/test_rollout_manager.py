@@ -51,17 +51,13 @@ def engine(tiny_paths):
         yield engine
 
 
-def run_steps(engine, tmp_path, steps, **rollout):
-    """Play at least ``steps`` training steps, and more until group 0 (the slow one) has left the
-    manager -> (batches, manager, data, ctx)."""
+def workload(engine, tmp_path, delays, **rollout):
+    """One prompt per entry of ``delays`` (the seconds each env step of its group takes), groups of
+    two, on ``engine`` -> (a fully-async context with an update gate, the dataset)."""
     (tmp_path / "slow_env.py").write_text(textwrap.dedent(ENV))
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(
-        "".join(
-            json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": 2.5 if i == 0 else 0.02}}) + "\n"
-            for i in range(40)
-        )
-    )
+    lines = [json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": d}}) for i, d in enumerate(delays)]
+    rows.write_text("".join(line + "\n" for line in lines))
     data = PromptDataset(load_rows(rows, DATA_CFG), 2)
     ctx = make_ctx(
         engine.url,
@@ -72,11 +68,17 @@ def run_steps(engine, tmp_path, steps, **rollout):
         rollout_stop_token_ids=STOPS,
         rollout_interaction_env_path=str(tmp_path / "slow_env.py"),
         n_samples_per_prompt=2,
-        rollout_batch_size=2,
         fully_async=True,
         **rollout,
     )
     ctx.client.gate = UpdateGate()
+    return ctx, data
+
+
+def run_steps(engine, tmp_path, steps, **rollout):
+    """Play at least ``steps`` training steps, and more until group 0 (the slow one) has left the
+    manager -> (batches, manager, data, ctx)."""
+    ctx, data = workload(engine, tmp_path, [2.5] + [0.02] * 39, rollout_batch_size=2, **rollout)
     version = int(engine.weight_version)
     weights = load_hf_state(engine.model_path)
     manager = RolloutManager(ctx, data, version=version)
@@ -200,29 +202,16 @@ def test_a_dropped_groups_slot_is_filled_at_once_and_the_drop_is_measured(engine
     from slime_mt.plugins import load_module
     from slime_mt.rollout.staleness import drop_metrics
 
-    (tmp_path / "slow_env.py").write_text(textwrap.dedent(ENV))
     (tmp_path / "held.py").write_text(HELD)
     held = load_module(str(tmp_path / "held.py"))
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text(
-        "".join(json.dumps({"prompt": f"Say something ({i}).", "metadata": {"delay": 0.01}}) + "\n" for i in range(8))
-    )
-    data = PromptDataset(load_rows(rows, DATA_CFG), 2)
-    ctx = make_ctx(
-        engine.url,
-        engine.model_path,
-        data=DATA_CFG,
-        rollout_max_response_len=12,
-        max_turns=3,
-        rollout_stop_token_ids=STOPS,
-        rollout_interaction_env_path=str(tmp_path / "slow_env.py"),
+    ctx, data = workload(
+        engine,
+        tmp_path,
+        [0.01] * 8,
         custom_generate_function_path=f"{tmp_path / 'held.py'}:generate",
-        n_samples_per_prompt=2,
         rollout_batch_size=1,
-        fully_async=True,
         max_staleness=1,
     )
-    ctx.client.gate = UpdateGate()
     weights = load_hf_state(engine.model_path)
     start = int(engine.weight_version)
     manager = RolloutManager(ctx, data, version=start)
