@@ -81,6 +81,10 @@ class RolloutConfig:
     rollout_stop: list[str] | None = _opt(None, "Stop strings.", nargs="+")
     rollout_stop_token_ids: list[int] | None = _opt(None, "Stop token ids.", nargs="+")
     n_samples_per_prompt: int = _opt(8, "Trajectories per prompt (one GRPO group).")
+    n_samples_per_eval_prompt: int = _opt(1, "Trajectories per held-out prompt at each evaluation.")
+    eval_temperature: float | None = _opt(
+        None, "Sampling temperature at evaluation (0: greedy); unset: --rollout-temperature."
+    )
     rollout_batch_size: int = _opt(32, "Prompts per rollout step.")
     over_sampling_batch_size: int | None = _opt(
         None, "Prompts to sample per round when a dynamic sampling filter drops groups."

@@ -53,6 +53,7 @@ def validate(cfg: Config) -> None:
         "rollout_max_response_len",
         "rollout_max_context_len",
         "n_samples_per_prompt",
+        "n_samples_per_eval_prompt",
         "rollout_batch_size",
         "num_rollout",
         "rollout_concurrency",
@@ -81,6 +82,12 @@ def validate(cfg: Config) -> None:
         "rollout_temperature",
         r.rollout_temperature,
         "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)",
+    )
+    _require(
+        r.eval_temperature is None or r.eval_temperature >= 0,
+        "eval_temperature",
+        r.eval_temperature,
+        "must be >= 0 (0: greedy)",
     )
     _require(0 < r.rollout_top_p <= 1, "rollout_top_p", r.rollout_top_p, "must be in (0, 1]")
     _require(

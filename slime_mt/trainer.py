@@ -126,7 +126,11 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
     from slime_mt.rollout.context import RolloutContext
 
     data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
-    eval_data = PromptDataset.from_config(cfg.data.eval_prompt_data, cfg.data, 1) if cfg.data.eval_prompt_data else None
+    eval_data = None
+    if cfg.data.eval_prompt_data:
+        eval_data = PromptDataset.from_config(
+            cfg.data.eval_prompt_data, cfg.data, cfg.rollout.n_samples_per_eval_prompt
+        )
     engines = start_engines(
         cfg.engine,
         cfg.train.hf_checkpoint,
@@ -399,7 +403,10 @@ def _batch_metrics(batch) -> dict[str, float]:
 def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:
     eval_rollout = dataclasses.replace(
         cfg.rollout,
-        n_samples_per_prompt=1,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_eval_prompt,
+        rollout_temperature=cfg.rollout.rollout_temperature
+        if cfg.rollout.eval_temperature is None
+        else cfg.rollout.eval_temperature,
         rollout_batch_size=len(side.eval_data.rows),
         dynamic_sampling_filter_path=None,
     )

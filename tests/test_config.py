@@ -185,6 +185,8 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--eps-clip-c", "0.5"], r"--eps-clip-c=0.5: dual-clip constant must be > 1"),
         (["--rollout-temperature", "0"], r"--rollout-temperature=0.0: must be > 0"),
         (["--rollout-temperature", "-1"], r"--rollout-temperature=-1.0"),
+        (["--eval-temperature", "-0.5"], r"--eval-temperature=-0.5: must be >= 0"),
+        (["--n-samples-per-eval-prompt", "0"], r"--n-samples-per-eval-prompt=0: must be a positive integer"),
         (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
         (
             ["--global-batch-size", "100"],

@@ -312,7 +312,15 @@ def test_fully_async_killed_and_resumed_trains_every_step_once_and_no_group_twic
 @pytest.mark.slow
 def test_cpu_recipe_runs(tmp_path):
     proc = subprocess.run(
-        ["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "1"],
+        [
+            "bash",
+            str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"),
+            "1",
+            "--n-samples-per-eval-prompt",
+            "2",
+            "--eval-temperature",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -322,6 +330,8 @@ def test_cpu_recipe_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 3 and "eval/reward_mean" in rows[1]
+    held_out = (tmp_path / "data" / "test.jsonl").read_text().splitlines()
+    assert rows[1]["eval/samples"] == 2 * len(held_out)  # --n-samples-per-eval-prompt 2, none failed
 
 
 def test_gpu_recipe_parses_and_dry_runs():
