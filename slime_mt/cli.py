@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
+import os
 import sys
+import traceback
 
-import yaml
-
-from slime_mt.config import GROUPS, ConfigError, add_config_arguments, config_from_namespace
+from slime_mt.config import ConfigError, add_config_arguments, config_from_namespace, option_strings, unrecognized
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
@@ -57,6 +56,7 @@ def build_cli() -> argparse.ArgumentParser:
     check.add_argument("--hf-checkpoint", required=True, help="Model folder holding the tokenizer (and processor).")
     check.add_argument("--chat-template", help="A Jinja chat template file to check instead of the folder's.")
     check.add_argument("--tools", help="A JSON file with a list of tool schemas for the tool scenarios.")
+    parser.subcommands = sub.choices  # name -> its parser
     parser.epilog = (
         "Commands:\n"
         + "\n".join(f"  {k:<14} {v}" for k, v in COMMANDS.items())
@@ -73,13 +73,6 @@ def _flag_sections(help_text: str) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line if line else line for line in text.splitlines())
-
-
-def resolved_yaml(cfg) -> str:
-    data = {group: dataclasses.asdict(getattr(cfg, group)) for group in GROUPS}
-    if cfg.custom:
-        data["custom"] = cfg.custom
-    return yaml.safe_dump(data, sort_keys=False)
 
 
 def _user_errors() -> tuple[type, ...]:
@@ -104,12 +97,36 @@ def _user_errors() -> tuple[type, ...]:
     )
 
 
-def run_train(cfg) -> int:
-    """Preflight every input, then train. Errors in the inputs surface before anything is written."""
+def run_train(cfg, user_errors: tuple[type, ...]) -> int:
+    """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
+    which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
+    way exits 1 with one line naming the cause (every sample failing), or the traceback."""
+    from slime_mt.rollout.failures import RolloutFailedError
+    from slime_mt.run_dir import LOG_FILE, run_dir_of, tee_output, write_config
     from slime_mt.trainer import preflight, train
 
     preflight(cfg)
-    train(cfg)
+    run_dir = run_dir_of(cfg)
+    if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
+        try:
+            train(cfg, run_dir)
+        except RolloutFailedError:
+            return 1  # rank 0 says why
+        return 0
+    write_config(run_dir, cfg)
+    with tee_output(run_dir / LOG_FILE):
+        print(f"slime-mt train: run folder {run_dir}", flush=True)
+        try:
+            train(cfg, run_dir)
+        except RolloutFailedError as e:
+            print(f"slime-mt train: error: RolloutFailedError: {e}", file=sys.stderr)
+            return 1
+        except user_errors as e:
+            print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        except Exception:
+            traceback.print_exc()
+            return 1
     return 0
 
 
@@ -140,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     user_errors = _user_errors()
     parser = build_cli()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        command = getattr(ns, "command", None)
+        options = option_strings(parser.subcommands[command] if command else parser)
+        print(f"slime-mt {command or ''}: error: {unrecognized(extras, options)}".replace(" :", ":"), file=sys.stderr)
+        return 2
     if ns.command is None:
         parser.print_help()
         return 0
@@ -175,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_namespace(argparse.Namespace(**values))
         if dry_run:
-            print(resolved_yaml(cfg), end="")
+            from slime_mt.trainer import dry_run as check
+
+            print(cfg.to_yaml(), end="")
+            for line in check(cfg):
+                print(f"# dry run: {line}")
             return 0
-        return run_train(cfg)
+        return run_train(cfg, user_errors)
     except user_errors as e:
         print(f"slime-mt {ns.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -149,6 +149,9 @@ class RolloutConfig:
         "tokens loss mask 0 (they stay as context) and train the rest.",
     )
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
+    max_failed_steps: int = _opt(
+        1, "Stop the run after this many consecutive steps in which every sample failed (nothing to train)."
+    )
     env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
 
 
@@ -300,6 +303,13 @@ class Config:
         for group in GROUPS:
             flat.update(dataclasses.asdict(getattr(self, group)))
         return argparse.Namespace(**flat)
+
+    def to_yaml(self) -> str:
+        """The resolved settings, one section per concern (and ``custom``); ``--config`` reads it back."""
+        data: dict[str, Any] = {group: dataclasses.asdict(getattr(self, group)) for group in GROUPS}
+        if self.custom:
+            data["custom"] = self.custom
+        return yaml.safe_dump(data, sort_keys=False)
 
     def validate(self) -> Config:
         """Raise ConfigError naming the flag and value of the first impossible setting."""
@@ -458,6 +468,12 @@ class _StrictParser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse API
         raise ConfigError(f"{self.prog}: {message}")
 
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras, option_strings(self)))
+        return ns
+
 
 def build_parser(prog: str = "slime-mt train") -> argparse.ArgumentParser:
     parser = _StrictParser(
@@ -520,7 +536,13 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ConfigError(f"{path}: top level must be a mapping of settings, got {type(data).__name__}")
     known: dict[str, Any] = {}
     custom: dict[str, Any] = {}
-    for raw_key, value in data.items():
+    flat: dict[Any, Any] = {}
+    for raw_key, value in data.items():  # sections as Config.to_yaml writes them, or flat keys
+        if (raw_key in GROUPS or raw_key == "custom") and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[raw_key] = value
+    for raw_key, value in flat.items():
         key = str(raw_key).replace("-", "_")
         key = ALIASES.get(key, key)
         if key in FIELDS:
@@ -537,11 +559,33 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _did_you_mean(key: str) -> str:
     """', did you mean --x?' when key is within a small edit distance of a known field."""
-    best = min(FIELDS, key=lambda name: _edit_distance(key, name))
-    distance = _edit_distance(key, best)
-    if distance <= max(2, len(key) // 6) or difflib.SequenceMatcher(None, key, best).ratio() >= 0.9:
-        return f", did you mean {flag_name(best)}?"
-    return ""
+    best = closest(key, FIELDS)
+    return f", did you mean {flag_name(best)}?" if best else ""
+
+
+def closest(word: str, candidates) -> str | None:
+    """The candidate within a small edit distance of ``word`` (None when none is close)."""
+    best = min(candidates, key=lambda name: _edit_distance(word, name))
+    distance = _edit_distance(word, best)
+    if distance <= max(2, len(word) // 6) or difflib.SequenceMatcher(None, word, best).ratio() >= 0.9:
+        return best
+    return None
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--flag`` a parser accepts (argparse keeps them on its actions)."""
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def unrecognized(extras: list[str], options) -> str:
+    """argparse's 'unrecognized arguments' message, with 'did you mean' for each misspelled flag."""
+    hints = []
+    for arg in extras:
+        flag = arg.split("=", 1)[0]
+        best = closest(flag, options) if flag.startswith("--") else None
+        if best:
+            hints.append(f"{flag}: did you mean {best}?")
+    return "unrecognized arguments: " + " ".join(extras) + (" (" + "; ".join(hints) + ")" if hints else "")
 
 
 def _edit_distance(a: str, b: str) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from slime_mt.config import DataConfig
 from slime_mt.types import Sample
 
 IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_LABEL_KEY = DataConfig.label_key  # a dataset without this key is one without labels
+
+logger = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -120,20 +124,29 @@ def _count_placeholders(prompt: Any) -> int:
     return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in prompt if isinstance(m.get("content"), str))
 
 
-def load_rows(path: str | Path, cfg: DataConfig) -> list[PromptRow]:
-    """Validate every row of ``path`` into a PromptRow (images decoded, placeholders paired)."""
+def load_rows(path: str | Path, cfg: DataConfig, limit: int | None = None) -> list[PromptRow]:
+    """Validate every row of ``path`` (the first ``limit``) into a PromptRow (images decoded,
+    placeholders paired). Every key the flags name must be in every row: ``--input-key``, ``--tool-key``,
+    ``--label-key`` (only a warning for its default, ``label``: a dataset may have no labels) and the
+    image key of ``--multimodal-keys`` in a row with ``<image>`` placeholders."""
     path = Path(path)
-    records = read_records(path)
+    records = read_records(path)[:limit]
     if not records:
         raise DatasetError(f"{path}: no rows")
     image_key = (cfg.multimodal_keys or {}).get("image")
     rows = []
+    unlabelled = 0
     for i, record in enumerate(records):
         where = f"row {i} of {path.name}"
         if not isinstance(record, dict):
             raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
-        if cfg.input_key not in record:
-            raise DatasetError(f"{where}: missing prompt key '{cfg.input_key}' (--input-key); keys: {sorted(record)}")
+        for key, flag in ((cfg.input_key, "--input-key"), (cfg.tool_key, "--tool-key")):
+            if key and key not in record:
+                raise DatasetError(f"{where}: no key '{key}' ({flag}); the row's keys: {sorted(record)}")
+        if cfg.label_key and cfg.label_key not in record:
+            if cfg.label_key != DEFAULT_LABEL_KEY:
+                raise DatasetError(f"{where}: no key '{cfg.label_key}' (--label-key); the row's keys: {sorted(record)}")
+            unlabelled += 1
         prompt = record[cfg.input_key]
         if isinstance(prompt, str):
             pass
@@ -144,6 +157,11 @@ def load_rows(path: str | Path, cfg: DataConfig) -> list[PromptRow]:
         raw_images = record.get(image_key) if image_key else None
         raw_images = list(raw_images) if raw_images is not None else []
         placeholders = _count_placeholders(prompt)
+        if placeholders and image_key and image_key not in record:
+            raise DatasetError(
+                f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholders but no key '{image_key}' "
+                f"(--multimodal-keys); the row's keys: {sorted(record)}"
+            )
         if placeholders != len(raw_images):
             raise DatasetError(f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholders but {len(raw_images)} images")
         images = [_load_image(v, path.parent, f"{where}, image {k}") for k, v in enumerate(raw_images)]
@@ -168,6 +186,14 @@ def load_rows(path: str | Path, cfg: DataConfig) -> list[PromptRow]:
             metadata["tools"] = json.loads(tools) if isinstance(tools, str) else tools
         label = record.get(cfg.label_key) if cfg.label_key else None
         rows.append(PromptRow(i, prompt, label, metadata, images))
+    if unlabelled:
+        logger.warning(
+            "%s: %d of %d rows have no '%s' key (--label-key): their samples get label None",
+            path.name,
+            unlabelled,
+            len(records),
+            DEFAULT_LABEL_KEY,
+        )
     return rows
 
 

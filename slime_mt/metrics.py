@@ -57,8 +57,9 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in lines))
         tmp.replace(self.path)
 
-    def log(self, step: int, metrics: dict[str, float], records: dict | None = None) -> None:
-        """One step's metrics to every sink; ``records`` (lists, ids) to the JSONL line only."""
+    def log(self, step: int, metrics: dict[str, float], records: dict | None = None, note: str = "") -> None:
+        """One step's metrics to every sink; ``records`` (lists, ids) to the JSONL line only; ``note``
+        ends the console line (the step's failures)."""
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"step": step, **clean, **(records or {})}) + "\n")
@@ -69,7 +70,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
-        parts = [f"{label} {clean[key]:.4g}" for key, label in SUMMARY_KEYS if key in clean]
+        parts = [f"{label} {clean[key]:.4g}" for key, label in SUMMARY_KEYS if key in clean] + ([note] if note else [])
         print(f"[step {step}] " + " | ".join(parts), flush=True)
 
     def close(self) -> None:
@@ -103,11 +104,14 @@ PLOTS = {
 }
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write PNG curves of a run's metrics into ``run_dir/plots`` -> the files written."""
-    import matplotlib
+def is_async(rows: list[dict]) -> bool:
+    """A run that trained tokens of older weights (``--async``, ``--fully-async``)."""
+    return any(r.get("rollout/token_version_gap_max", 0) > 0 or "async/dropped_groups" in r for r in rows)
 
-    matplotlib.use("Agg")
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write PNG curves of a run's metrics into ``run_dir/plots`` -> the files written (``async.png``
+    only for a run that trained older weights' tokens)."""
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
@@ -115,18 +119,35 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     written = []
     for name, keys in PLOTS.items():
-        present = [k for k in keys if any(k in r for r in rows)]
-        if not present:
+        if name == "async.png" and not is_async(rows):
             continue
-        fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), squeeze=False)
-        for ax, key in zip(axes[:, 0], present):
-            points = [(r["step"], r[key]) for r in rows if key in r]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
-            ax.set_title(key)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
+        fig = figure(rows, keys)
+        if fig is None:
+            continue
         fig.savefig(out_dir / name, dpi=90)
         plt.close(fig)
         written.append(out_dir / name)
     return written
+
+
+def figure(rows: list[dict], keys: list[str]):
+    """One panel per key present in ``rows``, against the integer step (None: no key present)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    present = [k for k in keys if any(k in r for r in rows)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), squeeze=False)
+    for ax, key in zip(axes[:, 0], present):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,6 +1,7 @@
 """Load user plug-ins (rollout, generate, reward, env, filter functions) from a dotted path or a file.
 
-Two spellings: ``package.module.attr`` and ``path/to/file.py:attr``. Every failure is a PluginError
+Two spellings: ``package.module.attr`` (found on ``sys.path``, then in the working directory) and
+``path/to/file.py:attr``. Every failure is a PluginError
 that says which part failed: the module (with the path tried), the attribute (listing the module's
 callables), callability, or the parameters against an expected signature.
 """
@@ -45,12 +46,25 @@ def load_module(spec: str) -> ModuleType:
             raise PluginError(f"plug-in file {path} raised while importing: {type(e).__name__}: {e}") from e
         return module
     try:
-        return importlib.import_module(spec)
+        return _import_from_cwd_too(spec)
     except ModuleNotFoundError as e:
         tried = ", ".join(sys.path[:4])
         raise PluginError(f"plug-in module '{spec}' not found: {e} (searched sys.path: {tried}, ...)") from e
     except Exception as e:
         raise PluginError(f"plug-in module '{spec}' raised while importing: {type(e).__name__}: {e}") from e
+
+
+def _import_from_cwd_too(name: str) -> ModuleType:
+    """``import name``; a top-level module not on ``sys.path`` is looked for in the working directory
+    too (``python -m`` puts it there, the ``slime-mt`` script does not)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+    sys.path.append(cwd)
+    return importlib.import_module(name)
 
 
 def split_spec(spec: str) -> tuple[str, str]:

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +43,12 @@ from slime_mt.config import Config, ConfigError
 from slime_mt.data import PromptDataset
 from slime_mt.engine.client import UpdateGate
 from slime_mt.engine.weight_sync import WeightFolders
+from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.staleness import drop_metrics, mask_stale, staleness_metrics
+from slime_mt.run_dir import ERRORS_FILE, run_dir_of
 from slime_mt.types import Status
 
 logger = logging.getLogger(__name__)
@@ -68,14 +69,15 @@ class RolloutSide:
     rollout_fn: object
     metrics: object
     weight_folders: WeightFolders | None  # engines outside this process load weights from these
+    errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
     data_state_before_prefetch: dict | None = None
+    failed_steps: int = 0  # consecutive steps in which every sample failed
 
 
 def preflight(cfg: Config) -> None:
     """Check every input before anything is launched or written; one clear error per problem."""
     from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
     from slime_mt.data import load_rows
-    from slime_mt.plugins import load_function, load_module
 
     t = cfg.train
     if not t.hf_checkpoint:
@@ -90,20 +92,7 @@ def preflight(cfg: Config) -> None:
     load_rows(cfg.data.prompt_data, cfg.data)
     if cfg.data.eval_prompt_data:
         load_rows(cfg.data.eval_prompt_data, cfg.data)
-    r = cfg.rollout
-    load_function(r.rollout_function_path, what="--rollout-function-path")
-    load_function(r.custom_generate_function_path, what="--custom-generate-function-path")
-    if r.custom_rm_path:
-        load_function(r.custom_rm_path, what="--custom-rm-path")
-    if r.dynamic_sampling_filter_path:
-        load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
-    if r.rollout_interaction_env_path:
-        module = load_module(r.rollout_interaction_env_path)
-        if not callable(getattr(module, "build_env", None)):
-            raise TrainSetupError(
-                f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
-                "the module defines no build_env(sample=None, args=None, **kw)"
-            )
+    check_plugins(cfg)
     for url in cfg.engine.engine_url or []:
         from slime_mt.engine.server import wait_healthy
 
@@ -115,8 +104,63 @@ def preflight(cfg: Config) -> None:
         raise TrainSetupError(f"--load {cfg.checkpoint.load}: no checkpoint there (no 'latest' file)")
 
 
-def run_dir_of(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.log_dir or cfg.checkpoint.save or tempfile.mkdtemp(prefix="slime-mt-run-"))
+def check_plugins(cfg: Config):
+    """Import every plug-in the run names and check it against its contract -> the env module (None
+    without ``--rollout-interaction-env-path``)."""
+    from slime_mt.plugins import load_function, load_module
+    from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
+
+    r = cfg.rollout
+    load_function(r.rollout_function_path, _expected_rollout, "--rollout-function-path")
+    load_plugins(r)
+    if r.context_policy_path:
+        load_function(r.context_policy_path, what="--context-policy-path")
+    if not r.rollout_interaction_env_path:
+        return None
+    module = load_module(r.rollout_interaction_env_path)
+    if not callable(getattr(module, "build_env", None)):
+        raise TrainSetupError(
+            f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
+            "the module defines no build_env(sample=None, args=None, **kw)"
+        )
+    return module
+
+
+def dry_run(cfg: Config) -> list[str]:
+    """What ``--dry-run`` checks beyond the settings: every plug-in imports and fits its contract, the
+    first prompt row reads, and one environment is built from it (reset, then closed) -> report lines."""
+    import asyncio
+    import inspect
+
+    from slime_mt.data import load_rows
+
+    module = check_plugins(cfg)
+    lines = ["plug-ins: imported and checked"]
+    path = cfg.data.prompt_data
+    if not path or not Path(path).is_file():
+        return lines + [f"--prompt-data {path}: not there yet; no row read, no environment built"]
+    rows = load_rows(path, cfg.data, limit=1)
+    lines.append(f"--prompt-data {path}: row 0 read")
+    if module is None:
+        return lines
+    sample = PromptDataset(rows, 1).get_samples(1)[0][0]
+
+    async def build_reset_close():
+        env = module.build_env(sample=sample, args=cfg.to_args())
+        for method in ("reset", "close"):
+            result = getattr(env, method)()
+            if inspect.isawaitable(result):
+                await result
+        return env
+
+    try:
+        env = asyncio.run(build_reset_close())
+    except Exception as e:
+        raise TrainSetupError(
+            f"--rollout-interaction-env-path {cfg.rollout.rollout_interaction_env_path}: building the "
+            f"environment of row 0 raised {type(e).__name__}: {e}"
+        ) from e
+    return lines + [f"environment of row 0: {type(env).__name__} built, reset and closed"]
 
 
 def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
@@ -143,7 +187,7 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
     rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
     metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
     folders = None if engines.local_engines else WeightFolders(run_dir / "weights", cfg.engine.keep_weight_versions)
-    return RolloutSide(engines, ctx, data, eval_data, rollout_fn, metrics, folders)
+    return RolloutSide(engines, ctx, data, eval_data, rollout_fn, metrics, folders, run_dir / ERRORS_FILE)
 
 
 def _prepare(cfg: Config, groups) -> tuple[list, list[float], dict]:
@@ -215,12 +259,29 @@ def _broadcast(obj, info):
     return box[0]
 
 
-def train(cfg: Config) -> None:
+def _check_failures(side: RolloutSide, step: int, groups, max_failed_steps: int) -> StepReport:
+    """Log the step's failed and truncated samples and keep the failures; a step in which every sample
+    failed, ``max_failed_steps`` times in a row, stops the run with the step's summary."""
+    report = StepReport(step, groups)
+    report.log(side.errors_path)
+    side.failed_steps = side.failed_steps + 1 if report.all_failed else 0
+    if side.failed_steps >= max_failed_steps:
+        first = next(s for g in groups for s in g)
+        raise RolloutFailedError(
+            f"step {step}: every sample failed ({report.line()}), {side.failed_steps} step(s) in a row "
+            f"(--max-failed-steps {max_failed_steps}); nothing to train on. First: sample {first.index}: "
+            f"{first.metadata.get('error', '')}. Every failure with its traceback: {side.errors_path}"
+        )
+    return report
+
+
+def train(cfg: Config, run_dir: Path | None = None) -> None:
+    """The RL loop; ``run_dir``: the run folder (default: ``run_dir_of(cfg)``)."""
     from slime_mt.backends.megatron.actor import MegatronActor
     from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 
     info = init_parallel(cfg.train.tensor_model_parallel_size, cfg.train.seed)
-    run_dir = run_dir_of(cfg)
+    run_dir = run_dir or run_dir_of(cfg)
     r = cfg.rollout
     prompts_per_step = cfg.train.global_batch_size // r.n_samples_per_prompt
     steps_per_rollout = max(r.rollout_batch_size // prompts_per_step, 1)
@@ -286,6 +347,11 @@ def train(cfg: Config) -> None:
                     groups = side.rollout_fn(side.ctx.args, step, side.data)
                     rollout_seconds = time.perf_counter() - began
                     extra["time/trainer_idle_seconds"] = rollout_seconds
+                stop_run = None
+                try:
+                    report = _check_failures(side, step, groups, r.max_failed_steps)
+                except RolloutFailedError as e:
+                    stop_run, report = e, None
                 train_samples, advantages, merge_metrics = _prepare(cfg, groups)
                 if r.mask_offpolicy_in_partial_rollout:
                     trainable = sum(sum(s.loss_mask) for s in train_samples)
@@ -295,7 +361,7 @@ def train(cfg: Config) -> None:
                 extra.update(staleness_metrics(train_samples, step))
                 trained_groups = sorted(int(g[0].group_index) for g in groups if g)
                 pending = None
-                if pool is not None and step + 1 < r.num_rollout:
+                if pool is not None and step + 1 < r.num_rollout and stop_run is None:
                     if rollout_done is not None:
                         extra["time/rollout_idle_seconds"] = time.perf_counter() - rollout_done
                     pending = pool.submit(_timed_rollout, side, step + 1)
@@ -308,16 +374,23 @@ def train(cfg: Config) -> None:
                     rollout_started,
                     {**_version_metrics(groups, step), **extra},
                 )
-            train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = (
-                _broadcast(payload, info)
-            )
+                if stop_run is not None:  # every rank stops, not only this one
+                    payload = stop_run
+            payload = _broadcast(payload, info)
+            if isinstance(payload, RolloutFailedError):
+                raise payload
+            train_samples, advantages, merge_metrics, r_metrics, rollout_seconds, rollout_started, versions = payload
             train_started = time.time()
-            t_metrics = actor.train(
-                train_samples,
-                advantages,
-                prompts_per_step=prompts_per_step,
-                on_policy=not (r.async_mode or r.fully_async),
-            )
+            if any(s.num_trainable for s in train_samples):
+                t_metrics = actor.train(
+                    train_samples,
+                    advantages,
+                    prompts_per_step=prompts_per_step,
+                    on_policy=not (r.async_mode or r.fully_async),
+                )
+            else:  # every sample failed (below --max-failed-steps) or none kept a trainable token
+                logger.warning("step %d: no trainable token in the batch; the step is skipped", step)
+                t_metrics = {"train/seconds": 0.0, "train/skipped_steps": 1.0}
             train_finished = time.time()
             drained_seconds = 0.0
             if pending is not None:  # --async: the prefetched rollout ends under the weights it started with
@@ -352,7 +425,7 @@ def train(cfg: Config) -> None:
                     metrics["time/rollout_idle_seconds"] = t_metrics["train/seconds"] + sync_seconds
                 if cfg.checkpoint.eval_interval and (step + 1) % cfg.checkpoint.eval_interval == 0 and side.eval_data:
                     metrics.update(_evaluate(cfg, side, step))
-                side.metrics.log(step, metrics, {"trained_groups": trained_groups})
+                side.metrics.log(step, metrics, {"trained_groups": trained_groups}, note=report.line())
             last = step + 1 == r.num_rollout or stop["requested"]
             if cfg.checkpoint.save and (
                 last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
@@ -415,6 +488,7 @@ def _evaluate(cfg: Config, side: RolloutSide, step: int) -> dict[str, float]:
     from slime_mt.rollout.group_rollout import rollout_groups
 
     groups = ctx.run_sync(rollout_groups(ctx, side.eval_data, evaluation=True, rollout_id=10_000_000 + step))
+    StepReport(step, groups, label="eval at step").log(side.errors_path)
     rewards = [float(s.reward or 0.0) for g in groups for s in g if s.status != Status.FAILED]
     return {
         "eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,

@@ -137,6 +137,42 @@ class Sample:
         self.response_length += len(ids)
         self.response += text
 
+    def append_turn(
+        self,
+        ids: list[int],
+        log_probs: list[float],
+        text: str = "",
+        finish_reason: str | None = "stop",
+        weight_version: Any = None,
+    ) -> Turn:
+        """Append one model turn (trainable tokens with their rollout log-probs) and its ``Turn``
+        record, which step-wise training, merging and the turn metrics read. The model saw every token
+        before it (append-only context). -> the Turn (``append_observation`` extends it)."""
+        start = len(self.tokens)
+        self.append_model_tokens(ids, log_probs, text, parse_version(weight_version))
+        turn = Turn(
+            output_start=start,
+            output_end=len(self.tokens),
+            observation_end=len(self.tokens),
+            finish_reason=finish_reason,
+            weight_version=None if weight_version is None else str(weight_version),
+        )
+        self.turns.append(turn)
+        if turn.weight_version is not None:
+            self.weight_versions.append(turn.weight_version)
+        return turn
+
+    def append_observation(self, ids: list[int], text: str = "") -> None:
+        """Append what answered the last turn (env output, template glue: loss mask 0) to that turn's
+        record; prompt tokens go through ``set_prompt_tokens``."""
+        if not self.turns:
+            raise SampleError(
+                f"sample {self.index}: an observation before any model turn; append the turn first "
+                "(append_turn), or make these tokens part of the prompt (set_prompt_tokens)"
+            )
+        self.append_observation_tokens(ids, text)
+        self.turns[-1].observation_end = len(self.tokens)
+
     def drop_last_model_token(self) -> int:
         """Remove the last response token, which must be a generated one -> its id."""
         if not self.response_length or self.loss_mask[-1] != 1:

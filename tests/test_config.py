@@ -134,9 +134,35 @@ def test_train_parse_only_shows_cli_precedence(tmp_path, capsys):
     assert "n_samples_per_prompt: 4" in out
 
 
-def test_unknown_cli_flag_is_an_error():
-    with pytest.raises(ConfigError, match="unrecognized arguments: --max-turnz"):
+def test_unknown_cli_flag_is_an_error_with_did_you_mean():
+    with pytest.raises(
+        ConfigError, match=r"unrecognized arguments: --max-turnz 3 \(--max-turnz: did you mean --max-turns\?\)"
+    ):
         parse_config(["--max-turnz", "3"])
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --zzz$"):
+        parse_config(["--zzz"])
+
+
+def test_the_resolved_config_reads_back_as_the_same_run(tmp_path):
+    """What a run folder's config.yaml holds (Config.to_yaml, also --dry-run's output) is accepted by
+    --config and gives the same settings, custom keys included."""
+    custom = write(tmp_path, "c.yaml", "calculator_precision: 3\n")
+    cfg = parse_config(
+        [
+            "--config",
+            custom,
+            "--lr",
+            "2e-6",
+            "--max-turns",
+            "5",
+            "--rollout-stop",
+            "</answer>",
+            "--multimodal-keys",
+            '{"image": "imgs"}',
+        ]
+    )
+    again = parse_config(["--config", write(tmp_path, "resolved.yaml", cfg.to_yaml())])
+    assert again == cfg and again.custom == {"calculator_precision": 3}
 
 
 def test_unknown_cli_flag_exits_nonzero_from_the_command_line():
@@ -203,6 +229,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--engine", "sglang"], r"--hf-checkpoint=None: is required to launch SGLang"),
         (["--over-sampling-batch-size", "8"], r"--over-sampling-batch-size=8: must be >= --rollout-batch-size=32"),
         (["--keep-weight-versions", "-1"], r"--keep-weight-versions=-1: must be >= 0"),
+        (["--max-failed-steps", "0"], r"--max-failed-steps=0: must be >= 1"),
         (
             ["--fully-async", "--retokenize-chat-history"],
             r"--fully-async with --retokenize-chat-history and --sample-format concat: .* --sample-format step_wise",

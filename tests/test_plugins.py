@@ -101,3 +101,16 @@ def test_file_that_raises_on_import(tmp_path):
     path.write_text("import not_a_real_module_xyz\n")
     with pytest.raises(PluginError, match=r"broken.py raised while importing: ModuleNotFoundError"):
         load_function(f"{path}:fn")
+
+
+def test_a_module_path_is_found_in_the_working_directory(tmp_path, monkeypatch):
+    """``--rollout-interaction-env-path calc_env`` from the folder holding calc_env.py: the
+    ``slime-mt`` script does not put the working directory on sys.path, the loader looks there."""
+    import sys
+
+    (tmp_path / "calc_env_for_cwd_test.py").write_text("def build_env(sample=None, args=None, **kw):\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_function("calc_env_for_cwd_test.build_env")() == 42
+    with pytest.raises(PluginError, match=r"plug-in module 'not_here_either' not found"):
+        load_function("not_here_either.fn")

@@ -96,3 +96,17 @@ def test_from_dict_rejects_unknown_keys():
     data["tokenz"] = []
     with pytest.raises(SampleError, match=r"unknown keys \['tokenz'\]"):
         Sample.from_dict(data)
+
+
+def test_append_turn_and_observation_keep_the_turn_records():
+    s = Sample(index=3, tokens=[1, 2])
+    first = s.append_turn([10, 11], [-0.1, -0.2], "ab", "stop", "4")
+    s.append_observation([20, 21, 22], "obs")
+    s.append_turn([12], [-0.3], "c", "length")
+    s.validate()
+    assert (first.output_start, first.output_end, first.observation_end, first.weight_version) == (2, 4, 7, "4")
+    assert (s.turns[1].output_start, s.turns[1].output_end, s.turns[1].finish_reason) == (7, 8, "length")
+    assert s.loss_mask == [1, 1, 0, 0, 0, 1] and s.token_versions == [4, 4, -1, -1, -1, -1]
+    assert s.weight_versions == ["4"] and s.response == "abobsc"
+    with pytest.raises(SampleError, match="sample 5: an observation before any model turn"):
+        Sample(index=5, tokens=[1]).append_observation([2])

@@ -21,7 +21,7 @@ from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.template_check import path_of, warn_if_inexact
-from slime_mt.tokenization import ObservationEncoder
+from slime_mt.tokenization import Encoded, ObservationEncoder
 from slime_mt.types import parse_version
 
 
@@ -37,6 +37,7 @@ class RolloutContext:
     _env_module: Any = None
     _policy: Any = None
     _loop: asyncio.AbstractEventLoop | None = None
+    _prompt_encodings: dict[int, Encoded] = field(default_factory=dict)  # id(sample) -> its encoded prompt
     start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
 
     @classmethod
@@ -77,6 +78,53 @@ class RolloutContext:
         if key not in self._encoders:
             self._encoders[key] = ObservationEncoder(self.processor, tools=tools)
         return self._encoders[key]
+
+    def prepare_prompt(self, sample) -> None:
+        """Set ``sample.tokens`` to its encoded prompt (through the chat template with
+        ``--apply-chat-template`` or message prompts, with the row's tools) before a generate function
+        sees it; ``run_episode`` takes this encoding (``take_prompt_encoding``) instead of encoding again."""
+        if sample.tokens:
+            return
+        as_messages = self.data.apply_chat_template or not isinstance(sample.prompt, str)
+        encoded = self.encoder((sample.metadata or {}).get("tools")).encode_prompt(sample.prompt, as_messages)
+        sample.set_prompt_tokens(encoded.ids)
+        self._prompt_encodings[id(sample)] = encoded
+
+    def take_prompt_encoding(self, sample) -> Encoded | None:
+        """The encoding ``prepare_prompt`` made for ``sample`` (once), if its tokens are still that prompt."""
+        encoded = self._prompt_encodings.pop(id(sample), None)
+        return encoded if encoded is not None and encoded.ids == sample.tokens else None
+
+    def append_engine_turn(self, sample, response: dict):
+        """Append an engine's ``/generate`` answer to ``sample`` as one model turn with its ``Turn``
+        record: the output ids, their log-probs, the text, the finish reason and the weight version
+        (SGLang's ``"default"`` read as the run's starting version). -> the Turn. For custom generate
+        functions: with it (and ``append_observation``) step-wise training and merging work."""
+        meta = response["meta_info"]
+        ids = list(response["output_ids"])
+        log_probs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+        version = self.version_of(meta.get("weight_version"))
+        return sample.append_turn(
+            ids,
+            log_probs,
+            response.get("text", ""),
+            meta["finish_reason"]["type"],
+            None if version < 0 else version,
+        )
+
+    def append_observation(self, sample, message: dict | str) -> list[int]:
+        """Append a chat message (a string: a user message) that answers the last turn, encoded by
+        the run's chat template as the delta after the model's tokens (loss mask 0; text only: image
+        observations go through ``rollouts.multi_turn``). -> the ids appended, which end with the next
+        turn's generation prompt."""
+        message = {"role": "user", "content": message} if isinstance(message, str) else message
+        encoder = self.encoder((sample.metadata or {}).get("tools"))
+        ended = bool(sample.turns) and sample.turns[-1].output_tokens > 0 and sample.tokens[-1] == encoder.eot_id
+        encoded = encoder.encode_observation(message, model_ended_turn=ended)
+        if encoded.images:
+            raise ValueError("append_observation takes text messages; images go through rollouts.multi_turn")
+        sample.append_observation(encoded.ids, encoded.text)
+        return encoded.ids
 
     def context_policy(self) -> ContextPolicy | None:
         """The ``--context-policy`` / ``--context-policy-path`` function; None for ``append``, whose

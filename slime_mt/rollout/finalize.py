@@ -65,6 +65,8 @@ def _stop_reason(sample: Sample) -> str | None:
 def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> list[TrainingSample]:
     out = []
     for s in samples:
+        if not s.tokens:  # failed before its prompt was encoded: nothing to pack or train
+            continue
         rewritten = [k for k, t in enumerate(s.turns) if t.context_ids is not None]
         if rewritten:
             raise StepWiseError(
@@ -113,7 +115,8 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
         if not s.turns and s.response_length:
             raise StepWiseError(
                 f"sample {s.index}: {s.response_length} response tokens but no turn records; "
-                f"step-wise needs the rollout's Turn list"
+                f"step-wise needs them: a generate function appends its turns with "
+                f"ctx.append_engine_turn / Sample.append_turn (README: Writing a generate function)"
             )
         for k, turn in enumerate(s.turns):
             last = k == len(s.turns) - 1

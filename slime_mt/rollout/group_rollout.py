@@ -12,6 +12,7 @@ drawn (``--over-sampling-batch-size`` per round) until ``rollout_batch_size`` gr
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
+from slime_mt.rollout.failures import fail
 from slime_mt.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,10 @@ MAX_OVERSAMPLING_ROUNDS = 16
 
 class RolloutError(RuntimeError):
     """A rollout that cannot produce the requested data; names the flag to look at."""
+
+
+def _expected_rollout(args, rollout_id, data_source, evaluation=False):
+    """Contract of --rollout-function-path."""
 
 
 async def _expected_generate(args, sample, sampling_params):
@@ -85,7 +91,7 @@ async def rollout_groups(
                 for s in (s for g in groups for s in g):
                     s.metadata["rollout_id"] = rollout_id
             done = await asyncio.gather(
-                *(run_group(ctx, g, generate, rm, sampling_params, semaphore, bar) for g in groups)
+                *(run_group(ctx, g, generate, rm, sampling_params, semaphore, bar, evaluation) for g in groups)
             )
             for group in done:
                 if keep is None or kept_by_filter(keep(ctx.args, group)):
@@ -100,20 +106,21 @@ def kept_by_filter(verdict: Any) -> bool:
     return bool(getattr(verdict, "keep", verdict))
 
 
-async def run_group(ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar=None) -> list[Sample]:
-    """Every sample of a group through ``generate`` (at most ``semaphore`` at once), then its reward."""
+async def run_group(
+    ctx, group: list[Sample], generate, rm, sampling_params, semaphore, bar=None, evaluation: bool = False
+) -> list[Sample]:
+    """Every sample of a group through ``generate`` (at most ``semaphore`` at once), then its reward.
+    Before the call the sample's prompt is encoded into ``sample.tokens``; a generate function that
+    takes ``evaluation`` gets it (slime's keyword)."""
+
+    with_evaluation = "evaluation" in inspect.signature(generate).parameters
 
     async def one(sample: Sample) -> Sample:
         async with semaphore:
-            try:
-                result = await generate(ctx.args, sample, dict(sampling_params))
-            except Exception as e:  # a user generate function that raises fails its sample only
-                logger.exception("generate failed for sample %s", sample.index)
-                sample.status = Status.FAILED
-                sample.metadata["error"] = f"generate raised {type(e).__name__}: {e}"
-                result = sample
+            result = await _generate(ctx, generate, sample, sampling_params, evaluation if with_evaluation else None)
         results = result if isinstance(result, list) else [result]
         for s in results:
+            settle_status(s)
             await _assign_reward(ctx, s, rm)
         if bar is not None:
             bar.update(1)
@@ -123,12 +130,48 @@ async def run_group(ctx, group: list[Sample], generate, rm, sampling_params, sem
     return [s for results in nested for s in results]
 
 
+async def _generate(ctx, generate, sample: Sample, sampling_params, evaluation: bool | None):
+    """``generate`` on a sample whose prompt is encoded first; what raises fails this sample only."""
+    try:
+        ctx.prepare_prompt(sample)
+    except Exception as e:
+        fail(sample, f"prompt encoding raised {type(e).__name__}", f"encoding the prompt: {e}", e)
+        return sample
+    try:
+        extra = {} if evaluation is None else {"evaluation": evaluation}
+        return await generate(ctx.args, sample, dict(sampling_params), **extra)
+    except Exception as e:
+        fail(sample, f"generate raised {type(e).__name__}", f"generate raised {type(e).__name__}: {e}", e)
+        return sample
+    finally:
+        ctx.take_prompt_encoding(sample)
+
+
+def settle_status(sample: Sample) -> None:
+    """A sample a generate function returned still PENDING ends COMPLETED, or TRUNCATED when its last
+    turn hit the length limit (slime's generate sets the status itself; custom ones often do not)."""
+    if sample.status != Status.PENDING:
+        return
+    if sample.turns and sample.turns[-1].finish_reason == "length":
+        sample.status = Status.TRUNCATED
+        sample.metadata.setdefault("termination", "engine_length")
+    else:
+        sample.status = Status.COMPLETED
+
+
 async def _assign_reward(ctx, sample: Sample, rm) -> None:
+    """The reward function's value; without one, the reward the generate function set, else the env's
+    ``info["reward"]``, else 0. FAILED samples get 0."""
     if sample.status == Status.FAILED:
         sample.reward = 0.0
         return
     try:
-        value = await rm(ctx.args, sample) if rm is not None else sample.metadata.get("env_reward", 0.0)
+        if rm is not None:
+            value = await rm(ctx.args, sample)
+        elif sample.reward is not None:
+            value = sample.reward
+        else:
+            value = sample.metadata.get("env_reward", 0.0)
         if isinstance(value, dict):
             key = ctx.rollout.reward_key
             if key is None or key not in value:
@@ -139,7 +182,5 @@ async def _assign_reward(ctx, sample: Sample, rm) -> None:
     except RolloutError:
         raise
     except Exception as e:
-        logger.exception("reward failed for sample %s", sample.index)
-        sample.status = Status.FAILED
+        fail(sample, f"reward raised {type(e).__name__}", f"reward raised {type(e).__name__}: {e}", e)
         sample.reward = 0.0
-        sample.metadata["error"] = f"reward raised {type(e).__name__}: {e}"

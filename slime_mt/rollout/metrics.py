@@ -19,7 +19,7 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     live = [s for s in samples if s.status != Status.FAILED]
     rewards = [float(s.reward or 0.0) for s in live]
     turns = [len(s.turns) for s in samples]
-    generated = sum(t.output_tokens for s in samples for t in s.turns)
+    generated = sum(_generated_tokens(s) for s in samples)
     observed = sum(t.observation_tokens for s in samples for t in s.turns)
     all_turns = [t for s in samples for t in s.turns]
     out: dict[str, float] = {
@@ -46,10 +46,41 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         out["rollout/retokenize_drift_samples"] = sum(d > 0 for d in drifts)
     for n, count in sorted(collections.Counter(turns).items()):
         out[f"rollout/turns_hist/{n}"] = count
+    without_turns = sum(1 for s in samples if s.response_length and not s.turns)
+    if without_turns:
+        out["rollout/samples_without_turns"] = without_turns
     for status, count in collections.Counter(s.status.value for s in samples).items():
         out[f"rollout/status/{status}"] = count
-    for reason, count in collections.Counter(s.metadata.get("termination", "error") for s in samples).items():
+    for reason, count in collections.Counter(_termination(s) for s in samples).items():
         out[f"rollout/termination/{reason}"] = count
     for reason, count in collections.Counter(t.finish_reason for t in all_turns).items():
         out[f"rollout/finish_reason/{reason}"] = count
+    out.update(env_info_metrics(all_turns))
     return out
+
+
+def env_info_metrics(turns) -> dict[str, float]:
+    """``env/<key>``: the mean over the turns that reported it of every number (bools as 0/1) an
+    environment's ``info`` carried, ``retryable`` aside."""
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for turn in turns:
+        for key, value in turn.env_info.items():
+            if key != "retryable" and isinstance(value, (int, float)) and value == value:  # not NaN
+                values[key].append(float(value))
+    return {f"env/{key}": statistics.fmean(v) for key, v in sorted(values.items())}
+
+
+def _generated_tokens(sample: Sample) -> int:
+    """Model tokens: the turns' outputs, or the loss mask of a sample a generate function built
+    without ``Turn`` records."""
+    if sample.turns or not sample.loss_mask:
+        return sum(t.output_tokens for t in sample.turns)
+    return sum(sample.loss_mask)
+
+
+def _termination(sample: Sample) -> str:
+    """Why the trajectory ended; ``error`` only for FAILED samples, ``unreported`` when a generate
+    function finished one without saying."""
+    if sample.status == Status.FAILED:
+        return "error"
+    return sample.metadata.get("termination") or "unreported"

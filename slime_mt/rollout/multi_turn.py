@@ -50,6 +50,7 @@ from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
+from slime_mt.rollout.failures import fail
 from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
 from slime_mt.types import Sample, Status, Turn
@@ -64,11 +65,13 @@ def turn_seed(run_seed: int, rollout_id: int, sample_index: int, turn_index: int
 
 
 class EnvStepFailed(RuntimeError):
-    """The env failed past its retry budget (or with a non-retryable error)."""
+    """The env failed past its retry budget (or with a non-retryable error); ``cause`` groups like
+    failures in the step's report."""
 
-    def __init__(self, message: str, retries: int):
+    def __init__(self, message: str, retries: int, cause: str):
         super().__init__(message)
         self.retries = retries
+        self.cause = cause
 
 
 async def call_env(ctx: RolloutContext, fn, *args) -> Any:
@@ -95,7 +98,9 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
             last = f"env step timed out after {timeout}s"
             continue
         except Exception as e:
-            raise EnvStepFailed(f"env step raised {type(e).__name__}: {e}", attempt) from e
+            raise EnvStepFailed(
+                f"env step raised {type(e).__name__}: {e}", attempt, f"env step raised {type(e).__name__}"
+            ) from e
         if not (
             isinstance(result, tuple)
             and len(result) == 3
@@ -103,14 +108,20 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
             and isinstance(result[2], dict)
         ):
             raise EnvStepFailed(
-                f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}", attempt
+                f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}",
+                attempt,
+                "bad env return",
             )
         observation, done, info = result
         if info.get("retryable"):
             last = f"env marked the step retryable: {info.get('error', info)}"
             continue
         return observation, bool(done), info, attempt
-    raise EnvStepFailed(f"env step failed {budget + 1} times; last: {last}", budget)
+    raise EnvStepFailed(
+        f"env step failed {budget + 1} times (--max-env-retries-per-turn {budget}); last: {last}",
+        budget,
+        "env step failed past its retries",
+    )
 
 
 class Trajectory:
@@ -275,25 +286,26 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
         if as_messages
         else None
     )
-    traj.start(encoder.encode_prompt(sample.prompt, as_messages), messages)
+    traj.start(ctx.take_prompt_encoding(sample) or encoder.encode_prompt(sample.prompt, as_messages), messages)
+    stage = "env build"
     try:
         if env is None:
             env = ctx.build_env(sample)
+        stage = "env reset"
         if env is not None:
             await call_env(ctx, env.reset)
+        stage = "rollout"
         await _turn_loop(ctx, traj, encoder, env, sampling_params, r, policy)
     except EnvStepFailed as e:
-        sample.status = Status.FAILED
-        sample.metadata["error"] = str(e)
+        fail(sample, e.cause, str(e), e.__cause__ or e)
+        sample.metadata["error_turn"] = len(sample.turns) - 1  # the turn whose output the env was given
         if sample.turns:
             sample.turns[-1].env_retries = e.retries
     except EngineError as e:
-        sample.status = Status.FAILED
-        sample.metadata["error"] = f"engine: {e}"
+        cause = "engine aborted the turn" if isinstance(e, EngineAbortedTurn) else "engine error"
+        fail(sample, cause, f"engine: {e}", e)
     except Exception as e:  # env construction/reset errors are infra failures of this sample only
-        logger.exception("sample %s failed", sample.index)
-        sample.status = Status.FAILED
-        sample.metadata["error"] = f"{type(e).__name__}: {e}"
+        fail(sample, f"{stage} raised {type(e).__name__}", f"{stage} raised {type(e).__name__}: {e}", e)
     finally:
         if env is not None:
             try:
@@ -310,8 +322,8 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
         except Exception as e:  # e.g. the model wrote an image placeholder the render now expands
             logger.warning("sample %s: the final re-render failed: %s", sample.index, e)
             if r.sample_format == "concat":  # nothing exact to train: the sample keeps no trainable token
-                sample.status = Status.FAILED
-                sample.metadata["error"] = f"re-rendering the history: {type(e).__name__}: {e}"
+                message = f"re-rendering the history: {type(e).__name__}: {e}"
+                fail(sample, "re-rendering the history failed", message, e)
     return sample
 
 

@@ -76,6 +76,7 @@ def test_chat_message_prompts_get_image_parts(tmp_path):
                 {
                     "problem": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "<image>x?"}],
                     "images": ["a.png"],
+                    "answer": "x",
                 }
             ],
         ),
@@ -89,22 +90,37 @@ def test_chat_message_prompts_get_image_parts(tmp_path):
     "rows,message",
     [
         (
-            [{"problem": "<image><image>", "images": ["a.png"]}],
+            [{"problem": "<image><image>", "answer": 1, "images": ["a.png"]}],
             r"row 0 of bad.jsonl: 2 <image> placeholders but 1 images",
         ),
         (
-            [{"problem": "ok"}, {"problem": "none", "images": ["a.png"]}],
+            [{"problem": "ok", "answer": 1}, {"problem": "none", "answer": 1, "images": ["a.png"]}],
             r"row 1 of bad.jsonl: 0 <image> placeholders but 1",
         ),
-        ([{"problem": "<image>", "images": ["missing.png"]}], r"row 0 of bad.jsonl, image 0: cannot read image"),
         (
-            [{"problem": "<image>", "images": ["data:image/png;base64,AAAA"]}],
+            [{"problem": "<image>", "answer": 1, "images": ["missing.png"]}],
+            r"row 0 of bad.jsonl, image 0: cannot read image",
+        ),
+        (
+            [{"problem": "<image>", "answer": 1, "images": ["data:image/png;base64,AAAA"]}],
             r"row 0 of bad.jsonl, image 0: cannot read",
         ),
-        ([{"question": "x"}], r"row 0 of bad.jsonl: missing prompt key 'problem' \(--input-key\)"),
-        ([{"problem": 5}], r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages"),
         (
-            [{"problem": "x", "metadata": "not json"}],
+            [{"question": "x", "answer": 1}],
+            r"row 0 of bad.jsonl: no key 'problem' \(--input-key\); the row's keys: \['answer', 'question'\]",
+        ),
+        ([{"problem": "x", "answer": 1}, {"problem": "y"}], r"row 1 of bad.jsonl: no key 'answer' \(--label-key\)"),
+        (
+            [{"problem": "<image>", "answer": 1, "pictures": ["a.png"]}],
+            r"row 0 of bad.jsonl: 1 <image> placeholders but no key 'images' \(--multimodal-keys\); the row's "
+            r"keys: \['answer', 'pictures', 'problem'\]",
+        ),
+        (
+            [{"problem": 5, "answer": 1}],
+            r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages",
+        ),
+        (
+            [{"problem": "x", "answer": 1, "metadata": "not json"}],
             r"row 0 of bad.jsonl: metadata 'metadata' is a string but not JSON",
         ),
     ],
@@ -113,6 +129,15 @@ def test_bad_rows_name_row_and_file(tmp_path, rows, message):
     (tmp_path / "a.png").write_bytes(png_bytes())
     with pytest.raises(DatasetError, match=message):
         load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), CFG)
+
+
+def test_a_tool_key_must_be_there_and_a_missing_default_label_only_warns(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "tools": []}, {"prompt": "b"}])
+    with pytest.raises(DatasetError, match=r"row 1 of rows.jsonl: no key 'tools' \(--tool-key\)"):
+        load_rows(path, DataConfig(tool_key="tools"))
+    rows = load_rows(path, DataConfig())
+    assert [r.label for r in rows] == [None, None]
+    assert "2 of 2 rows have no 'label' key (--label-key): their samples get label None" in caplog.text
 
 
 def test_bad_json_line_and_missing_file(tmp_path):

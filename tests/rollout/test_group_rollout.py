@@ -119,7 +119,7 @@ def test_flaky_env_over_64_trajectories(target, tmp_path):
     failed = [s for s in samples if s.status == Status.FAILED]
     assert failed, "with 35% faults per attempt and 2 retries some trajectories must fail"
     for s in failed:
-        assert "env step failed 3 times; last:" in s.metadata["error"]
+        assert "env step failed 3 times (--max-env-retries-per-turn 2); last:" in s.metadata["error"]
         assert s.reward == 0.0
     metrics = rollout_metrics(groups)
     assert metrics["rollout/env_failures"] == len(failed)
@@ -127,3 +127,58 @@ def test_flaky_env_over_64_trajectories(target, tmp_path):
     timeouts = [s for s in failed if "timed out after 0.5s" in s.metadata["error"]]
     retryables = [s for s in failed if "RetryableEnvError" in s.metadata["error"]]
     assert len(timeouts) + len(retryables) == len(failed)
+
+
+CONTRACT_GENERATE = """
+SEEN = []
+
+
+async def generate(args, sample, sampling_params, evaluation=False):
+    ctx = args.rollout_context
+    SEEN.append((sample.index, list(sample.tokens), evaluation))
+    for turn in range(2):
+        response = await ctx.client.generate(sample.tokens, sampling_params)
+        ctx.append_engine_turn(sample, response)
+        if turn == 0:
+            ctx.append_observation(sample, "Again, with one number.")
+    sample.reward = float(sample.index)
+    return sample
+"""
+
+
+@pytest.mark.parametrize("with_rm", [False, True])
+def test_the_generate_contract_prompt_tokens_turns_reward_and_evaluation(target, tmp_path, with_rm):
+    """Before the call: the prompt's tokens through the chat template; the turns it appends with the
+    helpers train step-wise; the reward it set is kept unless a reward function is configured; a
+    function that takes ``evaluation`` gets it; its samples end COMPLETED with no error counted."""
+    from slime_mt.plugins import load_module
+    from slime_mt.rollout.finalize import to_step_wise_samples
+
+    (tmp_path / "gen.py").write_text(CONTRACT_GENERATE)
+    (tmp_path / "rm.py").write_text("async def rm(args, sample):\n    return -1.0\n")
+    ctx = context(
+        target,
+        custom_generate_function_path=f"{tmp_path}/gen.py:generate",
+        custom_rm_path=f"{tmp_path}/rm.py:rm" if with_rm else None,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+    )
+    data = dataset(tmp_path, 2, 2)
+    groups = generate_rollout(ctx.args, 0, data)
+    seen = load_module(f"{tmp_path}/gen.py").SEEN
+    samples = [s for g in groups for s in g]
+    expected_prompt = ctx.encoder().encode_prompt(samples[0].prompt).ids
+    assert [(i, e) for i, _, e in seen] == [(k, False) for k in range(4)]
+    assert seen[0][1] == expected_prompt and samples[0].tokens[: len(expected_prompt)] == expected_prompt
+    for s in samples:
+        s.validate()
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and len(s.turns) == 2
+        assert s.reward == (-1.0 if with_rm else float(s.index))
+        assert s.turns[0].observation_end > s.turns[0].output_end  # the observation is on the turn's record
+    steps = to_step_wise_samples(samples)
+    assert len(steps) == 8 and steps[1].prompt_ids == samples[0].tokens[: samples[0].turns[1].output_start]
+    metrics = rollout_metrics(groups)
+    assert metrics["rollout/turns_mean"] == 2 and "rollout/termination/error" not in metrics
+    assert metrics["rollout/generated_tokens"] == sum(s.loss_mask.count(1) for s in samples)
+    generate_rollout(ctx.args, 1, dataset(tmp_path, 1, 1), evaluation=True)
+    assert seen[-1][2] is True

@@ -1,0 +1,91 @@
+"""examples/custom_generate (the demo's game as one generate function that sets ``sample.reward``)
+trained for two steps with SmolLM2-135M-Instruct in every sample format: the reward the function set
+is the reward trained and reported, its turns count, and step-wise training sees every turn."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDING = """
+import json
+from pathlib import Path
+
+from slime_mt.plugins import load_function
+
+example = load_function("{repo}/examples/custom_generate/generate.py:generate")
+
+
+async def generate(args, sample, sampling_params):
+    sample = await example(args, sample, sampling_params)
+    with open(Path(args.log_dir) / "returned.jsonl", "a") as fh:
+        row = {{"step": sample.metadata["rollout_id"], "reward": sample.reward, "turns": len(sample.turns)}}
+        fh.write(json.dumps(row) + "\\n")
+    return sample
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    data = tmp_path_factory.mktemp("demo_data")
+    subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True, cwd=REPO)
+    (data / "recording.py").write_text(RECORDING.format(repo=REPO))
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sample_format", [["--sample-format", "concat"], ["--sample-format", "step_wise"], ["--merge-step-wise"]]
+)
+def test_a_custom_generate_function_trains_with_the_reward_it_set(tmp_path, demo_data, smollm2_path, sample_format):
+    if sample_format == ["--merge-step-wise"]:
+        sample_format = ["--sample-format", "step_wise", "--merge-step-wise"]
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "slime_mt.cli",
+        "train",
+        "--config",
+        str(REPO / "examples/demo/config.yaml"),
+        "--hf-checkpoint",
+        str(smollm2_path),
+        "--prompt-data",
+        str(demo_data / "train.jsonl"),
+        "--custom-generate-function-path",
+        f"{demo_data}/recording.py:generate",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--num-rollout",
+        "2",
+        "--log-dir",
+        str(run),
+        *sample_format,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    returned = [json.loads(line) for line in (run / "returned.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        mine = [x for x in returned if x["step"] == row["step"]]
+        assert len(mine) == 4
+        assert row["rollout/reward_mean"] == pytest.approx(sum(x["reward"] for x in mine) / 4, abs=1e-12)
+        assert row["rollout/turns_mean"] == pytest.approx(sum(x["turns"] for x in mine) / 4, abs=1e-12)
+        assert row["rollout/generated_tokens"] > 0 and "rollout/samples_without_turns" not in row
+        assert "rollout/status/failed" not in row and "rollout/termination/error" not in row
+        if "--merge-step-wise" in sample_format:
+            assert row["train/sequences_before_merge"] == sum(x["turns"] for x in mine)
+            assert row["train/sequences_after_merge"] == 4  # each trajectory's turns in one sequence
+        elif "step_wise" in sample_format:
+            assert row["train/sequences_before_merge"] == sum(x["turns"] for x in mine)
+    rewards = {x["reward"] for x in returned}
+    assert len(rewards) > 1 and any(r["train/grad_norm"] > 0 for r in rows)  # the rewards it set taught
