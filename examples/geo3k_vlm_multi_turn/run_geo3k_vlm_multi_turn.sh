@@ -4,7 +4,8 @@
 #   MODEL=/models/Qwen3-VL-2B-Instruct GEO3K=/data/geo3k \
 #   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh [TP] [extra slime-mt flags]
 # GEO3K holds the geo3k parquet files (train-*.parquet, test-*.parquet). --dry-run prints the
-# resolved configuration and exits.
+# resolved configuration, checks the plug-ins and exits. The run folder (data, checkpoints, metrics,
+# config.yaml, train.log) is $RUN_DIR, by default $HOME/slime_mt_runs/geo3k_qwen3vl_2b (printed first).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -15,8 +16,9 @@ GEO3K="${GEO3K:-}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 NUM_GPUS="${NUM_GPUS:-8}"
 NUM_ENGINES="${NUM_ENGINES:-$((NUM_GPUS / 2))}"
-RUN_DIR="${RUN_DIR:-$ROOT/runs/geo3k_qwen3vl_2b}"
+RUN_DIR="${RUN_DIR:-$HOME/slime_mt_runs/geo3k_qwen3vl_2b}"
 DATA="$RUN_DIR/data"
+echo "[geo3k] run folder: $RUN_DIR" >&2
 DRY_RUN=0
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY_RUN=1; done
 if [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.jsonl" ]; then

@@ -4,15 +4,18 @@
 # It checks the whole pipeline (images in prompts, calc_score tool turns, M-RoPE training); a random
 # model does not learn geometry.
 #   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh [TP] [extra slime-mt flags]
+# The run folder (data, metrics, config.yaml, train.log, checkpoint) is $RUN_DIR, by default
+# ${TMPDIR:-/tmp}/slime_mt_runs/geo3k_cpu_tp$TP (printed first); RUN_DIR=runs/geo3k_cpu keeps it in the repository.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 TP="${1:-1}"
 shift || true
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-RUN_DIR="${RUN_DIR:-$ROOT/runs/geo3k_cpu_tp$TP}"
+RUN_DIR="${RUN_DIR:-${TMPDIR:-/tmp}/slime_mt_runs/geo3k_cpu_tp$TP}"
 DATA="$RUN_DIR/data"
 mkdir -p "$RUN_DIR"
+echo "[geo3k cpu] run folder: $RUN_DIR"
 "$PY" scripts/prepare_geo3k.py --synthetic 24 --out "$DATA" >/dev/null
 MODEL="$("$PY" -c 'from slime_mt.assets import tiny_model_dir; print(tiny_model_dir("qwen2.5-vl"))')"
 # random tiny weights rarely emit <|im_end|>: end turns on a spread of token ids as well
