@@ -269,3 +269,20 @@ def test_input_mistakes_stop_before_the_run_with_one_line(tmp_path, case):
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == expected, proc.stderr[-2000:]
     assert not run.exists()
+
+
+def test_the_run_folder_explains_and_reproduces_the_run(tmp_path):
+    """A 2-step run's folder: config.yaml runs the same settings again with --config (same rewards,
+    tokens and losses), train.log holds what the terminal showed."""
+    run, cmd = setup_run(tmp_path, "some_fail")
+    cmd[cmd.index("--num-rollout") + 1] = "2"
+    first = train(cmd + ["--rollout-concurrency", "1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert log.splitlines()[0] == f"slime-mt train: run folder {run}"
+    assert all(line in log for line in lines(first.stdout, "[step "))
+    again = train([SLIME_MT, "train", "--config", str(run / "config.yaml"), "--log-dir", str(tmp_path / "again")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/env_failures", "train/loss", "train/grad_norm")
+    for a, b in zip(metrics(run), metrics(tmp_path / "again"), strict=True):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-6, abs=1e-9)
