@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import TWO_SMALL_STEPS, demo_train_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDING = """
@@ -45,31 +46,15 @@ def test_a_custom_generate_function_trains_with_the_reward_it_set(tmp_path, demo
     if sample_format == ["--merge-step-wise"]:
         sample_format = ["--sample-format", "step_wise", "--merge-step-wise"]
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "slime_mt.cli",
-        "train",
-        "--config",
-        str(REPO / "examples/demo/config.yaml"),
-        "--hf-checkpoint",
-        str(smollm2_path),
-        "--prompt-data",
-        str(demo_data / "train.jsonl"),
+    cmd = demo_train_cmd(
+        smollm2_path,
+        demo_data / "train.jsonl",
+        run,
         "--custom-generate-function-path",
         f"{demo_data}/recording.py:generate",
-        "--n-samples-per-prompt",
-        "4",
-        "--rollout-batch-size",
-        "1",
-        "--global-batch-size",
-        "4",
-        "--num-rollout",
-        "2",
-        "--log-dir",
-        str(run),
+        *TWO_SMALL_STEPS,
         *sample_format,
-    ]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     returned = [json.loads(line) for line in (run / "returned.jsonl").read_text().splitlines()]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import TWO_SMALL_STEPS, demo_train_cmd
 
 from slime_mt.engine.launch import free_port
 
@@ -394,31 +395,15 @@ def test_demo_config_trains_in_bf16(tmp_path):
     )
     (tmp_path / "plugins.py").write_text(PLUGINS)  # varied rewards: a group of 4 always has an advantage
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "slime_mt.cli",
-            "train",
-            "--config",
-            str(REPO / "examples/demo/config.yaml"),
-            "--hf-checkpoint",
-            str(smollm2_dir()),
-            "--prompt-data",
-            str(data / "train.jsonl"),
-            "--log-dir",
-            str(tmp_path / "run"),
-            "--num-rollout",
-            "2",
-            "--n-samples-per-prompt",
-            "4",
-            "--rollout-batch-size",
-            "1",
-            "--global-batch-size",
-            "4",
+        demo_train_cmd(
+            smollm2_dir(),
+            data / "train.jsonl",
+            tmp_path / "run",
+            *TWO_SMALL_STEPS,
             "--custom-rm-path",
             f"{tmp_path}/plugins.py:rm",
             "--bf16",
-        ],
+        ),
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -467,24 +452,15 @@ def test_context_management_example_trains_step_wise(tmp_path):
     (tmp_path / "env.py").write_text(FAILING_ENV.format(path=REPO / "examples/context_management/hint_env.py"))
     (tmp_path / "plugins.py").write_text(PLUGINS)  # varied rewards: every group has an advantage
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "slime_mt.cli",
-            "train",
-            "--config",
-            str(REPO / "examples/demo/config.yaml"),
+        demo_train_cmd(
+            smollm2_dir(),
+            data / "train.jsonl",
+            tmp_path / "run",
             "--config",
             str(REPO / "examples/context_management/config.yaml"),
-            "--hf-checkpoint",
-            str(smollm2_dir()),
-            "--prompt-data",
-            str(data / "train.jsonl"),
             "--rollout-interaction-env-path",
             str(tmp_path / "env.py"),
             "--no-rollout-shuffle",
-            "--log-dir",
-            str(tmp_path / "run"),
             "--num-rollout",
             "2",
             "--n-samples-per-prompt",
@@ -497,7 +473,7 @@ def test_context_management_example_trains_step_wise(tmp_path):
             "100",
             "--custom-rm-path",
             f"{tmp_path}/plugins.py:rm",
-        ],
+        ),
         timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
