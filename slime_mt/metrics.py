@@ -112,8 +112,7 @@ def is_async(rows: list[dict]) -> bool:
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write PNG curves of a run's metrics into ``run_dir/plots`` -> the files written (``async.png``
     only for a run that trained older weights' tokens)."""
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)
@@ -132,12 +131,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
 def figure(rows: list[dict], keys: list[str]):
     """One panel per key present in ``rows``, against the integer step (None: no key present)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    plt = _pyplot()
     present = [k for k in keys if any(k in r for r in rows)]
     if not present:
         return None
@@ -151,3 +147,13 @@ def figure(rows: list[dict], keys: list[str]):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

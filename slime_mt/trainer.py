@@ -259,20 +259,22 @@ def _broadcast(obj, info):
     return box[0]
 
 
-def _check_failures(side: RolloutSide, step: int, groups, max_failed_steps: int) -> StepReport:
-    """Log the step's failed and truncated samples and keep the failures; a step in which every sample
-    failed, ``max_failed_steps`` times in a row, stops the run with the step's summary."""
+def _check_failures(
+    side: RolloutSide, step: int, groups, max_failed_steps: int
+) -> tuple[StepReport, RolloutFailedError | None]:
+    """Log the step's failed and truncated samples and keep the failures -> (the report, the error that
+    stops the run when every sample failed ``max_failed_steps`` steps in a row, else None)."""
     report = StepReport(step, groups)
     report.log(side.errors_path)
     side.failed_steps = side.failed_steps + 1 if report.all_failed else 0
-    if side.failed_steps >= max_failed_steps:
-        first = next(s for g in groups for s in g)
-        raise RolloutFailedError(
-            f"step {step}: every sample failed ({report.line()}), {side.failed_steps} step(s) in a row "
-            f"(--max-failed-steps {max_failed_steps}); nothing to train on. First: sample {first.index}: "
-            f"{first.metadata.get('error', '')}. Every failure with its traceback: {side.errors_path}"
-        )
-    return report
+    if side.failed_steps < max_failed_steps:
+        return report, None
+    first = next(s for g in groups for s in g)
+    return report, RolloutFailedError(
+        f"step {step}: every sample failed ({report.line()}), {side.failed_steps} step(s) in a row "
+        f"(--max-failed-steps {max_failed_steps}); nothing to train on. First: sample {first.index}: "
+        f"{first.metadata.get('error', '')}. Every failure with its traceback: {side.errors_path}"
+    )
 
 
 def train(cfg: Config, run_dir: Path | None = None) -> None:
@@ -347,11 +349,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
                     groups = side.rollout_fn(side.ctx.args, step, side.data)
                     rollout_seconds = time.perf_counter() - began
                     extra["time/trainer_idle_seconds"] = rollout_seconds
-                stop_run = None
-                try:
-                    report = _check_failures(side, step, groups, r.max_failed_steps)
-                except RolloutFailedError as e:
-                    stop_run, report = e, None
+                report, stop_run = _check_failures(side, step, groups, r.max_failed_steps)
                 train_samples, advantages, merge_metrics = _prepare(cfg, groups)
                 if r.mask_offpolicy_in_partial_rollout:
                     trainable = sum(sum(s.loss_mask) for s in train_samples)

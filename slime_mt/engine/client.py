@@ -58,6 +58,18 @@ class EngineTimeoutError(EngineError):
 
 
 UPDATE_ABORT = "weight_update_abort"  # meta_info key marking a generate that a weight update aborted
+
+
+def output_of(response: dict) -> tuple[list[int], list[float]]:
+    """A ``/generate`` answer's output ids and their log-probs (``meta_info.output_token_logprobs``
+    holds ``[logprob, id, text]`` per token); EngineError when the two lengths differ."""
+    ids = list(response["output_ids"])
+    log_probs = [float(lp) for lp, *_ in response["meta_info"].get("output_token_logprobs", [])]
+    if len(log_probs) != len(ids):
+        raise EngineError(f"engine returned {len(ids)} tokens but {len(log_probs)} log-probs")
+    return ids, log_probs
+
+
 DRAIN_SECONDS = 1.0  # the longest an update waits for requests still out after the engines paused
 DRAIN_ABORT_INTERVAL = 0.25  # seconds between abort-all calls while it waits
 CONTROL_CONNECTIONS = 32  # control calls (pause, abort, updates) have their own pool

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_mt.config import Config, DataConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient
+from slime_mt.engine.client import EngineClient, output_of
 from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
@@ -101,8 +101,7 @@ class RolloutContext:
         (SGLang's ``"default"`` read as the run's starting version). -> the Turn. For custom generate
         functions: with it (and ``append_observation``) step-wise training and merging work."""
         meta = response["meta_info"]
-        ids = list(response["output_ids"])
-        log_probs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+        ids, log_probs = output_of(response)
         version = self.version_of(meta.get("weight_version"))
         return sample.append_turn(
             ids,

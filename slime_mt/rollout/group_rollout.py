@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 from typing import Any
 
 from tqdm import tqdm
@@ -22,8 +21,6 @@ from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
 from slime_mt.types import Sample, Status
-
-logger = logging.getLogger(__name__)
 
 MAX_OVERSAMPLING_ROUNDS = 16
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from envs.base import RetryableEnvError
-from slime_mt.engine.client import UPDATE_ABORT, EngineError
+from slime_mt.engine.client import UPDATE_ABORT, EngineError, output_of
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
@@ -392,10 +392,7 @@ async def generate_turn(
         response = await ctx.client.generate(engine_ids + ids, call, image_data=image_data or None)
         calls += 1
         meta = response["meta_info"]
-        new = list(response["output_ids"])
-        new_logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
-        if len(new_logprobs) != len(new):
-            raise EngineError(f"engine returned {len(new)} tokens but {len(new_logprobs)} log-probs")
+        new, new_logprobs = output_of(response)
         aborted, by_update = meta["finish_reason"]["type"] == "abort", bool(meta.get(UPDATE_ABORT))
         if aborted and not by_update:
             aborts += 1
