@@ -24,6 +24,7 @@ setup(
         "gguf>=0.10",
         "accelerate>=1.0",
         "pyarrow",
+        "math-verify>=0.7",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "sglang-router>=0.2", "matplotlib", "ruff==0.17.6"],

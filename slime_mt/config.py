@@ -69,6 +69,18 @@ class RolloutConfig:
     )
     custom_rm_path: str | None = _opt(None, "Async reward function rm(args, sample) -> float | dict.")
     reward_key: str | None = _opt(None, "Key to read when the reward function returns a dict.")
+    rm_type: str | None = _opt(
+        None,
+        "Built-in rule-based reward when no --custom-rm-path is set (slime's names): math, deepscaler, dapo, "
+        "f1, gpqa, random, remote_rm, each also as boxed_<name>; a row's metadata['rm_type'] overrides it.",
+    )
+    rm_url: str | None = _opt(None, "--rm-type remote_rm: the URL that grades {prompt, response, label}.")
+    slime_compat: bool = _opt(
+        False,
+        "Run plug-ins written against slime's API: 'import slime...' resolves to slime_mt.compat, samples "
+        "are slime Samples that arrive as slime gives them (rendered text prompt, no tokens), rewards follow "
+        "slime (a reward the generate function set is kept). README: Bring your slime plug-ins.",
+    )
     rollout_interaction_env_path: str | None = _opt(
         None, "Environment module (or file.py) defining build_env(sample=None, args=None, **kw)."
     )

@@ -146,6 +146,14 @@ def validate(cfg: Config) -> None:
             f"must be >= --rollout-batch-size={r.rollout_batch_size}",
         )
     _validate_async(r)
+    if r.rm_type:
+        from slime_mt.rollout.rewards import RewardError, check_rm_type
+
+        try:
+            check_rm_type(r.rm_type)
+        except RewardError as e:
+            raise ConfigError(str(e)) from None
+        _require(r.rm_type != "remote_rm" or bool(r.rm_url), "rm_type", r.rm_type, "needs --rm-url")
     _require(a.eps_clip > 0, "eps_clip", a.eps_clip, "must be > 0")
     if a.eps_clip_high is not None:
         _require(a.eps_clip_high >= a.eps_clip, "eps_clip_high", a.eps_clip_high, f"must be >= --eps-clip={a.eps_clip}")

@@ -209,6 +209,7 @@ class PromptDataset:
         self.cursor = 0
         self.next_group = 0
         self.requeued: list[tuple[int, int]] = []  # (row, group index) drawn but never trained: drawn again first
+        self.sample_class: type[Sample] = Sample  # --slime-compat: slime's Sample (a subclass)
         self._order = self._epoch_order()
 
     @classmethod
@@ -239,7 +240,7 @@ class PromptDataset:
 
     def _group(self, row: PromptRow, group_index: int) -> list[Sample]:
         return [
-            Sample(
+            self.sample_class(
                 index=group_index * self.n + k,
                 group_index=group_index,
                 prompt=_copy_prompt(row.prompt),

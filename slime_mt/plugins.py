@@ -43,15 +43,29 @@ def load_module(spec: str) -> ModuleType:
             module_spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[name]
-            raise PluginError(f"plug-in file {path} raised while importing: {type(e).__name__}: {e}") from e
+            raise PluginError(
+                f"plug-in file {path} raised while importing: {type(e).__name__}: {e}{_slime_hint(e)}"
+            ) from e
         return module
     try:
         return _import_from_cwd_too(spec)
     except ModuleNotFoundError as e:
+        if e.name and spec.split(".")[0] != e.name.split(".")[0]:  # the module imports one that is missing
+            raise PluginError(
+                f"plug-in module '{spec}' raised while importing: {type(e).__name__}: {e}{_slime_hint(e)}"
+            ) from e
         tried = ", ".join(sys.path[:4])
         raise PluginError(f"plug-in module '{spec}' not found: {e} (searched sys.path: {tried}, ...)") from e
     except Exception as e:
         raise PluginError(f"plug-in module '{spec}' raised while importing: {type(e).__name__}: {e}") from e
+
+
+def _slime_hint(error: Exception) -> str:
+    """A plug-in written for slime imports ``slime``, which ``--slime-compat`` provides."""
+    name = getattr(error, "name", None) or ""
+    if isinstance(error, ModuleNotFoundError) and name.split(".")[0] == "slime":
+        return " (a plug-in written against slime's API: add --slime-compat)"
+    return ""
 
 
 def _import_from_cwd_too(name: str) -> ModuleType:
@@ -86,7 +100,10 @@ def load_function(spec: str, expected: Callable | None = None, what: str = "plug
     """Resolve ``spec`` to a callable; with ``expected`` (a function whose signature is the
     contract), check that the plug-in accepts the same positional parameters."""
     module_part, attr = split_spec(spec)
-    module = load_module(module_part)
+    try:
+        module = load_module(module_part)
+    except PluginError as e:
+        raise PluginError(f"{what}: {e}" if what != "plug-in" else str(e)) from e.__cause__
     if not hasattr(module, attr):
         callables = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise PluginError(

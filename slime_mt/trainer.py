@@ -45,6 +45,7 @@ from slime_mt.engine.client import UpdateGate
 from slime_mt.engine.weight_sync import WeightFolders
 from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.group_rollout import rollout_output
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.staleness import drop_metrics, mask_stale, staleness_metrics
@@ -111,6 +112,10 @@ def check_plugins(cfg: Config):
     from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 
     r = cfg.rollout
+    if r.slime_compat:
+        from slime_mt.compat import install
+
+        install()
     load_function(r.rollout_function_path, _expected_rollout, "--rollout-function-path")
     load_plugins(r)
     if r.context_policy_path:
@@ -184,6 +189,13 @@ def _setup_rollout(cfg: Config, run_dir: Path) -> RolloutSide:
     )
     ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
     ctx.client.gate = UpdateGate()
+    if cfg.rollout.slime_compat:
+        from slime_mt.compat import SlimeCompat
+
+        compat = SlimeCompat.activate(ctx)
+        for dataset in (data, eval_data):
+            if dataset is not None:
+                compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
     rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
     metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
     folders = None if engines.local_engines else WeightFolders(run_dir / "weights", cfg.engine.keep_weight_versions)
@@ -344,11 +356,12 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
                     groups, rollout_started, rollout_seconds, rollout_done = pending.result()
                     extra["time/trainer_idle_seconds"] = time.perf_counter() - waited
                 else:
-                    rollout_started = time.time()
-                    began = time.perf_counter()
-                    groups = side.rollout_fn(side.ctx.args, step, side.data)
-                    rollout_seconds = time.perf_counter() - began
+                    groups, rollout_started, rollout_seconds, _ = _timed_rollout(side, step)
                     extra["time/trainer_idle_seconds"] = rollout_seconds
+                groups, returned_metrics = rollout_output(groups)
+                extra.update(returned_metrics)
+                if side.ctx.compat is not None:
+                    side.ctx.compat.adopt_groups(groups)
                 report, stop_run = _check_failures(side, step, groups, r.max_failed_steps)
                 train_samples, advantages, merge_metrics = _prepare(cfg, groups)
                 if r.mask_offpolicy_in_partial_rollout:

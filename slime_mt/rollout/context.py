@@ -36,6 +36,7 @@ class RolloutContext:
     _encoders: dict[str, ObservationEncoder] = field(default_factory=dict)
     _env_module: Any = None
     _policy: Any = None
+    compat: Any = None  # slime_mt.compat.SlimeCompat under --slime-compat
     _loop: asyncio.AbstractEventLoop | None = None
     _prompt_encodings: dict[int, Encoded] = field(default_factory=dict)  # id(sample) -> its encoded prompt
     start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
@@ -177,6 +178,8 @@ class RolloutContext:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def close(self) -> None:
+        if self.compat is not None:
+            self.compat.close()
         if self._loop is not None:
             self.run_sync(self.client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)

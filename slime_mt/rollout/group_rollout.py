@@ -3,8 +3,10 @@
 ``generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`` (slime's
 contract). Each prompt becomes ``n_samples_per_prompt`` samples sharing ``group_index``; every sample
 runs through ``--custom-generate-function-path`` with at most ``rollout_concurrency`` in flight; the
-reward comes from ``--custom-rm-path`` (async, float or dict read at ``--reward-key``) or from the
-env's ``info["reward"]``; FAILED samples get reward 0 and are marked (advantages leave them out).
+reward comes from ``--custom-rm-path`` (async, float or dict read at ``--reward-key``), a built-in
+grader (``--rm-type``), or the env's ``info["reward"]``; FAILED samples get reward 0 and are marked
+(advantages leave them out). With ``--slime-compat`` the sample reaches the generate function as slime
+hands it over (no tokens) and is adopted afterwards (``slime_mt.compat``).
 With ``--dynamic-sampling-filter-path``, groups the filter rejects are dropped and more prompts are
 drawn (``--over-sampling-batch-size`` per round) until ``rollout_batch_size`` groups are kept.
 """
@@ -12,6 +14,7 @@ drawn (``--over-sampling-batch-size`` per round) until ``rollout_batch_size`` gr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from typing import Any
 
@@ -20,6 +23,7 @@ from tqdm import tqdm
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
+from slime_mt.rollout.rewards import rule_based_rm
 from slime_mt.types import Sample, Status
 
 MAX_OVERSAMPLING_ROUNDS = 16
@@ -51,11 +55,26 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     return ctx.run_sync(rollout_groups(ctx, data_source, evaluation, rollout_id))
 
 
+def rollout_output(output) -> tuple[list[list[Sample]], dict[str, float]]:
+    """What a rollout function returned -> (groups, metrics to log with the step): a list of groups,
+    or slime's ``RolloutFnTrainOutput(samples, metrics)``."""
+    if isinstance(output, list):
+        return output, {}
+    if not hasattr(output, "samples"):
+        raise RolloutError(
+            f"--rollout-function-path returned a {type(output).__name__}; expected list[list[Sample]] "
+            "or RolloutFnTrainOutput(samples, metrics)"
+        )
+    return output.samples, {k: float(v) for k, v in (output.metrics or {}).items()}
+
+
 def load_plugins(r, evaluation: bool = False) -> tuple:
-    """The run's generate function, reward function (or None) and group filter (None when unset or
-    evaluating)."""
+    """The run's generate function, reward function (``--custom-rm-path``, else the ``--rm-type``
+    grader, else None) and group filter (None when unset or evaluating)."""
     generate = load_function(r.custom_generate_function_path, _expected_generate, "--custom-generate-function-path")
     rm = load_function(r.custom_rm_path, _expected_rm, "--custom-rm-path") if r.custom_rm_path else None
+    if rm is None and r.rm_type:
+        rm = rule_based_rm
     keep = None
     if r.dynamic_sampling_filter_path and not evaluation:
         keep = load_function(r.dynamic_sampling_filter_path, _expected_filter, "--dynamic-sampling-filter-path")
@@ -117,6 +136,8 @@ async def run_group(
             result = await _generate(ctx, generate, sample, sampling_params, evaluation if with_evaluation else None)
         results = result if isinstance(result, list) else [result]
         for s in results:
+            if ctx.compat is not None:
+                ctx.compat.adopt(s)
             settle_status(s)
             await _assign_reward(ctx, s, rm)
         if bar is not None:
@@ -128,15 +149,18 @@ async def run_group(
 
 
 async def _generate(ctx, generate, sample: Sample, sampling_params, evaluation: bool | None):
-    """``generate`` on a sample whose prompt is encoded first; what raises fails this sample only."""
+    """``generate`` on a sample whose prompt is encoded first (not under ``--slime-compat``: slime hands
+    the sample over without tokens); what raises fails this sample only."""
     try:
-        ctx.prepare_prompt(sample)
+        if ctx.compat is None:
+            ctx.prepare_prompt(sample)
     except Exception as e:
         fail(sample, f"prompt encoding raised {type(e).__name__}", f"encoding the prompt: {e}", e)
         return sample
     try:
         extra = {} if evaluation is None else {"evaluation": evaluation}
-        return await generate(ctx.args, sample, dict(sampling_params), **extra)
+        with ctx.compat.generating(sample) if ctx.compat is not None else contextlib.nullcontext():
+            return await generate(ctx.args, sample, dict(sampling_params), **extra)
     except Exception as e:
         fail(sample, f"generate raised {type(e).__name__}", f"generate raised {type(e).__name__}: {e}", e)
         return sample
@@ -158,12 +182,13 @@ def settle_status(sample: Sample) -> None:
 
 async def _assign_reward(ctx, sample: Sample, rm) -> None:
     """The reward function's value; without one, the reward the generate function set, else the env's
-    ``info["reward"]``, else 0. FAILED samples get 0."""
+    ``info["reward"]``, else 0 (``--slime-compat``: slime's order, a reward already set is kept and the
+    reward function runs only without one). FAILED samples get 0."""
     if sample.status == Status.FAILED:
         sample.reward = 0.0
         return
     try:
-        if rm is not None:
+        if rm is not None and not (ctx.compat is not None and sample.reward is not None):
             value = await rm(ctx.args, sample)
         elif sample.reward is not None:
             value = sample.reward

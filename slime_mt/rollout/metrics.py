@@ -12,7 +12,8 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     """Flat ``rollout/...`` metrics: rewards, turns, statuses, terminations, finish reasons, env
     retries and failures, tokens per turn, engine vs env time, observation share of tokens, turns whose
     context was not the append-only one (a context policy or a re-rendered history), and under
-    ``--retokenize-chat-history`` the re-tokenization drift (tokens, and samples with any)."""
+    ``--retokenize-chat-history`` the re-tokenization drift (tokens, and samples with any); under
+    ``--slime-compat`` the drift of text sent to the engine and the samples whose turns were rebuilt."""
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
@@ -44,6 +45,13 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     if drifts:
         out["rollout/retokenize_drift_tokens"] = sum(drifts)
         out["rollout/retokenize_drift_samples"] = sum(d > 0 for d in drifts)
+    text_drifts = [s.metadata["text_drift_tokens"] for s in samples if "text_drift_tokens" in s.metadata]
+    if text_drifts:  # --slime-compat: plug-ins that sent text to the engine
+        out["rollout/text_drift_tokens"] = sum(text_drifts)
+        out["rollout/text_drift_samples"] = sum(d > 0 for d in text_drifts)
+    rebuilt = sum(1 for s in samples if s.metadata.get("turns_rebuilt"))
+    if rebuilt:
+        out["rollout/samples_with_rebuilt_turns"] = rebuilt
     for n, count in sorted(collections.Counter(turns).items()):
         out[f"rollout/turns_hist/{n}"] = count
     without_turns = sum(1 for s in samples if s.response_length and not s.turns)

@@ -1,0 +1,1 @@
+"""slime.rollout.filter_hub: dynamic sampling filters."""
