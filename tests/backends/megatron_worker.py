@@ -23,7 +23,7 @@ from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.backends.megatron.parallel import init_parallel
+from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
@@ -1115,6 +1115,9 @@ def main():
         CHECKS[name](args, info, out)
     if is_main(info):
         (Path(args.out) / f"results_tp{args.tp}_world{info.world_size}.json").write_text(json.dumps(out, indent=1))
+    # gloo's threads torn down by interpreter exit can abort a rank ("terminate called without an active
+    # exception") after the work is done; a destroyed process group exits cleanly
+    destroy_parallel()
 
 
 if __name__ == "__main__":
