@@ -17,7 +17,8 @@ the engines run (``SlimeCompat.activate(ctx)``):
 - text sent instead of token ids: the engine re-tokenizes it, so the ids a sample trains may differ
   from the ids the model saw. The first such request of a run logs a warning; each sample's drift
   (tokens outside the matching blocks of the engine's view of each context and the trained context
-  before that turn's output, the larger side) is ``metadata["text_drift_tokens"]``, reported as
+  before that turn's output, the larger side; the engine's view is the text tokenized as the engine
+  does) is ``metadata["text_drift_tokens"]``, reported as
   ``rollout/text_drift_tokens`` and ``rollout/text_drift_samples``;
 - after the generate function (and on every sample a ``--rollout-function-path`` returns), ``adopt``
   reads the sample as slime does: a missing loss mask trains every response token, missing rollout
@@ -179,14 +180,12 @@ class SlimeCompat:
         text = body.pop("text", None)
         images = body.pop("image_data", None)
         return_logprob = bool(body.pop("return_logprob", False))
-        asked_prompt_ids = bool(body.get("return_prompt_token_ids"))
         if ids is not None:
             ids = [int(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
             if images and self.image_token_id is not None:
                 ids = collapse_image_pads(ids, self.image_token_id)[0]
         if text is not None:
             self._warn_text()
-            body["return_prompt_token_ids"] = True
         call = _CALL.get()
         if call is not None and "sampling_seed" not in sampling and "rollout_id" in call[0].metadata:
             sample, records = call
@@ -195,15 +194,16 @@ class SlimeCompat:
         response = await self.ctx.client.generate(
             ids, sampling, images, text, return_logprob, rid=body.pop("rid", None), **body
         )
-        seen = None
-        if text is not None and isinstance(response, dict):
-            meta = response.get("meta_info", {})
-            seen = meta.get("prompt_token_ids") if asked_prompt_ids else meta.pop("prompt_token_ids", None)
-            if seen is None:
-                seen = self.ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
         if call is not None:  # every request counts (the seed's index); text ones carry what the engine saw
-            call[1].append((list(seen) if text is not None else None, len(response.get("output_ids") or [])))
+            call[1].append((self._engine_view(text, response) if text is not None else None, _generated(response)))
         return response
+
+    def _engine_view(self, text: str, response: dict) -> list[int]:
+        """The ids the engine read a text prompt as: its ``prompt_token_ids`` when the plug-in asked for
+        them, else the text tokenized as the engine does (the run's tokenizer, no special tokens added;
+        nothing is added to the payload, which an older SGLang would refuse)."""
+        seen = response.get("meta_info", {}).get("prompt_token_ids")
+        return list(seen) if seen is not None else self.ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _warn_text(self) -> None:
         if self._warned_text:
@@ -255,6 +255,15 @@ class SlimeCompat:
         for group in groups:
             for sample in group:
                 self.adopt(sample)
+
+
+def _generated(response: dict) -> int:
+    """Tokens a ``/generate`` answer generated (its ids, its log-prob entries, or SGLang's count)."""
+    meta = response.get("meta_info", {})
+    for ids in (response.get("output_ids"), meta.get("output_token_logprobs")):
+        if ids is not None:
+            return len(ids)
+    return int(meta.get("completion_tokens") or 0)
 
 
 def _generate_url(url: str, already: bool = False) -> str:
