@@ -15,6 +15,7 @@ turn hit the length limit); and ``sample.reward``, kept unless ``--custom-rm-pat
 
 import re
 
+from slime_mt.rollout.multi_turn import turn_seed
 from slime_mt.types import Status
 
 
@@ -32,6 +33,9 @@ async def generate(args, sample, sampling_params):
             sample.status = Status.TRUNCATED
             return sample
         params = dict(sampling_params, max_new_tokens=min(sampling_params["max_new_tokens"], room))
+        # a seed per (run seed, step, sample, turn), as the framework's own turn loop uses: the run samples
+        # the same again whatever else the engine is batching
+        params["sampling_seed"] = turn_seed(args.rollout_seed, sample.metadata["rollout_id"], sample.index, turn)
         response = await ctx.client.generate(sample.tokens, params)
         ctx.append_engine_turn(sample, response)  # output ids, log-probs, text, finish reason, version
         words = _words(response["text"])
