@@ -8,8 +8,7 @@ import asyncio
 import contextlib
 
 from slime_mt.compat import active
-from slime_mt.compat.slime.utils.processing_utils import HFStyleProcessor
-from slime_mt.processing import QwenVLProcessor
+from slime_mt.compat.slime.utils.processing_utils import hf_style
 
 __all__ = ["GenerateState", "generate_and_rm", "generate_and_rm_group", "get_model_url"]
 
@@ -32,9 +31,10 @@ class GenerateState:
         ctx = compat.ctx
         self.args = ctx.args
         self.tokenizer = ctx.tokenizer
-        self.processor = HFStyleProcessor(ctx.processor) if isinstance(ctx.processor, QwenVLProcessor) else None
+        self.processor = hf_style(ctx.processor)
         self.semaphore = asyncio.Semaphore(ctx.rollout.rollout_concurrency)
         self.sampling_params = ctx.sampling_params()
+        self.plugins = None  # (generate, reward) of the run, loaded by the first generate_and_rm_group
         self.reset()
 
     def reset(self) -> None:
@@ -52,13 +52,17 @@ def get_model_url(args, model_name: str = "", endpoint: str = "/generate") -> st
 
 
 async def generate_and_rm_group(args, group, sampling_params, evaluation: bool = False):
-    """Every sample of a group through the run's generate function, then its reward."""
+    """Every sample of a group through the run's generate function, then its reward; at most
+    ``--rollout-concurrency`` samples generate at once over every group (``GenerateState.semaphore``)."""
     from slime_mt.rollout.group_rollout import load_plugins, run_group
 
-    ctx = active().ctx
-    generate, rm, _ = load_plugins(ctx.rollout, evaluation)
-    semaphore = asyncio.Semaphore(ctx.rollout.rollout_concurrency)
-    return await run_group(ctx, list(group), generate, rm, sampling_params, semaphore, evaluation=evaluation)
+    state = GenerateState(args)
+    if state.plugins is None:
+        state.plugins = load_plugins(active().ctx.rollout)[:2]
+    generate, rm = state.plugins
+    return await run_group(
+        active().ctx, list(group), generate, rm, sampling_params, state.semaphore, evaluation=evaluation
+    )
 
 
 async def generate_and_rm(args, sample, sampling_params, evaluation: bool = False):

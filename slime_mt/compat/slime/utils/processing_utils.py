@@ -31,10 +31,15 @@ def load_tokenizer(name_or_path: str, **kwargs):
     return tokenizer_of(load_tokenizer_or_processor(name_or_path))
 
 
+def hf_style(tokenizer_or_processor) -> HFStyleProcessor | None:
+    """A model's processor as slime holds it: None for a text-only model."""
+    if isinstance(tokenizer_or_processor, QwenVLProcessor):
+        return HFStyleProcessor(tokenizer_or_processor)
+    return None
+
+
 def load_processor(name_or_path: str, **kwargs):
-    """The model's processor, or None for a text-only model (as slime)."""
-    loaded = load_tokenizer_or_processor(name_or_path)
-    return HFStyleProcessor(loaded) if isinstance(loaded, QwenVLProcessor) else None
+    return hf_style(load_tokenizer_or_processor(name_or_path))
 
 
 def build_processor_kwargs(multimodal_inputs: dict | None = None) -> dict:
