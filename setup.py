@@ -18,6 +18,7 @@ setup(
         "numpy",
         "safetensors",
         "httpx>=0.27",
+        "orjson>=3.9",
         "starlette>=0.40",
         "uvicorn>=0.30",
         "tqdm",

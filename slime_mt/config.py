@@ -196,6 +196,11 @@ class EngineConfig:
         "one the engines serve (older ones are deleted once every engine has acknowledged a newer version).",
     )
     engine_max_retries: int = _opt(3, "Retries of a /generate request on connection errors and 5xx.")
+    sglang_server_concurrency: int = _opt(
+        512,
+        "/generate requests in flight per engine from the rollout process (slime's flag); more wait in the "
+        "client (where a weight update can hold them) until one answers.",
+    )
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
     sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
 

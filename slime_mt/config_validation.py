@@ -59,6 +59,12 @@ def validate(cfg: Config) -> None:
         "rollout_concurrency",
     ):
         _require(getattr(r, key) > 0, key, getattr(r, key), "must be a positive integer")
+    _require(
+        cfg.engine.sglang_server_concurrency > 0,
+        "sglang_server_concurrency",
+        cfg.engine.sglang_server_concurrency,
+        "must be a positive integer",
+    )
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):

@@ -213,6 +213,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--rollout-temperature", "-1"], r"--rollout-temperature=-1.0"),
         (["--eval-temperature", "-0.5"], r"--eval-temperature=-0.5: must be >= 0"),
         (["--n-samples-per-eval-prompt", "0"], r"--n-samples-per-eval-prompt=0: must be a positive integer"),
+        (["--sglang-server-concurrency", "0"], r"--sglang-server-concurrency=0: must be a positive integer"),
         (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
         (
             ["--global-batch-size", "100"],
@@ -309,3 +310,19 @@ def test_help_lists_flags_grouped_by_concern():
     assert text.index("--rollout-function-path") > positions[1]
     assert text.index("--eps-clip-high") > positions[3]
     assert text.index("--tensor-model-parallel-size") > positions[4]
+
+
+def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(tiny_paths):
+    from slime_mt.rollout.context import RolloutContext
+
+    cfg = parse_config(["--sglang-server-concurrency", "3"])
+    ctx = RolloutContext.create(cfg, str(tiny_paths["qwen2"]), "http://127.0.0.1:1", ["http://a:1", "http://b:2"])
+    try:
+        assert ctx.client.max_connections == 6
+    finally:
+        ctx.close()
+    default = RolloutContext.create(parse_config([]), str(tiny_paths["qwen2"]), "http://127.0.0.1:1")
+    try:
+        assert default.client.max_connections == 512
+    finally:
+        default.close()

@@ -59,7 +59,6 @@ SLIME_ARG_DEFAULTS: dict[str, Any] = {
     "group_rm": False,
     "use_rollout_routing_replay": False,
     "rollout_skip_special_tokens": False,
-    "sglang_server_concurrency": 512,
     "sglang_dp_size": None,
     "sglang_enable_deterministic_inference": False,
     "rollout_num_gpus_per_engine": 1,

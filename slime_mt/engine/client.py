@@ -13,6 +13,11 @@ No call outlives its timeout (retries and backoff included): ``generate`` raises
 ``EngineTimeoutError`` after ``timeout`` seconds plus at most ``ABORT_GRACE`` seconds spent
 aborting the request on the engine. Every error names the engine URL that failed; a broadcast names
 each worker that failed.
+
+The transport is ``engine/http.py`` (one keep-alive pool per engine, constant work per request) and
+JSON goes through orjson: at a node's load (thousands of turns per second from one process, see
+``benchmarks/rollout_scale.py``) a general-purpose HTTP client cost more than everything else a turn
+does.
 """
 
 from __future__ import annotations
@@ -21,22 +26,18 @@ import asyncio
 import contextlib
 import functools
 import logging
+import resource
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
+import orjson
+
+from slime_mt.engine.http import ConnectError, ConnectionLost, HTTPClient, HTTPError, Response, within
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_ERRORS = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-    httpx.PoolTimeout,
-)
+RETRYABLE_ERRORS = (ConnectError, ConnectionLost)
 ABORT_GRACE = 2.0  # seconds an abort after a timeout may take, on all workers together
 
 
@@ -72,7 +73,8 @@ def output_of(response: dict) -> tuple[list[int], list[float]]:
 
 DRAIN_SECONDS = 1.0  # the longest an update waits for requests still out after the engines paused
 DRAIN_ABORT_INTERVAL = 0.25  # seconds between abort-all calls while it waits
-CONTROL_CONNECTIONS = 32  # control calls (pause, abort, updates) have their own pool
+CONTROL_CONNECTIONS = 32  # control calls (pause, abort, updates) have their own pool, per worker
+DEFAULT_CONCURRENCY = 512  # /generate requests in flight per worker (slime's --sglang-server-concurrency)
 
 
 class UpdateGate:
@@ -167,9 +169,10 @@ class UpdateGate:
 class EngineClient:
     """Async client; share one per run (pooled connections). Use as ``async with`` or call close().
 
-    ``/generate`` requests use a pool of ``max_connections`` (a request waits in the client for a free
-    one, where an update gate can hold it); control calls have a pool of their own, so a pause or an
-    abort never queues behind generation."""
+    ``/generate`` requests hold one of ``max_connections`` slots while they are out (a request waits
+    in the client for a free one, where an update gate can hold it; default 512 per worker, slime's
+    ``--sglang-server-concurrency``); control calls have a pool of their own, so a pause or an abort
+    never queues behind generation."""
 
     def __init__(
         self,
@@ -178,7 +181,7 @@ class EngineClient:
         timeout: float = 600.0,
         max_retries: int = 3,
         backoff: float = 0.5,
-        max_connections: int = 256,
+        max_connections: int | None = None,
     ):
         self.gate: UpdateGate | None = None
         self.url = url.rstrip("/")
@@ -186,35 +189,33 @@ class EngineClient:
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
-        self.max_connections = max_connections
-        self._client: httpx.AsyncClient | None = None
-        self._control: httpx.AsyncClient | None = None
+        self.max_connections = max_connections or DEFAULT_CONCURRENCY * len(self.worker_urls)
+        self._client: HTTPClient | None = None
+        self._control: HTTPClient | None = None
         self._slots: asyncio.Semaphore | None = None
-
-    def _new_http(self, connections: int) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
+        _allow_open_files(self.max_connections + CONTROL_CONNECTIONS * len(self.worker_urls))
 
     @property
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> HTTPClient:
         """The ``/generate`` pool. Created lazily so the client binds to the event loop that first uses it."""
         if self._client is None:
-            self._client = self._new_http(self.max_connections)
+            self._client = HTTPClient()
             self._slots = asyncio.Semaphore(self.max_connections)
         return self._client
 
     @property
-    def control(self) -> httpx.AsyncClient:
+    def control(self) -> HTTPClient:
         """The pool of control calls (pause, continue, abort, weight updates, health, info)."""
         if self._control is None:
-            self._control = self._new_http(CONTROL_CONNECTIONS)
+            self._control = HTTPClient()
         return self._control
 
     async def close(self) -> None:
         for client in (self._client, self._control):
             if client is not None:
-                await client.aclose()
+                client.close()
         self._client = self._control = self._slots = None
+        await asyncio.sleep(0)  # the closed connections' callbacks run while the loop does
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -277,19 +278,22 @@ class EngineClient:
         http = self.http
         update = {"began": False}
 
-        async def send() -> httpx.Response:
+        where = self.url + "/generate"
+        payload = orjson.dumps(body)
+
+        async def send() -> Response:
             if self.gate is None:
                 async with self._slots:
-                    return await http.post(self.url + "/generate", json=body)
+                    return await http.request("POST", where, payload)
             async with self.gate.sending(self._slots) as update_began:
                 try:
-                    return await http.post(self.url + "/generate", json=body)
+                    return await http.request("POST", where, payload)
                 finally:
                     update["began"] = update_began()
 
         limit = timeout or self.timeout
         try:
-            result = await asyncio.wait_for(self._post_with_retries(self.url + "/generate", send), limit)
+            result = await within(self._post_with_retries(where, send), limit)
         except asyncio.TimeoutError:
             await self._abort_within_grace(rids)
             raise EngineTimeoutError(
@@ -304,15 +308,13 @@ class EngineClient:
 
     async def _abort_within_grace(self, rids: list[str]) -> None:
         try:
-            await asyncio.wait_for(asyncio.gather(*(self.abort(rid) for rid in rids)), ABORT_GRACE)
+            await within(asyncio.gather(*(self.abort(rid) for rid in rids)), ABORT_GRACE)
         except asyncio.TimeoutError:
             logger.warning(
                 "aborting %s on %s took longer than %.0fs; left running", rids, self.worker_urls, ABORT_GRACE
             )
 
-    async def _post_with_retries(
-        self, where: str, send: Callable[[], Awaitable[httpx.Response]], text: bool = False
-    ) -> Any:
+    async def _post_with_retries(self, where: str, send: Callable[[], Awaitable[Response]], text: bool = False) -> Any:
         """``send()`` with retries on connection errors and 5xx -> the JSON answer (``text``: the body
         as text, for endpoints that answer plain text). Raises EngineRequestError (4xx) or EngineError
         naming ``where``; the caller bounds the total time."""
@@ -326,16 +328,12 @@ class EngineClient:
                 last = f"{type(e).__name__}: {e}"
                 logger.warning("engine %s attempt %d failed: %s", where, attempt + 1, last)
                 continue
-            except httpx.TimeoutException as e:
-                raise EngineTimeoutError(f"engine {where} did not answer: {type(e).__name__}: {e}") from None
-            except httpx.HTTPError as e:
-                raise EngineError(f"engine {where} cannot be reached: {type(e).__name__}: {e}") from None
-            if response.status_code >= 500:
-                last = f"HTTP {response.status_code}: {_message(response)}"
+            if response.status >= 500:
+                last = f"HTTP {response.status}: {_message(response)}"
                 logger.warning("engine %s attempt %d failed: %s", where, attempt + 1, last)
                 continue
-            if response.status_code >= 400:
-                raise EngineRequestError(where, response.status_code, _message(response))
+            if response.status >= 400:
+                raise EngineRequestError(where, response.status, _message(response))
             return response.text if text else _json_of(response, where)
         raise EngineError(f"engine {where} failed after {self.max_retries + 1} attempts; last failure: {last}")
 
@@ -348,10 +346,12 @@ class EngineClient:
         worker that failed and why."""
         limit = timeout or self.timeout
 
+        payload = orjson.dumps(body or {})
+
         async def one(url: str) -> Any:
-            send = functools.partial(self.control.post, url + path, json=body or {})
+            send = functools.partial(self.control.request, "POST", url + path, payload)
             try:
-                return await asyncio.wait_for(self._post_with_retries(url + path, send, text), limit)
+                return await within(self._post_with_retries(url + path, send, text), limit)
             except asyncio.TimeoutError:
                 raise EngineTimeoutError(f"engine {url}{path} did not answer within {limit:.1f}s") from None
 
@@ -367,13 +367,13 @@ class EngineClient:
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (``rid``) or everything on every worker; errors are logged, not raised."""
-        body = {"rid": rid or "", "abort_all": abort_all}
+        payload = orjson.dumps({"rid": rid or "", "abort_all": abort_all})
 
         async def one(url: str) -> None:
             try:
-                await self.control.post(url + "/abort_request", json=body, timeout=10.0)
-            except httpx.HTTPError as e:
-                logger.warning("abort on %s failed: %s", url, e)
+                await within(self.control.request("POST", url + "/abort_request", payload), 10.0)
+            except (HTTPError, asyncio.TimeoutError) as e:
+                logger.warning("abort on %s failed: %s", url, type(e).__name__ if not str(e) else e)
 
         await asyncio.gather(*(one(u) for u in self.worker_urls))
 
@@ -407,11 +407,11 @@ class EngineClient:
 
     async def _get(self, url: str, path: str) -> Any:
         try:
-            response = await self.control.get(url + path, timeout=30.0)
-        except httpx.HTTPError as e:
+            response = await within(self.control.request("GET", url + path), 30.0)
+        except (HTTPError, asyncio.TimeoutError) as e:
             raise EngineError(f"engine {url}{path} did not answer: {type(e).__name__}: {e}") from None
-        if response.status_code >= 400:
-            raise EngineError(f"engine {url}{path}: HTTP {response.status_code}: {_message(response)}")
+        if response.status >= 400:
+            raise EngineError(f"engine {url}{path}: HTTP {response.status}: {_message(response)}")
         return _json_of(response, url + path)
 
     async def health(self) -> bool:
@@ -422,8 +422,8 @@ class EngineClient:
 
     async def _answers(self, url: str, timeout: float) -> bool:
         try:
-            return (await self.control.get(url, timeout=timeout)).status_code == 200
-        except httpx.HTTPError:
+            return (await within(self.control.request("GET", url), timeout)).status == 200
+        except (HTTPError, asyncio.TimeoutError):
             return False
 
     async def model_info(self) -> dict:
@@ -433,25 +433,39 @@ class EngineClient:
         return [await self._get(u, "/server_info") for u in self.worker_urls]
 
 
-def _json_of(response: httpx.Response, where: str) -> Any:
-    if not response.content:
+def _json_of(response: Response, where: str) -> Any:
+    if not response.body:
         return {}
     try:
-        return response.json()
-    except ValueError:
+        return orjson.loads(response.body)
+    except orjson.JSONDecodeError:
         raise EngineError(
-            f"engine {where} answered HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
+            f"engine {where} answered HTTP {response.status} with a body that is not JSON: {response.text[:200]!r}"
         ) from None
 
 
-def _message(response: httpx.Response) -> str:
+def _message(response: Response) -> str:
     try:
-        data = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
+        data = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        return response.text[:500] or response.reason
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict):
             return str(error.get("message", error))
         return str(error or data.get("message") or data)
     return str(data)[:500]
+
+
+def _allow_open_files(needed: int) -> None:
+    """Raise the soft limit on open files toward the hard one when the connections need more (each
+    request in flight holds a socket; a rollout at a node's load keeps thousands)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = needed + 1024  # and what else the process opens
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            logger.warning(
+                "open files are limited to %d (ulimit -n); %d connections to engines need about %d", new, needed, wanted
+            )

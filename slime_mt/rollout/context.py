@@ -43,8 +43,13 @@ class RolloutContext:
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
+        e = cfg.engine
         client = EngineClient(
-            url, worker_urls, timeout=cfg.engine.engine_request_timeout, max_retries=cfg.engine.engine_max_retries
+            url,
+            worker_urls,
+            timeout=e.engine_request_timeout,
+            max_retries=e.engine_max_retries,
+            max_connections=e.sglang_server_concurrency * len(worker_urls or [url]),
         )
         ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx

@@ -45,6 +45,7 @@ import torch
 
 from envs.base import RetryableEnvError
 from slime_mt.engine.client import UPDATE_ABORT, EngineError, output_of
+from slime_mt.engine.http import within
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
@@ -90,7 +91,7 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
     last = ""
     for attempt in range(budget + 1):
         try:
-            result = await asyncio.wait_for(call_env(ctx, env.step, text), timeout)
+            result = await within(call_env(ctx, env.step, text), timeout)
         except RetryableEnvError as e:
             last = f"RetryableEnvError: {e}"
             continue
@@ -389,7 +390,8 @@ async def generate_turn(
         call = dict(params, max_new_tokens=budget - len(ids))
         if calls and "sampling_seed" in call:  # a call made again must not replay the last call's draws
             call["sampling_seed"] = (call["sampling_seed"] + calls) % (2**31 - 1)
-        response = await ctx.client.generate(engine_ids + ids, call, image_data=image_data or None)
+        context = engine_ids + ids if ids else engine_ids  # the growing context is copied only to resume
+        response = await ctx.client.generate(context, call, image_data=image_data or None)
         calls += 1
         meta = response["meta_info"]
         new, new_logprobs = output_of(response)
