@@ -1,0 +1,244 @@
+"""The rollout side: engines, rollout context, data, the rollout function or fully-async manager, metrics.
+
+One process owns it (rank 0 of the trainer's ranks). Per step it turns the next batch of groups
+(``batches.py``) into a ``TrainBatch`` every rank trains on: failures logged and counted, samples
+finalized (``--sample-format``, ``--merge-step-wise``), advantages, staleness; it receives the new
+weights for its engines (``push_weights``, behind the client's update gate) and logs the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from slime_mt.algo.advantages import compute_advantages
+from slime_mt.config import Config
+from slime_mt.data import PromptDataset
+from slime_mt.engine.client import UpdateGate
+from slime_mt.engine.weight_sync import WeightFolders
+from slime_mt.rollout.failures import RolloutFailedError, StepReport
+from slime_mt.rollout.finalize import finalize
+from slime_mt.rollout.group_rollout import rollout_output
+from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.rollout.staleness import mask_stale, staleness_metrics
+from slime_mt.run_dir import ERRORS_FILE
+from slime_mt.types import Status
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """What every rank trains on in one step (sent from the rollout side to every rank)."""
+
+    samples: list
+    advantages: list[float]
+    merge_metrics: dict
+    rollout_metrics: dict
+    rollout_seconds: float
+    rollout_started: float
+    metrics: dict[str, float]  # weight versions, staleness, the batch source's timings
+
+
+@dataclasses.dataclass
+class RolloutSide:
+    engines: object
+    ctx: object
+    data: PromptDataset
+    eval_data: PromptDataset | None
+    rollout_fn: object
+    metrics: object
+    weight_folders: WeightFolders | None  # engines outside this process load weights from these
+    errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
+    cfg: Config | None = None
+    data_state_before_prefetch: dict | None = None
+    failed_steps: int = 0  # consecutive steps in which every sample failed
+    report: StepReport | None = None  # the last collected step's failures
+    trained_groups: list[int] = dataclasses.field(default_factory=list)  # the last collected step's groups
+
+    @classmethod
+    def start(cls, cfg: Config, run_dir: Path) -> RolloutSide:
+        """Data, engines (launched, or the ``--engine-url`` ones), the rollout context with its update
+        gate, the rollout function and the metrics logger."""
+        from slime_mt.engine.launch import start_engines
+        from slime_mt.metrics import MetricsLogger
+        from slime_mt.plugins import load_function
+        from slime_mt.rollout.context import RolloutContext
+
+        data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
+        eval_data = None
+        if cfg.data.eval_prompt_data:
+            eval_data = PromptDataset.from_config(
+                cfg.data.eval_prompt_data, cfg.data, cfg.rollout.n_samples_per_eval_prompt
+            )
+        engines = start_engines(
+            cfg.engine,
+            cfg.train.hf_checkpoint,
+            run_dir / "logs",
+            seed=cfg.train.seed,
+            tp_size=cfg.train.tensor_model_parallel_size,
+        )
+        ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+        ctx.client.gate = UpdateGate()
+        if cfg.rollout.slime_compat:
+            from slime_mt.compat import SlimeCompat
+
+            compat = SlimeCompat.activate(ctx)
+            for dataset in (data, eval_data):
+                if dataset is not None:
+                    compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
+        rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
+        metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
+        folders = None if engines.local_engines else WeightFolders(run_dir / "weights", cfg.engine.keep_weight_versions)
+        return cls(engines, ctx, data, eval_data, rollout_fn, metrics, folders, run_dir / ERRORS_FILE, cfg)
+
+    def resume(self, data_state: dict, step: int) -> None:
+        self.data.load_state_dict(data_state)
+        self.metrics.truncate_after(step)
+
+    def timed_rollout(self, step: int):
+        """The rollout function for ``step`` -> (groups, wall-clock start, seconds, perf_counter end)."""
+        self.data_state_before_prefetch = self.data.state_dict()
+        started = time.time()
+        began = time.perf_counter()
+        groups = self.rollout_fn(self.ctx.args, step, self.data)
+        finished = time.perf_counter()
+        return groups, started, finished - began, finished
+
+    def collect(self, step: int, batches) -> TrainBatch | RolloutFailedError:
+        """The step's batch from ``batches``, ready to train -> a TrainBatch, or the error that stops
+        the run (every sample failed ``--max-failed-steps`` steps in a row)."""
+        r = self.cfg.rollout
+        batch = batches.take(step)
+        groups, returned_metrics = rollout_output(batch.groups)
+        extra = {**batch.metrics, **returned_metrics}
+        if self.ctx.compat is not None:
+            self.ctx.compat.adopt_groups(groups)
+        stop_run = self._check_failures(step, groups, r.max_failed_steps)
+        samples, advantages, merge_metrics = self._prepare(groups)
+        if r.mask_offpolicy_in_partial_rollout:
+            trainable = sum(sum(s.loss_mask) for s in samples)
+            masked = mask_stale(samples, step, r.max_staleness)
+            extra["rollout/masked_stale_tokens"] = masked
+            extra["async/masked_token_share"] = masked / max(trainable, 1)
+        extra.update(staleness_metrics(samples, step))
+        self.trained_groups = sorted(int(g[0].group_index) for g in groups if g)
+        if stop_run is not None:  # every rank stops, not only this one
+            return stop_run
+        batches.prefetch(step, extra)
+        return TrainBatch(
+            samples,
+            advantages,
+            merge_metrics,
+            rollout_metrics(groups),
+            batch.seconds,
+            batch.started,
+            {**_version_metrics(groups, step), **extra},
+        )
+
+    def _prepare(self, groups) -> tuple[list, list[float], dict]:
+        cfg = self.cfg
+        samples = [s for g in groups for s in g]
+        train_samples, merge_metrics = finalize(
+            samples, cfg.rollout.sample_format, cfg.rollout.merge_step_wise, cfg.rollout.mask_truncated
+        )
+        a = cfg.algo
+        advantages = compute_advantages(
+            train_samples, a.advantage_estimator, a.normalize_advantages_std, a.normalize_advantages
+        )
+        return train_samples, advantages, merge_metrics
+
+    def _check_failures(self, step: int, groups, max_failed_steps: int) -> RolloutFailedError | None:
+        """Log the step's failed and truncated samples and keep the failures -> the error that stops
+        the run when every sample failed ``max_failed_steps`` steps in a row, else None."""
+        self.report = StepReport(step, groups)
+        self.report.log(self.errors_path)
+        self.failed_steps = self.failed_steps + 1 if self.report.all_failed else 0
+        if self.failed_steps < max_failed_steps:
+            return None
+        first = next(s for g in groups for s in g)
+        return RolloutFailedError(
+            f"step {step}: every sample failed ({self.report.line()}), {self.failed_steps} step(s) in a row "
+            f"(--max-failed-steps {max_failed_steps}); nothing to train on. First: sample {first.index}: "
+            f"{first.metadata.get('error', '')}. Every failure with its traceback: {self.errors_path}"
+        )
+
+    def push_weights(self, stream: Iterator, version: int) -> None:
+        """New weights to every engine as ``version``: in-process for embedded engines, a safetensors
+        folder otherwise (the folders no engine needs are deleted once every engine has acknowledged
+        this one). The client's update gate pauses and empties the engines only around the update."""
+        engines = self.engines
+        if engines.local_engines:
+            named = dict(stream)
+            with self.gate_closed():
+                for engine in engines.local_engines:
+                    engine.update_weights_from_tensors(named, weight_version=str(version))
+            return
+        folder = self.weight_folders.write(version, stream)
+        with self.gate_closed():
+            self.ctx.run_sync(self.ctx.client.update_weights_from_disk(str(folder), weight_version=str(version)))
+        self.weight_folders.acknowledged(version)
+
+    @contextlib.contextmanager
+    def gate_closed(self):
+        """No request inside an engine for the duration (a no-op without an update gate)."""
+        client = self.ctx.client
+        if client.gate is None:
+            yield
+            return
+        self.ctx.run_sync(client.gate.close(client))
+        try:
+            yield
+        finally:
+            self.ctx.run_sync(client.gate.open(client))
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's metrics (with the evaluation when one is due) to metrics.jsonl and the loggers."""
+        checkpoint = self.cfg.checkpoint
+        if checkpoint.eval_interval and (step + 1) % checkpoint.eval_interval == 0 and self.eval_data:
+            metrics.update(self.evaluate(step))
+        note = self.report.line() if self.report is not None else None
+        self.metrics.log(step, metrics, {"trained_groups": self.trained_groups}, note=note)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        eval_rollout = dataclasses.replace(
+            cfg.rollout,
+            n_samples_per_prompt=cfg.rollout.n_samples_per_eval_prompt,
+            rollout_temperature=cfg.rollout.rollout_temperature
+            if cfg.rollout.eval_temperature is None
+            else cfg.rollout.eval_temperature,
+            rollout_batch_size=len(self.eval_data.rows),
+            dynamic_sampling_filter_path=None,
+        )
+        ctx = dataclasses.replace(self.ctx, rollout=eval_rollout)
+        self.eval_data.load_state_dict({"epoch": 0, "cursor": 0, "next_group": 0})
+        from slime_mt.rollout.group_rollout import rollout_groups
+
+        groups = ctx.run_sync(rollout_groups(ctx, self.eval_data, evaluation=True, rollout_id=10_000_000 + step))
+        StepReport(step, groups, label="eval at step").log(self.errors_path)
+        rewards = [float(s.reward or 0.0) for g in groups for s in g if s.status != Status.FAILED]
+        return {
+            "eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1),
+            "eval/samples": len(rewards),
+        }
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.ctx.close()
+        self.engines.stop()
+
+
+def _version_metrics(groups, version: int) -> dict[str, float]:
+    """Weight versions the samples were generated with, and the gap to the version being trained."""
+    versions = [int(v) for g in groups for s in g for v in s.weight_versions if str(v).isdigit()]
+    if not versions:
+        return {"rollout/weight_version_gap": 0.0}
+    return {
+        "rollout/weight_version_gap": float(version - min(versions)),
+        "rollout/sample_weight_version_min": float(min(versions)),
+        "rollout/sample_weight_version_max": float(max(versions)),
+    }
