@@ -19,6 +19,7 @@ setup(
         "safetensors",
         "httpx>=0.27",
         "orjson>=3.9",
+        "ray>=2.40",
         "starlette>=0.40",
         "uvicorn>=0.30",
         "tqdm",

@@ -1,0 +1,1 @@
+"""Launchers: they wire the roles (``train_loop``, ``rollout_side``, ``batches``) to processes and devices."""

@@ -1,0 +1,156 @@
+"""Placement on a real Ray cluster of two nodes with their own raylets on loopback, each declaring 8
+GPUs (Ray hands out device ids without physical GPUs): the geo3k recipe's layouts on one 8-GPU node,
+disaggregated and colocated, and on two nodes; every rank and engine asserts from inside its actor
+the node and device it was given."""
+
+import pytest
+import ray
+
+from slime_mt.config import ConfigError
+from slime_mt.launch.ray.placement import Slot, assign, plan, reserve
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 16, "num_gpus": 8, "resources": {"node_a": 1}},
+    )
+    cluster.add_node(num_cpus=16, num_gpus=8, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _inside(placement, role_gpus: float):
+    """Start one actor per trainer rank and per engine device in its bundle -> what each saw."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote
+    class Reporter:
+        def where(self):
+            ids = ray.get_gpu_ids()
+            return ray.get_runtime_context().get_node_id(), [int(i) for i in ids]
+
+    def start(slot: Slot, gpus: float):
+        strategy = PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=slot.bundle)
+        return Reporter.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote()
+
+    trainer = [start(slot, role_gpus) for slot in placement.trainer]
+    engines = [[start(slot, role_gpus) for slot in slots] for slots in placement.engines]
+    seen_trainer = ray.get([a.where.remote() for a in trainer])
+    seen_engines = [ray.get([a.where.remote() for a in actors]) for actors in engines]
+    for actor in trainer + [a for actors in engines for a in actors]:
+        ray.kill(actor)
+    return seen_trainer, seen_engines
+
+
+def _release(placement):
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(placement.group)
+
+
+@pytest.mark.parametrize(
+    "name,flags,expect",
+    [
+        # the geo3k recipe on one 8-GPU node, disaggregated: 4 trainer ranks, 2 engines of 2 GPUs
+        (
+            "one node, disaggregated",
+            dict(actor_num_nodes=1, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2),
+            {"trainer": [(0, 0), (0, 1), (0, 2), (0, 3)], "engines": [[(0, 4), (0, 5)], [(0, 6), (0, 7)]]},
+        ),
+        # colocated: 8 trainer ranks, 4 engines of 2 GPUs on the same devices
+        (
+            "one node, colocated",
+            dict(
+                actor_num_nodes=1,
+                actor_num_gpus_per_node=8,
+                rollout_num_gpus=None,
+                rollout_num_gpus_per_engine=2,
+                colocate=True,
+            ),
+            {
+                "trainer": [(0, g) for g in range(8)],
+                "engines": [[(0, 2 * e), (0, 2 * e + 1)] for e in range(4)],
+            },
+        ),
+        # two nodes: the trainer's 8 ranks fill the first, 2 engines of 4 GPUs the second
+        (
+            "two nodes, disaggregated",
+            dict(actor_num_nodes=1, actor_num_gpus_per_node=8, rollout_num_gpus=8, rollout_num_gpus_per_engine=4),
+            {
+                "trainer": [(0, g) for g in range(8)],
+                "engines": [[(1, g) for g in range(4)], [(1, g) for g in range(4, 8)]],
+            },
+        ),
+    ],
+)
+def test_every_rank_and_engine_runs_where_the_placement_says(cluster, name, flags, expect):
+    colocate = flags.get("colocate", False)
+    placement = reserve(plan(num_gpus_per_node=8, **flags), timeout=60)
+    try:
+        seen_trainer, seen_engines = _inside(placement, 0.4 if colocate else 1)
+        nodes = sorted(
+            {s.node_id for s in placement.slots},
+            key=lambda n: min((i for i, s in enumerate(placement.slots) if s.node_id == n)),
+        )
+        as_expected = lambda slot: (nodes.index(slot.node_id), slot.gpu)  # noqa: E731
+        assert [as_expected(s) for s in placement.trainer] == expect["trainer"], name
+        assert [[as_expected(s) for s in e] for e in placement.engines] == expect["engines"], name
+        # from inside the actors: the node and the one device each was given
+        assert seen_trainer == [(s.node_id, [s.gpu]) for s in placement.trainer], name
+        assert seen_engines == [[(s.node_id, [s.gpu]) for s in e] for e in placement.engines], name
+        trainer_devices = {(s.node_id, s.gpu) for s in placement.trainer}
+        engine_devices = [(s.node_id, s.gpu) for e in placement.engines for s in e]
+        assert len(trainer_devices) == len(placement.trainer) and len(set(engine_devices)) == len(engine_devices)
+        if colocate:
+            assert set(engine_devices) == trainer_devices
+        else:
+            assert not trainer_devices & set(engine_devices)
+        assert len(placement.describe()) == len(placement.trainer) + len(placement.engines)
+    finally:
+        _release(placement)
+
+
+def test_a_run_the_cluster_cannot_hold_names_the_resources(cluster):
+    with pytest.raises(RuntimeError, match=r"cannot hold 24 bundles of \{'GPU': 1.0, 'CPU': 1.0\}"):
+        reserve(plan(1, 8, 16, 2, 8), timeout=3)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(rollout_num_gpus=None), "--rollout-num-gpus is required unless --colocate"),
+        (dict(rollout_num_gpus=6, rollout_num_gpus_per_engine=4), "--rollout-num-gpus=6: must be a multiple of"),
+        (dict(rollout_num_gpus_per_engine=16), "an engine's devices are on one node"),
+        (dict(actor_num_gpus_per_node=9), "--actor-num-gpus-per-node=9: a node has --num-gpus-per-node=8"),
+        (dict(colocate=True, rollout_num_gpus=2), "--colocate: --rollout-num-gpus=2 must equal"),
+        (dict(actor_num_nodes=0), "--actor-num-nodes=0: must be a positive integer"),
+    ],
+)
+def test_flags_that_cannot_place_name_the_flag(flags, message):
+    base = dict(actor_num_nodes=1, actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
+    with pytest.raises(ConfigError, match=message):
+        plan(num_gpus_per_node=8, **{**base, **flags})
+
+
+def test_bundles_order_by_node_address_then_node_then_device_and_an_engine_never_spans_nodes():
+    slots = [
+        Slot(0, "10.0.0.10", "b", 1),
+        Slot(1, "10.0.0.9", "a", 1),
+        Slot(2, "10.0.0.10", "b", 0),
+        Slot(3, "10.0.0.9", "a", 0),
+    ]
+    trainer, engines = assign(plan(1, 2, 2, 2, 2), slots)
+    assert [s.bundle for s in trainer] == [3, 1]  # 10.0.0.9 before 10.0.0.10 (numerically), device 0 first
+    assert [[s.bundle for s in e] for e in engines] == [[2, 0]]
+    odd = [Slot(0, "h", "a", 0), Slot(1, "h", "a", 1), Slot(2, "h", "b", 0), Slot(3, "h", "b", 1), Slot(4, "h", "b", 2)]
+    with pytest.raises(ConfigError, match="engine 0 would span nodes"):
+        assign(plan(1, 1, 4, 2, 4), odd)
