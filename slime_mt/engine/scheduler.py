@@ -437,14 +437,16 @@ class Scheduler:
                 error = EngineFault(
                     f"building the response of request {job.request.rid} failed: {type(e).__name__}: {e}"
                 )
+        if error is None:  # counted before the answer can reach its client, who may read the count next
+            self.finished_requests += 1
         try:
             if error is None:
                 job.future.set_result(result)
-                self.finished_requests += 1
             else:
                 job.future.set_exception(error)
         except InvalidStateError:  # cancelled by its waiter meanwhile
-            pass
+            if error is None:
+                self.finished_requests -= 1
 
     def _response(self, job: Job, reason: dict) -> dict:
         req, seq = job.request, job.seq
