@@ -40,6 +40,8 @@ class TrainBatch:
     rollout_seconds: float
     rollout_started: float
     metrics: dict[str, float]  # weight versions, staleness, the batch source's timings
+    trained_groups: list[int]  # the groups' indices (metrics.jsonl records them)
+    note: str  # the step's failures in one line
 
 
 @dataclasses.dataclass
@@ -52,11 +54,9 @@ class RolloutSide:
     metrics: object
     weight_folders: WeightFolders | None  # engines outside this process load weights from these
     errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
-    cfg: Config | None = None
+    cfg: Config
     data_state_before_prefetch: dict | None = None
     failed_steps: int = 0  # consecutive steps in which every sample failed
-    report: StepReport | None = None  # the last collected step's failures
-    trained_groups: list[int] = dataclasses.field(default_factory=list)  # the last collected step's groups
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path) -> RolloutSide:
@@ -116,7 +116,7 @@ class RolloutSide:
         extra = {**batch.metrics, **returned_metrics}
         if self.ctx.compat is not None:
             self.ctx.compat.adopt_groups(groups)
-        stop_run = self._check_failures(step, groups, r.max_failed_steps)
+        report, stop_run = self._check_failures(step, groups, r.max_failed_steps)
         samples, advantages, merge_metrics = self._prepare(groups)
         if r.mask_offpolicy_in_partial_rollout:
             trainable = sum(sum(s.loss_mask) for s in samples)
@@ -124,7 +124,6 @@ class RolloutSide:
             extra["rollout/masked_stale_tokens"] = masked
             extra["async/masked_token_share"] = masked / max(trainable, 1)
         extra.update(staleness_metrics(samples, step))
-        self.trained_groups = sorted(int(g[0].group_index) for g in groups if g)
         if stop_run is not None:  # every rank stops, not only this one
             return stop_run
         batches.prefetch(step, extra)
@@ -136,6 +135,8 @@ class RolloutSide:
             batch.seconds,
             batch.started,
             {**_version_metrics(groups, step), **extra},
+            sorted(int(g[0].group_index) for g in groups if g),
+            report.line(),
         )
 
     def _prepare(self, groups) -> tuple[list, list[float], dict]:
@@ -150,17 +151,17 @@ class RolloutSide:
         )
         return train_samples, advantages, merge_metrics
 
-    def _check_failures(self, step: int, groups, max_failed_steps: int) -> RolloutFailedError | None:
-        """Log the step's failed and truncated samples and keep the failures -> the error that stops
-        the run when every sample failed ``max_failed_steps`` steps in a row, else None."""
-        self.report = StepReport(step, groups)
-        self.report.log(self.errors_path)
-        self.failed_steps = self.failed_steps + 1 if self.report.all_failed else 0
+    def _check_failures(self, step: int, groups, max_failed_steps: int) -> tuple[StepReport, RolloutFailedError | None]:
+        """Log the step's failed and truncated samples and keep the failures -> (the report, the error
+        that stops the run when every sample failed ``max_failed_steps`` steps in a row, else None)."""
+        report = StepReport(step, groups)
+        report.log(self.errors_path)
+        self.failed_steps = self.failed_steps + 1 if report.all_failed else 0
         if self.failed_steps < max_failed_steps:
-            return None
+            return report, None
         first = next(s for g in groups for s in g)
-        return RolloutFailedError(
-            f"step {step}: every sample failed ({self.report.line()}), {self.failed_steps} step(s) in a row "
+        return report, RolloutFailedError(
+            f"step {step}: every sample failed ({report.line()}), {self.failed_steps} step(s) in a row "
             f"(--max-failed-steps {max_failed_steps}); nothing to train on. First: sample {first.index}: "
             f"{first.metadata.get('error', '')}. Every failure with its traceback: {self.errors_path}"
         )
@@ -194,13 +195,12 @@ class RolloutSide:
         finally:
             self.ctx.run_sync(client.gate.open(client))
 
-    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+    def log_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
         """The step's metrics (with the evaluation when one is due) to metrics.jsonl and the loggers."""
         checkpoint = self.cfg.checkpoint
         if checkpoint.eval_interval and (step + 1) % checkpoint.eval_interval == 0 and self.eval_data:
             metrics.update(self.evaluate(step))
-        note = self.report.line() if self.report is not None else None
-        self.metrics.log(step, metrics, {"trained_groups": self.trained_groups}, note=note)
+        self.metrics.log(step, metrics, {"trained_groups": batch.trained_groups}, note=batch.note)
 
     def evaluate(self, step: int) -> dict[str, float]:
         cfg = self.cfg

@@ -232,7 +232,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
                     metrics["time/trainer_idle_seconds"] = (
                         metrics.get("time/trainer_idle_seconds", 0.0) + drained_seconds
                     )
-                side.log_step(step, metrics)
+                side.log_step(step, batch, metrics)
             last = step + 1 == r.num_rollout or stop["requested"]
             if cfg.checkpoint.save and (
                 last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)

@@ -73,7 +73,7 @@ def output_of(response: dict) -> tuple[list[int], list[float]]:
 
 DRAIN_SECONDS = 1.0  # the longest an update waits for requests still out after the engines paused
 DRAIN_ABORT_INTERVAL = 0.25  # seconds between abort-all calls while it waits
-CONTROL_CONNECTIONS = 32  # control calls (pause, abort, updates) have their own pool, per worker
+CONTROL_CONNECTIONS = 32  # sockets counted per worker for control calls, which have their own pool
 DEFAULT_CONCURRENCY = 512  # /generate requests in flight per worker (slime's --sglang-server-concurrency)
 
 

@@ -62,6 +62,8 @@ class ConnectError(HTTPError):
 class ConnectionLost(HTTPError):
     """The connection closed or broke before the whole answer came."""
 
+    before_answer = True  # no byte of the answer had come (set where the connection fails)
+
 
 @dataclass
 class Response:
@@ -95,8 +97,14 @@ class _Connection(asyncio.Protocol):
         self.used = False  # has carried a request before the current one
         self._waiter: asyncio.Future | None = None
         self._buffer = bytearray()
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of one answer, cleared before each request."""
+        self._buffer.clear()
         self._got_bytes = False
         self._head: tuple[int, str, dict[str, str]] | None = None
+        self._keep_alive = False
         self._length: int | None = None  # body length; None: chunked or until close
         self._chunked = False
         self._chunks: list[bytes] = []
@@ -132,12 +140,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes) -> asyncio.Future:
         self._waiter = asyncio.get_running_loop().create_future()
-        self._buffer.clear()
-        self._got_bytes = False
-        self._head = None
-        self._length = None
-        self._chunked = False
-        self._chunks = []
+        self._reset()
         self.transport.write(data)
         return self._waiter
 
@@ -148,7 +151,7 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: ConnectionLost) -> None:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             error.before_answer = not self._got_bytes
@@ -277,7 +280,7 @@ class Pool:
                 response, keep_alive = await connection.send(data)
             except ConnectionLost as e:
                 connection.close()
-                if reused and getattr(e, "before_answer", True):
+                if reused and e.before_answer:
                     continue  # closed idle by the server as the request left, never read: the next one
                 raise
             except BaseException:  # cancelled, or a timeout around the call: the server sees the client go
