@@ -107,7 +107,11 @@ def run_train(cfg, user_errors: tuple[type, ...]) -> int:
 
     preflight(cfg)
     run_dir = run_dir_of(cfg)
-    if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
+    if cfg.cluster.ray:
+        from slime_mt.launch.ray.driver import run
+
+        train = run  # the driver starts every rank as a Ray actor; each runs trainer.train
+    elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
         try:
             train(cfg, run_dir)
         except RolloutFailedError:
@@ -202,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             for line in check(cfg):
                 print(f"# dry run: {line}")
+            if cfg.cluster.ray:
+                from slime_mt.launch.ray.driver import dry_run_placement
+
+                for line in dry_run_placement(cfg):
+                    print(f"# placement: {line}")
             return 0
         return run_train(cfg, user_errors)
     except user_errors as e:

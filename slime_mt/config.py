@@ -201,8 +201,43 @@ class EngineConfig:
         "/generate requests in flight per engine from the rollout process (slime's flag); more wait in the "
         "client (where a weight update can hold them) until one answers.",
     )
+    weight_transport: str = _opt(
+        "auto",
+        "How new weights reach the engines: inprocess (embedded engines in rank 0's process), disk (a "
+        "safetensors folder per version, engines on this machine), distributed (broadcast from rank 0 over "
+        "NCCL/gloo, engines on other nodes); auto: inprocess for engines this run starts in its process, "
+        "distributed under --ray, disk otherwise.",
+        choices=["auto", "inprocess", "disk", "distributed"],
+    )
+    update_weight_buffer_size: int = _opt(
+        512 * 1024**2, "distributed weight transport: bytes broadcast per bucket (slime's flag)."
+    )
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
     sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the run's parts run: ``--ray`` places trainer ranks and engines on a Ray cluster."""
+
+    ray: bool = _opt(False, "Run on a Ray cluster: one placement group, a Ray actor per trainer rank and per engine.")
+    ray_address: str | None = _opt(
+        None, "Ray cluster to join (the address 'ray start --head' prints, or auto); none: start a local one."
+    )
+    actor_num_nodes: int = _opt(1, "--ray: nodes of trainer ranks.")
+    actor_num_gpus_per_node: int | None = _opt(
+        None, "--ray: trainer ranks per node (one device each); none: --tensor-model-parallel-size."
+    )
+    rollout_num_gpus: int | None = _opt(
+        None,
+        "--ray: devices of all engines; none: --num-engines x --rollout-num-gpus-per-engine "
+        "(with --colocate: the trainer's).",
+    )
+    rollout_num_gpus_per_engine: int = _opt(
+        1, "--ray: devices per engine (SGLang's tensor parallel size), on one node."
+    )
+    num_gpus_per_node: int = _opt(8, "--ray: devices per node.")
+    colocate: bool = _opt(False, "--ray: engines on the trainer's devices (the only way two roles share one).")
 
 
 @dataclass
@@ -296,6 +331,7 @@ GROUPS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "engine": EngineConfig,
+    "cluster": ClusterConfig,
     "algo": AlgoConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
@@ -309,6 +345,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -19,7 +19,7 @@ from slime_mt.algo.advantages import compute_advantages
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
 from slime_mt.engine.client import UpdateGate
-from slime_mt.engine.weight_sync import WeightFolders
+from slime_mt.engine.weight_sync import transport_for
 from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_output
@@ -52,7 +52,7 @@ class RolloutSide:
     eval_data: PromptDataset | None
     rollout_fn: object
     metrics: object
-    weight_folders: WeightFolders | None  # engines outside this process load weights from these
+    weights: object  # the weight transport to the engines (engine/weight_sync.py)
     errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
     cfg: Config
     data_state_before_prefetch: dict | None = None
@@ -91,8 +91,13 @@ class RolloutSide:
                     compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
         rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
         metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
-        folders = None if engines.local_engines else WeightFolders(run_dir / "weights", cfg.engine.keep_weight_versions)
-        return cls(engines, ctx, data, eval_data, rollout_fn, metrics, folders, run_dir / ERRORS_FILE, cfg)
+        try:
+            weights = transport_for(cfg.engine, cfg.cluster.ray, engines, ctx, run_dir)
+        except BaseException:
+            ctx.close()
+            engines.stop()
+            raise
+        return cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
 
     def resume(self, data_state: dict, step: int) -> None:
         self.data.load_state_dict(data_state)
@@ -167,20 +172,9 @@ class RolloutSide:
         )
 
     def push_weights(self, stream: Iterator, version: int) -> None:
-        """New weights to every engine as ``version``: in-process for embedded engines, a safetensors
-        folder otherwise (the folders no engine needs are deleted once every engine has acknowledged
-        this one). The client's update gate pauses and empties the engines only around the update."""
-        engines = self.engines
-        if engines.local_engines:
-            named = dict(stream)
-            with self.gate_closed():
-                for engine in engines.local_engines:
-                    engine.update_weights_from_tensors(named, weight_version=str(version))
-            return
-        folder = self.weight_folders.write(version, stream)
-        with self.gate_closed():
-            self.ctx.run_sync(self.ctx.client.update_weights_from_disk(str(folder), weight_version=str(version)))
-        self.weight_folders.acknowledged(version)
+        """New weights to every engine as ``version`` through the run's transport (in-process, a folder,
+        or broadcast); the client's update gate pauses and empties the engines only around the update."""
+        self.weights.push(stream, version, self.gate_closed)
 
     @contextlib.contextmanager
     def gate_closed(self):
@@ -228,8 +222,11 @@ class RolloutSide:
 
     def close(self) -> None:
         self.metrics.close()
-        self.ctx.close()
-        self.engines.stop()
+        try:
+            self.weights.close()
+        finally:
+            self.ctx.close()
+            self.engines.stop()
 
 
 def _version_metrics(groups, version: int) -> dict[str, float]:

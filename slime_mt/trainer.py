@@ -1,7 +1,7 @@
-"""The RL loop (``slime-mt train``): the roles, wired to the processes of one machine.
+"""The RL loop (``slime-mt train``): the roles, wired to the processes of a run.
 
-Launched with ``torchrun`` (one process per TP rank) or as one process. Three roles, each with a
-narrow interface:
+Launched as one process, with ``torchrun`` (one process per rank), or by ``--ray`` (one Ray actor
+per rank, ``launch/ray``); each process runs ``train``. Three roles, each with a narrow interface:
 
   train_loop.TrainLoop      every rank: train on a batch, export the weights (collective)
   rollout_side.RolloutSide  rank 0: engines, data, rollout function, metrics; batches in, weights out
@@ -197,9 +197,10 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
         if side is not None:
             side.ctx.start_version = start
         receive = side.push_weights if side is not None else None
-        if cfg.checkpoint.load or cfg.engine.engine_url:
+        if cfg.checkpoint.load or (cfg.engine.engine_url and not cfg.cluster.ray):
             # the engines serve the run's starting weights as its starting version: a resumed run's
             # checkpoint, and for engines the run did not start, whatever an earlier run left there
+            # (under --ray the run started them, from --hf-checkpoint)
             loop.export_weights(receive, start)
         if side is not None:
             batches = next_batch_for(r, side, start)

@@ -2,6 +2,7 @@
 
 Each test launches ``slime-mt train`` as real processes (TP=1, or TP=2 under torchrun)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from train_helpers import TWO_SMALL_STEPS, demo_train_cmd
 
@@ -185,14 +187,22 @@ def straight(geo3k, tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def torchrun_tp2(geo3k, tmp_path_factory):
+    """A 3-step run at TP=2 under torchrun, one trajectory in flight at a time: the end-to-end checks
+    at TP=2 read it, and the same run on Ray must equal it."""
+    run_dir = tmp_path_factory.mktemp("torchrun_tp2")
+    proc = run(train_cmd(geo3k, run_dir, *DETERMINISTIC, tp=2, steps=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_end_to_end(geo3k, tmp_path, tp, request):
+def test_end_to_end(tp, request):
     if tp == 1:
         run_dir, steps = request.getfixturevalue("straight"), 4
     else:
-        run_dir, steps = tmp_path, 2
-        proc = run(train_cmd(geo3k, run_dir, tp=tp, steps=steps))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_dir, steps = request.getfixturevalue("torchrun_tp2"), 3
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(steps))
     for key in REQUIRED:
@@ -492,3 +502,157 @@ def test_context_management_example_trains_step_wise(tmp_path):
     assert any(
         r["train/sequences_after_merge"] > r["rollout/samples"] - r.get("train/samples_without_turns", 0) for r in rows
     )
+
+
+# ---------------------------------------------------------------- on a Ray cluster of three nodes
+
+RAY_TP2 = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1"]
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A Ray cluster of three nodes with their own raylets on loopback, one declared GPU each (Ray hands
+    out device ids without physical GPUs; the ranks find no CUDA and train on CPU with gloo)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def ray_cmd(geo3k: Path, run_dir: Path, cluster, *extra: str, steps: int = 3) -> list[str]:
+    """The torchrun_tp2 run's command, launched by ``--ray`` on ``cluster`` (two ranks, one engine)."""
+    cmd = train_cmd(geo3k, run_dir, *DETERMINISTIC, *extra, tp=2, steps=steps)
+    flags = cmd[cmd.index("train") :]
+    return [sys.executable, "-m", "slime_mt.cli", *flags, "--ray", "--ray-address", cluster.address, *RAY_TP2]
+
+
+@pytest.fixture(scope="module")
+def ray_tp2(geo3k, three_nodes, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ray_tp2")
+    proc = run(ray_cmd(geo3k, run_dir, three_nodes, "--rollout-num-gpus", "1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc.stdout
+
+
+def placement_lines(text: str) -> dict[str, str]:
+    """'trainer rank 0' / 'engine 0' -> the node id its placement line names."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(("placement: ", "# placement: ")) and "node " in line:
+            role, where = line.split("placement: ", 1)[1].split(": ", 1)
+            found[role] = where.split("(", 1)[1].split(")", 1)[0]
+    return found
+
+
+def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
+    """TP=2 with its ranks on two nodes and the engine on the third, weights to the engine over the
+    distributed path: the same rewards, losses and gradient norms as under torchrun, step by step."""
+    run_dir, stdout = ray_tp2
+    nodes = placement_lines(stdout)
+    assert sorted(nodes) == ["engine 0", "trainer rank 0", "trainer rank 1"], stdout[-2000:]
+    assert len(set(nodes.values())) == 3  # three different nodes
+    ray_rows, torchrun_rows = metrics(run_dir), metrics(torchrun_tp2)
+    assert [r["step"] for r in ray_rows] == [0, 1, 2]
+    assert [r["rollout/reward_mean"] for r in ray_rows] == [r["rollout/reward_mean"] for r in torchrun_rows]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/response_tokens_mean"):
+        assert [r[key] for r in ray_rows] == pytest.approx([r[key] for r in torchrun_rows], abs=1e-6), key
+    # each step's rollout came from the weights of the step before, as the engine served them
+    assert [r["rollout/sample_weight_version_min"] for r in ray_rows] == [0.0, 1.0, 2.0]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in ray_rows)
+    assert not (run_dir / "weights").exists()  # nothing went through a folder
+
+
+def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tmp_path):
+    proc = run(ray_cmd(geo3k, tmp_path, three_nodes, "--rollout-num-gpus", "1", "--dry-run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nodes = placement_lines(proc.stdout)
+    assert sorted(nodes) == ["engine 0", "trainer rank 0", "trainer rank 1"] and len(set(nodes.values())) == 3
+    # the cluster cannot hold a fourth device: the error names what was asked and what there is
+    proc = run(ray_cmd(geo3k, tmp_path, three_nodes, "--rollout-num-gpus", "2", "--dry-run"), timeout=900)
+    assert proc.returncode != 0 and "cannot hold 4 bundles" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2, three_nodes, tiny_paths):
+    """Rank 0's end of the distributed path on one node, an engine on another, nothing shared on disk:
+    after each of the Ray run's 3 steps, the engine serves exactly the weights the trainer exported
+    (its checkpoint of that step): greedy tokens and log-probs equal an engine loaded from that folder."""
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.server import LocalEngine
+    from slime_mt.launch.ray.actors import EngineActor
+
+    run_dir, stdout = ray_tp2
+    ray.init(
+        address=three_nodes.address,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}:{REPO / 'tests' / 'engine'}"}},
+    )
+    try:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        on = {n: ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes}
+        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(str(REPO), [])
+        url = ray.get(engine.start.remote(EngineConfig(), str(tiny_paths["qwen2.5-vl"]), [], 0, str(run_dir)))
+        sender = RankZero.options(num_cpus=0, scheduling_strategy=on[nodes[0]]).remote(url)
+        assert ray.get(sender.node.remote()) != ray.get(engine.where.remote())["node_id"]
+        for step in (1, 2, 3):
+            folder = run_dir / "ckpt" / f"iter_{step:07d}"
+            ray.get(sender.push.remote(str(folder), step))
+            with LocalEngine(folder) as reference:
+                expected = greedy(reference.url)
+            served = greedy(url)
+            assert served[2] == str(step)
+            assert served[0] == expected[0]
+            assert served[1] == pytest.approx(expected[1], abs=1e-5)
+        ray.get(sender.close.remote())
+        ray.get(engine.stop.remote())
+    finally:
+        ray.shutdown()
+
+
+def greedy(url: str) -> tuple[list[int], list[float], str]:
+    """Eight greedy tokens after a fixed prompt -> (tokens, log-probs, the weight version that served them)."""
+    import httpx
+
+    body = {
+        "input_ids": [3, 17, 29, 101, 7, 64],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+        "return_logprob": True,
+    }
+    meta = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
+    return (
+        [t[1] for t in meta["output_token_logprobs"]],
+        [t[0] for t in meta["output_token_logprobs"]],
+        meta["weight_version"],
+    )
+
+
+@ray.remote
+class RankZero:
+    """Trainer rank 0's end of the weight transport, alone on its node: it reads a step's exported
+    weights and broadcasts them to the engine through ``DistributedWeights``."""
+
+    def __init__(self, url: str) -> None:
+        from engine_helpers import LoopSide
+
+        from slime_mt.engine.weight_sync import DistributedWeights
+
+        self.side = LoopSide(url)
+        self.weights = DistributedWeights(self.side, [1], buffer_bytes=1 << 20)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def push(self, folder: str, version: int) -> None:
+        from slime_mt.backends.megatron.convert import load_hf_state
+
+        self.weights.push(iter(load_hf_state(folder).items()), version, contextlib.nullcontext)
+
+    def close(self) -> None:
+        self.weights.close()
+        self.side.close()

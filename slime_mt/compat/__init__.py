@@ -61,7 +61,6 @@ SLIME_ARG_DEFAULTS: dict[str, Any] = {
     "rollout_skip_special_tokens": False,
     "sglang_dp_size": None,
     "sglang_enable_deterministic_inference": False,
-    "rollout_num_gpus_per_engine": 1,
     "apply_chat_template_kwargs": {},
     "rollout_sample_filter_path": None,
     "sglang_model_routers": None,

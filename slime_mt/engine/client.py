@@ -340,22 +340,36 @@ class EngineClient:
     # ------------------------------------------------------------------ control endpoints
 
     async def _broadcast(
-        self, path: str, body: dict | None = None, timeout: float | None = None, text: bool = False
+        self,
+        path: str,
+        body: dict | list[dict] | None = None,
+        timeout: float | None = None,
+        text: bool = False,
+        retry: bool = True,
     ) -> list[Any]:
-        """POST to every worker (concurrently, each bounded by ``timeout``); an error names every
-        worker that failed and why."""
+        """POST to every worker (concurrently, each bounded by ``timeout``) ``body``, or ``body[i]`` to
+        worker i; an error names every worker that failed and why. ``retry`` False: one attempt (a
+        weight-group call must not be repeated: the engine may be waiting on the first)."""
         limit = timeout or self.timeout
+        bodies = body if isinstance(body, list) else [body or {}] * len(self.worker_urls)
 
-        payload = orjson.dumps(body or {})
-
-        async def one(url: str) -> Any:
+        async def one(url: str, payload: bytes) -> Any:
             send = functools.partial(self.control.request, "POST", url + path, payload)
             try:
+                if not retry:
+                    response = await within(send(), limit)
+                    if response.status >= 400:
+                        raise EngineRequestError(url + path, response.status, _message(response))
+                    return _json_of(response, url + path)
                 return await within(self._post_with_retries(url + path, send, text), limit)
             except asyncio.TimeoutError:
                 raise EngineTimeoutError(f"engine {url}{path} did not answer within {limit:.1f}s") from None
+            except HTTPError as e:
+                raise EngineError(f"engine {url}{path}: {type(e).__name__}: {e}") from None
 
-        results = await asyncio.gather(*(one(u) for u in self.worker_urls), return_exceptions=True)
+        results = await asyncio.gather(
+            *(one(u, orjson.dumps(b)) for u, b in zip(self.worker_urls, bodies, strict=True)), return_exceptions=True
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             if len(failures) == 1 and len(results) == 1:
@@ -396,14 +410,57 @@ class EngineClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         results = await self._broadcast("/update_weights_from_disk", body, timeout)
-        acknowledged = [isinstance(r, dict) and r.get("success") is True for r in results]
-        refused = [(url, r) for url, r, ok in zip(self.worker_urls, results, acknowledged) if not ok]
+        return self._acknowledged(f"/update_weights_from_disk {model_path}", results)
+
+    def _acknowledged(self, what: str, results: list[Any]) -> list[dict]:
+        """``results`` when every worker answered SGLang's ``success: true``; EngineError naming the others."""
+        refused = [(u, r) for u, r in zip(self.worker_urls, results) if not (isinstance(r, dict) and r.get("success"))]
         if refused:
             raise EngineError(
-                f"/update_weights_from_disk {model_path} was not acknowledged by "
-                + "; ".join(f"{url}: {str(r)[:300]}" for url, r in refused)
+                f"{what} was not acknowledged by " + "; ".join(f"{u}: {str(r)[:300]}" for u, r in refused)
             )
         return results
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
+    ) -> None:
+        """Every worker joins the weight group whose rank 0 is the caller: worker i (``tp_sizes[i]``
+        devices) as ranks from 1 + sum(tp_sizes[:i]). Returns once every worker has joined, so the
+        caller joins as rank 0 while this waits."""
+        world = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        bodies = [
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": offset,
+                "world_size": world,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for offset in offsets
+        ]
+        results = await self._broadcast("/init_weights_update_group", bodies, timeout=660.0, retry=False)
+        self._acknowledged(f"/init_weights_update_group {group_name}", results)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: str
+    ) -> None:
+        """Every worker receives one bucket that the caller broadcasts as rank 0 (in this order) and loads
+        it as ``weight_version``; EngineError naming the workers that refused."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": True,
+        }
+        results = await self._broadcast("/update_weights_from_distributed", body, retry=False)
+        self._acknowledged(f"/update_weights_from_distributed {names[0]}..{names[-1]}", results)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, timeout=60.0, retry=False)
 
     async def _get(self, url: str, path: str) -> Any:
         try:

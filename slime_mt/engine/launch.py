@@ -143,17 +143,19 @@ def sglang_command(
     extra_args: str | None = None,
     base_gpu_id: int = 0,
     weight_version: str = "0",
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The ``launch_server`` command line. ``--weight-version``: SGLang names its starting weights
     "default" otherwise, and the run's version of every token it generates would be unknown."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host]
     cmd += ["--port", str(port), "--tp-size", str(tp_size), "--mem-fraction-static", str(mem_fraction_static)]
     cmd += ["--base-gpu-id", str(base_gpu_id), "--weight-version", weight_version, "--skip-server-warmup"]
     return cmd + (extra_args.split() if extra_args else [])
 
 
 class SGLangServer:
-    """``python -m sglang.launch_server`` on 127.0.0.1, waited for through ``/health_generate``."""
+    """``python -m sglang.launch_server`` on ``host`` (127.0.0.1 unless a Ray node's address), waited for
+    through ``/health_generate``."""
 
     def __init__(
         self,
@@ -165,11 +167,13 @@ class SGLangServer:
         extra_args: str | None = None,
         base_gpu_id: int = 0,
         weight_version: str = "0",
+        host: str = "127.0.0.1",
     ):
         require_sglang()
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or free_port(host)
         cmd = sglang_command(
-            model_path, self.port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version
+            model_path, self.port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version, host
         )
         self._process = _Process(cmd, Path(log_dir) / f"sglang-{self.port}.log", "sglang server")
         deadline = time.monotonic() + 1200
@@ -184,7 +188,7 @@ class SGLangServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
         self._process.stop(grace=30.0)

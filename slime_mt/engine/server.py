@@ -3,7 +3,9 @@ transformers model, with continuous batching (``scheduler.py``).
 
 Endpoints (SGLang names; the deprecated ``/get_*`` aliases too): ``/generate``, ``/health``,
 ``/health_generate``, ``/model_info``, ``/server_info``, ``/flush_cache``, ``/abort_request``,
-``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``.
+``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, and the distributed
+path (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``: weights broadcast from trainer rank 0, ``weight_group.py``).
 
 Guarantees, for any input: every request gets an answer; a client error is a 4xx naming the field
 (never a 5xx), an engine failure is a 5xx naming the cause and fails only the requests it touched;
@@ -45,6 +47,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
+from slime_mt.engine import weight_group
 from slime_mt.engine.images import MAX_IMAGE_PIXELS, load_image
 from slime_mt.engine.protocol import (
     GenerateRequest,
@@ -160,6 +163,7 @@ class EngineApp:
         self.model_path = model_path
         self._admission = asyncio.Event()  # cleared while paused: /generate waits before the scheduler
         self._admission.set()
+        self.weight_groups: dict[str, object] = {}  # group name -> the process group joined for weights
         routes = [
             Route("/generate", self.generate, methods=["POST", "PUT"]),
             Route("/health", self.health, methods=["GET"]),
@@ -174,6 +178,9 @@ class EngineApp:
             Route("/continue_generation", self.continue_generation, methods=["POST"]),
             Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
             Route("/get_weight_version", self.weight_version, methods=["GET"]),
+            Route("/init_weights_update_group", self.init_weights_update_group, methods=["POST"]),
+            Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=["POST"]),
+            Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=["POST"]),
         ]
         self.app = Starlette(routes=[Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes])
 
@@ -264,6 +271,7 @@ class EngineApp:
                 "version": __version__,
                 "context_length": self.runner.context_length,
                 "max_running_requests": self.scheduler.max_batch_size,
+                "tp_size": 1,  # one device: its rank in a weight group is its rank_offset
                 "weight_version": self.scheduler.weight_version,
                 "internal_states": [self.scheduler.load()],
                 "image_token_id": self.runner.image_token_id,
@@ -327,6 +335,77 @@ class EngineApp:
                 "weight_version": self.scheduler.weight_version,
             }
         )
+
+    async def init_weights_update_group(self, request: Request):
+        """Join the trainer's weight group as rank ``rank_offset`` (SGLang's answer: success and message,
+        400 when it cannot)."""
+        body = await _json_body(request)
+        address, port = body.get("master_address"), body.get("master_port")
+        offset, world = body.get("rank_offset"), body.get("world_size")
+        name, backend = body.get("group_name", weight_group.GROUP_NAME), body.get("backend", "nccl")
+        if not isinstance(address, str) or not address:
+            return _refused(f"master_address must be a host, got {show(address)}")
+        if not all(_is_int(v) for v in (port, offset, world)) or not 1 <= offset < world:
+            return _refused(
+                f"master_port, rank_offset (1 .. world_size-1) and world_size must be integers, got "
+                f"{show(port)}, {show(offset)}, {show(world)}"
+            )
+        if backend not in ("gloo", "nccl") or (backend == "nccl" and self.runner.device.type != "cuda"):
+            return _refused(f"backend {show(backend)}: this engine serves on {self.runner.device.type}; use gloo")
+        if not isinstance(name, str) or name in self.weight_groups:
+            return _refused(f"group_name {show(name)}: already joined, or not a string")
+        join = functools.partial(weight_group.join, backend, address, port, world, offset, name)
+        try:
+            self.weight_groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        except Exception as e:  # the rendezvous timed out or the store was unreachable
+            return _refused(f"joining {name} at {address}:{port} failed: {type(e).__name__}: {e}")
+        return _JSON({"success": True, "message": f"joined {name} as rank {offset} of {world}"})
+
+    async def update_weights_from_distributed(self, request: Request):
+        """Receive one bucket from rank 0 of the weight group and load it (all or nothing); the version
+        and a prefix-cache flush follow as in ``/update_weights_from_disk``."""
+        body = await _json_body(request)
+        name, version = body.get("group_name", weight_group.GROUP_NAME), body.get("weight_version")
+        if name not in self.weight_groups:
+            return _refused(f"group_name {show(name)}: not joined (call /init_weights_update_group first)")
+        if version is not None and not isinstance(version, str):
+            return _refused(f"weight_version must be a string, got {show(version)}")
+        try:
+            names, dtypes, shapes = weight_group.check_bucket(body)
+        except ValueError as e:
+            return _refused(f"update_weights_from_distributed: {e}")
+        loop = asyncio.get_running_loop()
+        receive = functools.partial(
+            weight_group.receive, self.weight_groups[name], names, dtypes, shapes, str(self.runner.device)
+        )
+        tensors = await loop.run_in_executor(None, receive)
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(abort_all=True)
+        try:
+            count = await loop.run_in_executor(
+                None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights(tensors), version)
+            )
+        except WeightUpdateError as e:
+            return _refused(str(e))
+        return _JSON({"success": True, "message": f"Updated {count} tensors from {name}."})
+
+    async def destroy_weights_update_group(self, request: Request):
+        body = await _json_body(request, required=False)
+        name = body.get("group_name", weight_group.GROUP_NAME)
+        group = self.weight_groups.pop(name, None) if isinstance(name, str) else None
+        if group is None:
+            return _refused(f"group_name {show(name)}: not joined")
+        weight_group.leave(group)
+        return _JSON({"success": True, "message": f"left {name}"})
+
+
+def _refused(message: str) -> JSONResponse:
+    """SGLang's answer to a weight call it cannot do: success false and why, HTTP 400."""
+    return _JSON({"success": False, "message": message}, status_code=400)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _retrieve(waiter: asyncio.Future) -> None:

@@ -1,4 +1,15 @@
-"""Weights for engines outside the trainer's process: one safetensors folder per version on disk.
+"""New weights to the engines, one way per kind of engine (``transport_for`` picks it).
+
+- ``InProcessWeights``: embedded engines in the trainer's rank-0 process take the tensors directly.
+- ``FolderWeights``: engines on this machine (``--engine-url``, launched SGLang servers) load a
+  safetensors folder per version (``WeightFolders``, below) through ``/update_weights_from_disk``.
+- ``DistributedWeights``: engines on other nodes, with no shared file system: rank 0 joins a process
+  group with every engine's devices (``/init_weights_update_group``) and broadcasts the weights in
+  buckets of ``--update-weight-buffer-size`` bytes, each announced by
+  ``/update_weights_from_distributed`` (NCCL on GPUs, gloo on CPUs; ``weight_group.py``), as slime does.
+
+Every transport's ``push(stream, version, gate_closed)`` loads the whole stream as ``version`` on
+every engine, with generation held only while the engines change (``gate_closed``).
 
 ``WeightFolders`` writes ``ROOT/v{N}`` for version N (to ``ROOT/.tmp_v{N}`` first, then renamed, so
 an engine never reads half a folder) and deletes what no engine needs: once every engine has
@@ -14,13 +25,20 @@ in the same run directory) are deleted when the run starts: no update is reading
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from slime_mt.engine import weight_group
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +93,153 @@ class WeightFolders:
 
 def _is_version(name: str) -> bool:
     return name.startswith("v") and name[1:].isdigit()
+
+
+def transport_for(cfg, on_ray: bool, engines, ctx, run_dir: Path):
+    """The run's weight transport from ``--weight-transport`` (``cfg``: the EngineConfig) and where the
+    engines are (``engines``: the EngineGroup, ``ctx``: the rollout context with its client)."""
+    from slime_mt.config import ConfigError
+
+    mode = cfg.weight_transport
+    if mode == "auto":
+        mode = "inprocess" if engines.local_engines else ("distributed" if on_ray else "disk")
+    if mode == "inprocess":
+        if not engines.local_engines:
+            raise ConfigError(
+                "--weight-transport inprocess: the engines are not in this process; use disk or distributed"
+            )
+        return InProcessWeights(engines.local_engines)
+    if mode == "disk":
+        return FolderWeights(ctx, WeightFolders(run_dir / "weights", cfg.keep_weight_versions))
+    if cfg.update_weight_buffer_size < 1:
+        raise ConfigError(
+            f"--update-weight-buffer-size={cfg.update_weight_buffer_size}: must be a positive number of bytes"
+        )
+    tp_sizes = [int(info.get("tp_size", 1)) for info in ctx.run_sync(ctx.client.server_info())]
+    return DistributedWeights(ctx, tp_sizes, cfg.update_weight_buffer_size)
+
+
+GateClosed = Callable[[], contextlib.AbstractContextManager]
+
+
+class InProcessWeights:
+    def __init__(self, engines: list) -> None:
+        self.engines = engines  # LocalEngine objects in this process
+
+    def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
+        named = dict(stream)
+        with gate_closed():
+            for engine in self.engines:
+                engine.update_weights_from_tensors(named, weight_version=str(version))
+
+    def close(self) -> None:
+        pass
+
+
+class FolderWeights:
+    def __init__(self, ctx, folders: WeightFolders) -> None:
+        self.ctx, self.folders = ctx, folders
+
+    def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
+        folder = self.folders.write(version, stream)  # written while the engines still generate
+        with gate_closed():
+            self.ctx.run_sync(self.ctx.client.update_weights_from_disk(str(folder), weight_version=str(version)))
+        self.folders.acknowledged(version)
+
+    def close(self) -> None:
+        pass
+
+
+class DistributedWeights:
+    """Rank 0's end of the weight group: joined at start (every engine's devices after it), one
+    broadcast per bucket per version, left at the end."""
+
+    def __init__(self, ctx, tp_sizes: list[int], buffer_bytes: int, address: str | None = None) -> None:
+        self.ctx, self.buffer_bytes = ctx, buffer_bytes
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.name = f"slime_mt_weights_{uuid.uuid4().hex[:8]}"  # a failed group is abandoned, never reused
+        self.broken = False  # a bucket failed: the engines' weights are mixed, the run must stop
+        self._unfinished = None  # the broadcasts of a failed bucket, when they had not finished
+        client = ctx.client
+        address = address or weight_group.address_toward(client.worker_urls)
+        port = weight_group.free_port(address)
+        joined = ctx.submit(client.init_weights_update_group(address, port, tp_sizes, self.name, self.backend))
+        group = _in_thread(weight_group.join, self.backend, address, port, 1 + sum(tp_sizes), 0, self.name)
+        _first_failure([group, joined], "joining the weight group")
+        self.group = group.result()
+        logger.info(
+            "weight group %s: rank 0 at %s:%d (%s), engines %s with %s devices",
+            self.name,
+            address,
+            port,
+            self.backend,
+            client.worker_urls,
+            tp_sizes,
+        )
+
+    def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        client = self.ctx.client
+        with gate_closed():
+            for bucket in weight_group.buckets(stream, self.buffer_bytes):
+                tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+                answered = self.ctx.submit(
+                    client.update_weights_from_distributed(
+                        [name for name, _ in bucket],
+                        [weight_group.dtype_name(t.dtype) for t in tensors],
+                        [list(t.shape) for t in tensors],
+                        self.name,
+                        str(version),
+                    )
+                )
+                works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+                sent = _in_thread(_wait_all, works)
+                try:
+                    _first_failure([sent, answered], f"weights version {version} to {client.worker_urls}")
+                except BaseException:
+                    self.broken = True
+                    self._unfinished = None if sent.done() else sent
+                    raise
+
+    def close(self) -> None:
+        """Leave the group on every engine and here; an engine that cannot (it left, or is gone) is logged."""
+        from slime_mt.engine.client import EngineError
+
+        try:
+            self.ctx.run_sync(self.ctx.client.destroy_weights_update_group(self.name))
+        except EngineError as e:
+            logger.warning("leaving the weight group %s: %s", self.name, e)
+        finally:
+            if self._unfinished is None:  # destroying a group with a broadcast pending would wait on it
+                weight_group.leave(self.group)
+
+
+def _in_thread(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` in a daemon thread -> its future (a wait that may never end must not hold the exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="slime-mt-weights").start()
+    return future
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _first_failure(futures: list[concurrent.futures.Future], what: str, grace: float = 5.0) -> None:
+    """Wait for every future; once one fails, give the others ``grace`` seconds (the engine's answer says
+    why better than the broken connection does) and raise every failure. An engine that refused a bucket
+    never receives it, and the broadcast would otherwise wait for it until the group's timeout."""
+    done, pending = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    if not any(f.exception() is not None for f in done):
+        return
+    concurrent.futures.wait(pending, timeout=grace)
+    failures = [f.exception() for f in futures if f.done() and f.exception() is not None]
+    raise RuntimeError(f"{what}: " + "; ".join(str(e) for e in failures)) from failures[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -181,6 +182,10 @@ class RolloutContext:
     def run_sync(self, coro) -> Any:
         """Run a coroutine on the run's loop from synchronous code and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Start a coroutine on the run's loop from synchronous code -> its future (do not wait)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
         if self.compat is not None:

@@ -1,10 +1,14 @@
-"""Helpers for engine tests: run a coroutine, draw distinct images, encode them as data URIs."""
+"""Helpers for engine tests: run a coroutine, draw distinct images, encode them as data URIs, a client
+on a loop of its own (what a weight transport needs of the rollout context)."""
 
 import asyncio
 import base64
 import io
+import threading
 
 from PIL import Image, ImageDraw
+
+from slime_mt.engine.client import EngineClient
 
 
 def run(coro):
@@ -51,3 +55,22 @@ def eager_to_stop_model(src, out, eos: int, runner_up: int | None = None):
             layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+class LoopSide:
+    """What a weight transport needs of the rollout context: a client and a loop in its own thread."""
+
+    def __init__(self, url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = EngineClient(url)
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run_sync(self, coro):
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        self.run_sync(self.client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -162,6 +162,15 @@ def reserve(plan_: Plan, timeout: float = 300.0) -> Placement:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources = plan_.bundle_resources()
+    total = ray.cluster_resources()
+    short = {k: v * plan_.bundles for k, v in resources.items() if v * plan_.bundles > total.get(k, 0)}
+    if short:
+        have = {k: total.get(k, 0) for k in short}
+        raise ConfigError(
+            f"the Ray cluster cannot hold {plan_.bundles} bundles of {resources}: they need {short} and the "
+            f"cluster has {have} in all (see --actor-num-nodes, "
+            f"--actor-num-gpus-per-node, --rollout-num-gpus)"
+        )
     group = placement_group([dict(resources) for _ in range(plan_.bundles)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout)
     if not ready:

@@ -1,0 +1,193 @@
+"""``slime-mt train --ray``: the run on a Ray cluster.
+
+The driver (the ``slime-mt train`` process, on the head node) connects to the cluster
+(``--ray-address``; none: starts a local one), reserves the run's placement group (``placement.py``),
+logs who runs where, starts one ``EngineActor`` per engine on its devices and, for several engines,
+the sglang-router on its own node in front of them, then one ``TrainerRank`` per Megatron rank. The
+ranks run the roles as under ``torchrun``; rank 0's rollout side reaches the engines by the URLs the
+driver hands it and sends them weights over the distributed path (``--weight-transport auto``). The
+driver waits for the ranks; when one fails it stops the others (they would wait in a collective),
+then the engines, the router and the placement group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from slime_mt.config import Config, ConfigError
+from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
+
+logger = logging.getLogger(__name__)
+
+
+def plan_of(cfg: Config, use_gpus: bool) -> Plan:
+    """The run's plan from its flags; ConfigError naming the flag when they do not fit together."""
+    c, e = cfg.cluster, cfg.engine
+    tp = cfg.train.tensor_model_parallel_size
+    if e.engine_url:
+        raise ConfigError("--engine-url with --ray: the run places and starts its engines; give one or the other")
+    per_node = c.actor_num_gpus_per_node or tp
+    rollout = c.rollout_num_gpus
+    if rollout is None and not c.colocate:
+        rollout = e.num_engines * c.rollout_num_gpus_per_engine
+    result = plan(
+        c.actor_num_nodes,
+        per_node,
+        rollout,
+        c.rollout_num_gpus_per_engine,
+        c.num_gpus_per_node,
+        colocate=c.colocate,
+        use_gpus=use_gpus,
+    )
+    if result.trainer_ranks % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tp} must divide the trainer's {result.trainer_ranks} ranks "
+            f"(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if e.engine == "local" and use_gpus and c.rollout_num_gpus_per_engine != 1:
+        raise ConfigError("--rollout-num-gpus-per-engine: the embedded engine (--engine local) runs on one device")
+    return result
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at ``address`` (or start a local one), with this process's working directory
+    and module path for every worker."""
+    import ray
+
+    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path, os.environ.get("PYTHONPATH", "")] if p)
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": paths}},
+        logging_level=logging.WARNING,
+    )
+
+
+def place(cfg: Config) -> Placement:
+    """Reserve the run's placement group on the connected cluster (GPU bundles when it has GPUs)."""
+    import ray
+
+    use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    placement = reserve(plan_of(cfg, use_gpus))
+    for line in placement.describe():
+        print(f"placement: {line}", flush=True)
+    return placement
+
+
+def dry_run_placement(cfg: Config) -> list[str]:
+    """``--dry-run --ray``: reserve the placement group, describe it, release it -> the lines."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    connect(cfg.cluster.ray_address)
+    try:
+        use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        placement = reserve(plan_of(cfg, use_gpus))
+        remove_placement_group(placement.group)
+        return placement.describe()
+    finally:
+        ray.shutdown()
+
+
+def run(cfg: Config, run_dir: Path) -> None:
+    """Train ``cfg`` on the Ray cluster; raises what the first failing rank raised."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from slime_mt.engine.launch import Router
+
+    connect(cfg.cluster.ray_address)
+    placement = None
+    engines, ranks, router = [], [], None
+    try:
+        placement = place(cfg)
+        engines, urls = _start_engines(cfg, placement, run_dir)
+        if len(urls) > 1:
+            router = Router(
+                run_dir / "logs", host=ray.util.get_node_ip_address(), policy=cfg.engine.sglang_router_policy
+            )
+            for url in urls:
+                router.add_worker(url)
+            urls = [router.url, *urls]
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=urls))
+        ranks = [
+            _actor(_actors().TrainerRank, placement, slot.bundle, gpus=1 if placement.plan.use_gpus else 0)
+            for slot in placement.trainer
+        ]
+        master = ray.get(ranks[0].rendezvous.remote())
+        logger.info("trainer ranks rendezvous at %s:%d", *master)
+        _wait_all([r.train.remote(cfg, str(run_dir), i, len(ranks), master) for i, r in enumerate(ranks)])
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+        for engine in engines:
+            try:
+                ray.get(engine.stop.remote(), timeout=60)
+            except Exception:  # stop everything even if one engine cannot be stopped cleanly
+                logger.exception("stopping an engine failed")
+            ray.kill(engine)
+        if router is not None:
+            router.stop()
+        if placement is not None:
+            remove_placement_group(placement.group)
+        ray.shutdown()
+
+
+def _actors():
+    from slime_mt.launch.ray import actors
+
+    return actors
+
+
+def _actor(cls, placement: Placement, bundle: int, gpus: float, **options):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=bundle)
+    return cls.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy, **options).remote(
+        os.getcwd(), list(sys.path)
+    )
+
+
+def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[list, list[str]]:
+    """One EngineActor per engine in the bundle of its first device, given its devices -> (actors, URLs).
+    The actor holds no device of its own: it sets ``CUDA_VISIBLE_DEVICES`` to the engine's devices."""
+    import ray
+
+    no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    actors = [
+        _actor(_actors().EngineActor, placement, slots[0].bundle, gpus=0, runtime_env=no_visible_devices_override)
+        for slots in placement.engines
+    ]
+    started = [
+        actor.start.remote(
+            cfg.engine,
+            cfg.train.hf_checkpoint,
+            [s.gpu for s in slots if s.gpu is not None],
+            cfg.train.seed + e,
+            str(run_dir / "logs"),
+        )
+        for e, (actor, slots) in enumerate(zip(actors, placement.engines))
+    ]
+    try:
+        urls = ray.get(started)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
+    for e, url in enumerate(urls):
+        print(f"placement: engine {e} serves at {url}", flush=True)
+    return actors, urls
+
+
+def _wait_all(refs: list) -> None:
+    """Every rank's result; the first failure is raised at once (the caller stops the other ranks)."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done[0])  # raises the rank's own exception (RayTaskError wraps it with its traceback)
