@@ -45,6 +45,22 @@ def _validate_async(r: RolloutConfig) -> None:
         )
 
 
+def _validate_cluster(cfg: Config) -> None:
+    """The placement flags (their fit to a cluster is checked when it is reserved)."""
+    k = cfg.cluster
+    for key in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine"):
+        value = getattr(k, key)
+        _require(value is None or value > 0, key, value, "must be a positive integer")
+    _require(k.num_gpus_per_node > 0, "num_gpus_per_node", k.num_gpus_per_node, "must be a positive integer")
+    if k.ray and cfg.engine.engine_url:
+        raise ConfigError("--engine-url with --ray: the run places and starts its engines; give one or the other")
+    if cfg.engine.weight_transport == "inprocess" and (k.ray or cfg.engine.engine_url):
+        raise ConfigError(
+            "--weight-transport inprocess: the engines are not in the trainer's process "
+            f"({'--ray' if k.ray else '--engine-url'}); use distributed or disk"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the flag and value of the first impossible setting or combination."""
     r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
@@ -59,12 +75,9 @@ def validate(cfg: Config) -> None:
         "rollout_concurrency",
     ):
         _require(getattr(r, key) > 0, key, getattr(r, key), "must be a positive integer")
-    _require(
-        cfg.engine.sglang_server_concurrency > 0,
-        "sglang_server_concurrency",
-        cfg.engine.sglang_server_concurrency,
-        "must be a positive integer",
-    )
+    for key in ("sglang_server_concurrency", "update_weight_buffer_size"):
+        _require(getattr(cfg.engine, key) > 0, key, getattr(cfg.engine, key), "must be a positive integer")
+    _validate_cluster(cfg)
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):

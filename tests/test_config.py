@@ -214,6 +214,11 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--eval-temperature", "-0.5"], r"--eval-temperature=-0.5: must be >= 0"),
         (["--n-samples-per-eval-prompt", "0"], r"--n-samples-per-eval-prompt=0: must be a positive integer"),
         (["--sglang-server-concurrency", "0"], r"--sglang-server-concurrency=0: must be a positive integer"),
+        (["--update-weight-buffer-size", "0"], r"--update-weight-buffer-size=0: must be a positive integer"),
+        (["--actor-num-nodes", "0"], r"--actor-num-nodes=0: must be a positive integer"),
+        (["--rollout-num-gpus-per-engine", "-2"], r"--rollout-num-gpus-per-engine=-2: must be a positive integer"),
+        (["--ray", "--engine-url", "http://a:1"], r"--engine-url with --ray: the run places and starts its engines"),
+        (["--ray", "--weight-transport", "inprocess"], r"--weight-transport inprocess: the engines are not in"),
         (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
         (
             ["--global-batch-size", "100"],
@@ -305,11 +310,13 @@ def test_help_lists_flags_grouped_by_concern():
     proc = subprocess.run([sys.executable, "-m", "slime_mt.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     text = proc.stdout
-    positions = [text.index(f"\n  {group}:") for group in ("data", "rollout", "engine", "algo", "train", "checkpoint")]
+    groups = ("data", "rollout", "engine", "cluster", "algo", "train", "checkpoint")
+    positions = [text.index(f"\n  {group}:") for group in groups]
     assert positions == sorted(positions)
     assert text.index("--rollout-function-path") > positions[1]
-    assert text.index("--eps-clip-high") > positions[3]
-    assert text.index("--tensor-model-parallel-size") > positions[4]
+    assert positions[3] < text.index("--actor-num-nodes") < positions[4]
+    assert text.index("--eps-clip-high") > positions[4]
+    assert text.index("\n    --tensor-model-parallel-size") > positions[5]
 
 
 def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(tiny_paths):

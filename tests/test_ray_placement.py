@@ -3,11 +3,18 @@ GPUs (Ray hands out device ids without physical GPUs): the geo3k recipe's layout
 disaggregated and colocated, and on two nodes; every rank and engine asserts from inside its actor
 the node and device it was given."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import ray
 
 from slime_mt.config import ConfigError
 from slime_mt.launch.ray.placement import Slot, assign, plan, reserve
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +127,49 @@ def test_every_rank_and_engine_runs_where_the_placement_says(cluster, name, flag
 
 
 def test_a_run_the_cluster_cannot_hold_names_the_resources(cluster):
-    with pytest.raises(RuntimeError, match=r"cannot hold 24 bundles of \{'GPU': 1.0, 'CPU': 1.0\}"):
+    with pytest.raises(ConfigError, match=r"cannot hold 24 bundles of \{'GPU': 1.0, 'CPU': 1.0\}: they need"):
         reserve(plan(1, 8, 16, 2, 8), timeout=3)
+
+
+@pytest.mark.parametrize(
+    "nodes,expect",
+    [
+        # one 8-GPU node: trainer ranks on GPUs 0-3, the 4 engines on GPUs 4-7
+        ("1", {"trainer": [(0, g) for g in range(4)], "engines": [[(0, g)] for g in range(4, 8)]}),
+        # two nodes, by flags alone: 8 ranks fill the first node, 8 engines the second
+        ("2", {"trainer": [(0, g) for g in range(8)], "engines": [[(1, g)] for g in range(8)]}),
+    ],
+)
+def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, nodes, expect):
+    """The geo3k GPU recipe through --ray --dry-run on the cluster: its configuration, then which node
+    and device each trainer rank and each engine gets."""
+    script = REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = dict(os.environ, MODEL="/models/Qwen3-VL-2B-Instruct", PYTHON=sys.executable, RAY_ADDRESS=cluster.address)
+    proc = subprocess.run(
+        ["bash", str(script), "2", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(env, NUM_NODES=nodes),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor_model_parallel_size: 2" in proc.stdout and "engine: sglang" in proc.stdout
+    assert "eps_clip_high: 0.28" in proc.stdout and "hf_checkpoint: /models/Qwen3-VL-2B-Instruct" in proc.stdout
+    lines = [line.removeprefix("# placement: ") for line in proc.stdout.splitlines() if line.startswith("# placement")]
+    node_order = []
+    seen = {"trainer": [], "engines": []}
+    for line in lines:
+        role, where = line.split(": ", 1)
+        node = where.split("(", 1)[1].split(")", 1)[0]
+        if node not in node_order:
+            node_order.append(node)
+        gpus = [int(g) for g in where.rsplit(" ", 1)[1].split(",")] if role.startswith("engine") else []
+        if role.startswith("trainer"):
+            seen["trainer"].append((node_order.index(node), int(where.rsplit(" ", 1)[1])))
+        else:
+            seen["engines"].append([(node_order.index(node), g) for g in gpus])
+    assert seen == expect, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize(

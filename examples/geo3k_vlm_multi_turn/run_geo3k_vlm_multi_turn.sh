@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # geo3k VLM multi-turn GRPO on GPUs: Qwen3-VL-2B-Instruct from a local HF folder, SGLang engines
-# behind sglang-router, Megatron with tensor parallelism, asymmetric PPO clip (as slime's recipe).
+# behind sglang-router, Megatron with tensor parallelism, asymmetric PPO clip (as slime's recipe),
+# placed by Ray: trainer ranks and engines on their own GPUs (README "Running on a cluster").
 #   MODEL=/models/Qwen3-VL-2B-Instruct GEO3K=/data/geo3k \
 #   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh [TP] [extra slime-mt flags]
-# GEO3K holds the geo3k parquet files (train-*.parquet, test-*.parquet). --dry-run prints the
-# resolved configuration, checks the plug-ins and exits. The run folder (data, checkpoints, metrics,
-# config.yaml, train.log) is $RUN_DIR, by default $HOME/slime_mt_runs/geo3k_qwen3vl_2b (printed first).
+# One 8-GPU node (default): 4 trainer ranks on GPUs 0-3, 4 engines on GPUs 4-7. NUM_NODES=2 after
+# `ray start` on both (RAY_ADDRESS=head:6379, or run it on the head): 8 ranks fill the first node,
+# 8 engines the second. NUM_GPUS (per node), ACTOR_GPUS (trainer ranks per node), ROLLOUT_GPUS and
+# ENGINE_GPUS (devices per engine) change the split. GEO3K holds the geo3k parquet files
+# (train-*.parquet, test-*.parquet). --dry-run prints the resolved configuration, checks the plug-ins,
+# prints the placement and exits. The run folder (data, checkpoints, metrics, config.yaml, train.log)
+# is $RUN_DIR, by default $HOME/slime_mt_runs/geo3k_qwen3vl_2b (printed first).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -14,8 +19,11 @@ shift || true
 MODEL="${MODEL:?set MODEL to a local Qwen3-VL-2B-Instruct folder}"
 GEO3K="${GEO3K:-}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+NUM_NODES="${NUM_NODES:-1}"
 NUM_GPUS="${NUM_GPUS:-8}"
-NUM_ENGINES="${NUM_ENGINES:-$((NUM_GPUS / 2))}"
+ACTOR_GPUS="${ACTOR_GPUS:-$((NUM_GPUS / 2))}"
+ROLLOUT_GPUS="${ROLLOUT_GPUS:-$((NUM_NODES * NUM_GPUS - NUM_NODES * ACTOR_GPUS))}"
+ENGINE_GPUS="${ENGINE_GPUS:-1}"
 RUN_DIR="${RUN_DIR:-$HOME/slime_mt_runs/geo3k_qwen3vl_2b}"
 DATA="$RUN_DIR/data"
 echo "[geo3k] run folder: $RUN_DIR" >&2
@@ -40,10 +48,10 @@ ARGS=(
     --use-tis --tis-clip 2.0
     --lr 1e-6 --weight-decay 0.1 --clip-grad 1.0 --bf16
     --tensor-model-parallel-size "$TP"
-    --engine sglang --num-engines "$NUM_ENGINES" --sglang-mem-fraction-static 0.7
+    --engine sglang --sglang-mem-fraction-static 0.7
+    --ray --actor-num-nodes "$NUM_NODES" --actor-num-gpus-per-node "$ACTOR_GPUS" --num-gpus-per-node "$NUM_GPUS"
+    --rollout-num-gpus "$ROLLOUT_GPUS" --rollout-num-gpus-per-engine "$ENGINE_GPUS"
     --save "$RUN_DIR/ckpt" --save-interval 20 --log-dir "$RUN_DIR"
 )
-if [ "$DRY_RUN" = 1 ]; then
-    exec "$PY" -m slime_mt.cli train "${ARGS[@]}" "$@"
-fi
-exec "$PY" -m torch.distributed.run --nproc-per-node "$TP" -m slime_mt.cli train "${ARGS[@]}" "$@"
+if [ -n "${RAY_ADDRESS:-}" ]; then ARGS+=(--ray-address "$RAY_ADDRESS"); fi
+exec "$PY" -m slime_mt.cli train "${ARGS[@]}" "$@"

@@ -28,8 +28,6 @@ def plan_of(cfg: Config, use_gpus: bool) -> Plan:
     """The run's plan from its flags; ConfigError naming the flag when they do not fit together."""
     c, e = cfg.cluster, cfg.engine
     tp = cfg.train.tensor_model_parallel_size
-    if e.engine_url:
-        raise ConfigError("--engine-url with --ray: the run places and starts its engines; give one or the other")
     per_node = c.actor_num_gpus_per_node or tp
     rollout = c.rollout_num_gpus
     if rollout is None and not c.colocate:
