@@ -205,9 +205,10 @@ class EngineConfig:
         "auto",
         "How new weights reach the engines: inprocess (embedded engines in rank 0's process), disk (a "
         "safetensors folder per version, engines on this machine), distributed (broadcast from rank 0 over "
-        "NCCL/gloo, engines on other nodes); auto: inprocess for engines this run starts in its process, "
-        "distributed under --ray, disk otherwise.",
-        choices=["auto", "inprocess", "disk", "distributed"],
+        "NCCL/gloo, engines on other nodes), tensor (passed by handle, engines on rank 0's node); auto: "
+        "inprocess for engines this run starts in its process, under --ray distributed (tensor when "
+        "colocated on GPUs), disk otherwise.",
+        choices=["auto", "inprocess", "disk", "distributed", "tensor"],
     )
     update_weight_buffer_size: int = _opt(
         512 * 1024**2, "distributed weight transport: bytes broadcast per bucket (slime's flag)."

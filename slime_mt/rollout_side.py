@@ -92,7 +92,7 @@ class RolloutSide:
         rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
         metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
         try:
-            weights = transport_for(cfg.engine, cfg.cluster.ray, engines, ctx, run_dir)
+            weights = transport_for(cfg.engine, cfg.cluster.ray, cfg.cluster.colocate, engines, ctx, run_dir)
         except BaseException:
             ctx.close()
             engines.stop()

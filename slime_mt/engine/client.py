@@ -459,6 +459,16 @@ class EngineClient:
         results = await self._broadcast("/update_weights_from_distributed", body, retry=False)
         self._acknowledged(f"/update_weights_from_distributed {names[0]}..{names[-1]}", results)
 
+    async def update_weights_from_tensor(self, entries: list[list[str]], weight_version: str) -> None:
+        """Worker i loads ``entries[i]`` (one serialized list of named tensors per tensor-parallel rank,
+        ``tensor_payload.serialize``) as ``weight_version``; EngineError naming the workers that refused."""
+        bodies = [
+            {"serialized_named_tensors": e, "load_format": None, "flush_cache": True, "weight_version": weight_version}
+            for e in entries
+        ]
+        results = await self._broadcast("/update_weights_from_tensor", bodies, retry=False)
+        self._acknowledged("/update_weights_from_tensor", results)
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, timeout=60.0, retry=False)
 

@@ -5,7 +5,8 @@ Endpoints (SGLang names; the deprecated ``/get_*`` aliases too): ``/generate``, 
 ``/health_generate``, ``/model_info``, ``/server_info``, ``/flush_cache``, ``/abort_request``,
 ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, and the distributed
 path (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``: weights broadcast from trainer rank 0, ``weight_group.py``).
+``/destroy_weights_update_group``: weights broadcast from trainer rank 0, ``weight_group.py``) and
+``/update_weights_from_tensor`` (tensors passed by handle on one node, ``tensor_payload.py``).
 
 Guarantees, for any input: every request gets an answer; a client error is a 4xx naming the field
 (never a 5xx), an engine failure is a 5xx naming the cause and fails only the requests it touched;
@@ -47,7 +48,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
-from slime_mt.engine import weight_group
+from slime_mt.engine import tensor_payload, weight_group
 from slime_mt.engine.images import MAX_IMAGE_PIXELS, load_image
 from slime_mt.engine.protocol import (
     GenerateRequest,
@@ -181,6 +182,7 @@ class EngineApp:
             Route("/init_weights_update_group", self.init_weights_update_group, methods=["POST"]),
             Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=["POST"]),
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=["POST"]),
+            Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=["POST"]),
         ]
         self.app = Starlette(routes=[Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes])
 
@@ -388,6 +390,32 @@ class EngineApp:
         except WeightUpdateError as e:
             return _refused(str(e))
         return _JSON({"success": True, "message": f"Updated {count} tensors from {name}."})
+
+    async def update_weights_from_tensor(self, request: Request):
+        """Load named tensors passed by handle from a process on this node (``tensor_payload.py``; this
+        engine has one rank, so it reads entry 0), all or nothing; version and cache as for the others."""
+        body = await _json_body(request)
+        entries, version = body.get("serialized_named_tensors"), body.get("weight_version")
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], (str, bytes)):
+            return _refused(f"serialized_named_tensors must be a non-empty list of strings, got {show(entries)}")
+        if body.get("load_format") not in (None, "direct"):
+            return _refused(f"load_format {show(body.get('load_format'))}: this engine reads (name, tensor) lists")
+        if version is not None and not isinstance(version, str):
+            return _refused(f"weight_version must be a string, got {show(version)}")
+        loop = asyncio.get_running_loop()
+        try:
+            named = dict(await loop.run_in_executor(None, tensor_payload.deserialize, entries[0]))
+        except tensor_payload.PayloadError as e:
+            return _refused(f"update_weights_from_tensor: {e}")
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(abort_all=True)
+        try:
+            count = await loop.run_in_executor(
+                None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights(named), version)
+            )
+        except WeightUpdateError as e:
+            return _refused(str(e))
+        return _JSON({"success": True, "message": f"Updated {count} tensors."})
 
     async def destroy_weights_update_group(self, request: Request):
         body = await _json_body(request, required=False)

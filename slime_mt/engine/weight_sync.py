@@ -7,6 +7,8 @@
   group with every engine's devices (``/init_weights_update_group``) and broadcasts the weights in
   buckets of ``--update-weight-buffer-size`` bytes, each announced by
   ``/update_weights_from_distributed`` (NCCL on GPUs, gloo on CPUs; ``weight_group.py``), as slime does.
+- ``TensorWeights``: engines on rank 0's node (colocated on GPUs, where NCCL cannot pair two processes
+  on one device): each bucket passed by handle through ``/update_weights_from_tensor``.
 
 Every transport's ``push(stream, version, gate_closed)`` loads the whole stream as ``version`` on
 every engine, with generation held only while the engines change (``gate_closed``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -95,7 +98,7 @@ def _is_version(name: str) -> bool:
     return name.startswith("v") and name[1:].isdigit()
 
 
-def transport_for(cfg, on_ray: bool, engines, ctx, run_dir: Path):
+def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Path):
     """The run's weight transport from ``--weight-transport`` (``cfg``: the EngineConfig) and where the
     engines are (``engines``: the EngineGroup, ``ctx``: the rollout context with its client)."""
     from slime_mt.config import ConfigError
@@ -103,6 +106,8 @@ def transport_for(cfg, on_ray: bool, engines, ctx, run_dir: Path):
     mode = cfg.weight_transport
     if mode == "auto":
         mode = "inprocess" if engines.local_engines else ("distributed" if on_ray else "disk")
+        if mode == "distributed" and colocated and torch.cuda.is_available():
+            mode = "tensor"  # NCCL cannot broadcast between two processes on one device
     if mode == "inprocess":
         if not engines.local_engines:
             raise ConfigError(
@@ -212,6 +217,42 @@ class DistributedWeights:
         finally:
             if self._unfinished is None:  # destroying a group with a broadcast pending would wait on it
                 weight_group.leave(self.group)
+
+
+class TensorWeights:
+    """Engines on rank 0's node, colocated or not: each bucket passed by handle (CUDA IPC on GPUs,
+    shared memory on CPUs) through ``/update_weights_from_tensor``, as slime does for colocated
+    engines. Every rank of an engine is given rank 0's handles, which a rank on another device can
+    only open where peer access allows; an engine of several devices colocated on several trainer
+    ranks needs each rank's own copy (colocated mode)."""
+
+    def __init__(self, ctx, tp_sizes: list[int], buffer_bytes: int) -> None:
+        self.ctx, self.tp_sizes, self.buffer_bytes = ctx, tp_sizes, buffer_bytes
+        _sglang_device_reductions()
+
+    def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
+        from slime_mt.engine import tensor_payload
+
+        with gate_closed():
+            for bucket in weight_group.buckets(stream, self.buffer_bytes):
+                entry = tensor_payload.serialize(bucket)  # the bucket stays referenced until the engines answer
+                entries = [[entry] * tp for tp in self.tp_sizes]
+                self.ctx.run_sync(self.ctx.client.update_weights_from_tensor(entries, str(version)))
+
+    def close(self) -> None:
+        pass
+
+
+def _sglang_device_reductions() -> None:
+    """Where SGLang is installed, its CUDA reductions (a device named by UUID, so an engine that sees
+    other devices than the trainer opens the right one), as slime applies them before serializing."""
+    for module in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
+        try:
+            patch = importlib.import_module(module).monkey_patch_torch_reductions
+        except (ImportError, AttributeError):
+            continue
+        patch()
+        return
 
 
 def _in_thread(fn, *args) -> concurrent.futures.Future:

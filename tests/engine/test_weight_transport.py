@@ -1,5 +1,6 @@
-"""Weights over the distributed path: rank 0 (this process) broadcasts to an embedded engine in another
-process through SGLang's weight-group endpoints, in buckets; nothing is written to disk."""
+"""Weights to an embedded engine in another process, nothing written to disk: over the distributed path
+(rank 0, this process, broadcasts through SGLang's weight-group endpoints, in buckets) and by handle
+(``/update_weights_from_tensor``, shared memory on one node)."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from engine_helpers import LoopSide
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.server import LocalEngine, wait_healthy
-from slime_mt.engine.weight_sync import DistributedWeights
+from slime_mt.engine.weight_sync import DistributedWeights, TensorWeights
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 29, 101, 7, 64]
@@ -55,10 +56,11 @@ def greedy(url: str) -> tuple[list[int], list[float], str]:
     )
 
 
-def test_three_versions_broadcast_in_buckets_serve_exactly_the_sent_weights(remote_engine, tiny_paths):
+@pytest.mark.parametrize("transport", [DistributedWeights, TensorWeights])
+def test_three_versions_in_buckets_serve_exactly_the_sent_weights(remote_engine, tiny_paths, transport):
     base = load_hf_state(tiny_paths["qwen2"])
     side = LoopSide(remote_engine)
-    weights = DistributedWeights(side, [1], buffer_bytes=64 * 1024)  # several buckets per version
+    weights = transport(side, [1], buffer_bytes=64 * 1024)  # several buckets per version
     try:
         with LocalEngine(tiny_paths["qwen2"]) as reference:
             for step in (1, 2, 3):
@@ -109,3 +111,32 @@ class _no_gate:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_tensor_payload_can_only_rebuild_tensors(remote_engine):
+    """The handle format is a pickle: one that names any other callable, or is not a pickle of named
+    tensors, is refused with 400 before anything runs, and the engine keeps its weights."""
+    import base64
+    import pickle
+
+    class Shell:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("touch /tmp/slime_mt_should_not_exist",))
+
+    before = greedy(remote_engine)
+    for entry, expected in [
+        (base64.b64encode(pickle.dumps([("model.norm.weight", Shell())])).decode(), "posix.system"),
+        (base64.b64encode(pickle.dumps({"model.norm.weight": 1})).decode(), "list of (name, tensor) pairs"),
+        ("not base64!", "not base64"),
+    ]:
+        answer = httpx.post(
+            remote_engine + "/update_weights_from_tensor",
+            json={"serialized_named_tensors": [entry], "weight_version": "99"},
+            timeout=30,
+        )
+        assert answer.status_code == 400 and answer.json()["success"] is False
+        assert expected in answer.json()["message"]
+    assert not Path("/tmp/slime_mt_should_not_exist").exists()
+    assert greedy(remote_engine) == before
