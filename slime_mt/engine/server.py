@@ -380,16 +380,7 @@ class EngineApp:
         receive = functools.partial(
             weight_group.receive, self.weight_groups[name], names, dtypes, shapes, str(self.runner.device)
         )
-        tensors = await loop.run_in_executor(None, receive)
-        if body.get("abort_all_requests"):
-            self.scheduler.abort(abort_all=True)
-        try:
-            count = await loop.run_in_executor(
-                None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights(tensors), version)
-            )
-        except WeightUpdateError as e:
-            return _refused(str(e))
-        return _JSON({"success": True, "message": f"Updated {count} tensors from {name}."})
+        return await self._load_received(body, await loop.run_in_executor(None, receive), version, name)
 
     async def update_weights_from_tensor(self, request: Request):
         """Load named tensors passed by handle from a process on this node (``tensor_payload.py``; this
@@ -407,15 +398,19 @@ class EngineApp:
             named = dict(await loop.run_in_executor(None, tensor_payload.deserialize, entries[0]))
         except tensor_payload.PayloadError as e:
             return _refused(f"update_weights_from_tensor: {e}")
+        return await self._load_received(body, named, version, "handles")
+
+    async def _load_received(self, body: dict, named: dict, version: str | None, source: str) -> JSONResponse:
+        """Load tensors a weight call received (all or nothing, once no request runs or paused), after
+        aborting everything when the call asks (SGLang's ``abort_all_requests``)."""
         if body.get("abort_all_requests"):
             self.scheduler.abort(abort_all=True)
+        load = functools.partial(self.scheduler.update_weights, lambda: self.runner.load_weights(named), version)
         try:
-            count = await loop.run_in_executor(
-                None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights(named), version)
-            )
+            count = await asyncio.get_running_loop().run_in_executor(None, load)
         except WeightUpdateError as e:
             return _refused(str(e))
-        return _JSON({"success": True, "message": f"Updated {count} tensors."})
+        return _JSON({"success": True, "message": f"Updated {count} tensors from {source}."})
 
     async def destroy_weights_update_group(self, request: Request):
         body = await _json_body(request, required=False)
