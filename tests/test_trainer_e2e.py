@@ -549,15 +549,23 @@ def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tm
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray"])
 def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, request):
-    """--fully-async at TP=2, under torchrun and on three Ray nodes: rank 0's manager feeds both ranks,
-    the weights reach the engine mid-generation (on Ray: broadcast to another node), every group is
-    trained once and no token is staler than S=1."""
+    """--fully-async at TP=2, under torchrun and on four Ray nodes: rank 0's manager feeds both ranks,
+    the weights reach the engine mid-generation (on Ray: broadcast to two engines on two other nodes,
+    behind the router), every group is trained once and no token is staler than S=1."""
     flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
     if launcher == "ray":
-        cmd = ray_cmd(geo3k, tmp_path, request.getfixturevalue("three_nodes"), *flags, "--rollout-num-gpus", "1")
+        cluster = request.getfixturevalue("three_nodes")
+        fourth = cluster.add_node(num_cpus=2, num_gpus=1)  # two engines, on two nodes, behind the router
+        cluster.wait_for_nodes()
+        try:
+            proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "2"))
+        finally:
+            cluster.remove_node(fourth)
+        nodes = placement_lines(proc.stdout)
+        assert len({nodes.get("engine 0"), nodes.get("engine 1")} - {None}) == 2, proc.stdout[-2000:]
+        assert len(set(nodes.values())) == 4
     else:
-        cmd = train_cmd(geo3k, tmp_path, *flags, tp=2, steps=3)
-    proc = run(cmd)
+        proc = run(train_cmd(geo3k, tmp_path, *flags, tp=2, steps=3))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
