@@ -1,7 +1,7 @@
 """Placement on a real Ray cluster of two nodes with their own raylets on loopback, each declaring 8
 GPUs (Ray hands out device ids without physical GPUs): the geo3k recipe's layouts on one 8-GPU node,
-disaggregated and colocated, and on two nodes; every rank and engine asserts from inside its actor
-the node and device it was given."""
+disaggregated and colocated, and on two nodes; the run's own actors (a TrainerRank per rank, an
+EngineActor per engine) report from inside the node and devices they were given."""
 
 import os
 import subprocess
@@ -35,27 +35,17 @@ def cluster():
         cluster.shutdown()
 
 
-def _inside(placement, role_gpus: float):
-    """Start one actor per trainer rank and per engine device in its bundle -> what each saw."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+def _inside(placement):
+    """Start the run's own actors (a TrainerRank per rank, an EngineActor per engine) in their bundles,
+    as ``--ray`` does -> what each saw from inside: its node, its Ray devices, its visible devices."""
+    from slime_mt.launch.ray.driver import engine_actors, trainer_actors
 
-    @ray.remote
-    class Reporter:
-        def where(self):
-            ids = ray.get_gpu_ids()
-            return ray.get_runtime_context().get_node_id(), [int(i) for i in ids]
-
-    def start(slot: Slot, gpus: float):
-        strategy = PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=slot.bundle)
-        return Reporter.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote()
-
-    trainer = [start(slot, role_gpus) for slot in placement.trainer]
-    engines = [[start(slot, role_gpus) for slot in slots] for slots in placement.engines]
-    seen_trainer = ray.get([a.where.remote() for a in trainer])
-    seen_engines = [ray.get([a.where.remote() for a in actors]) for actors in engines]
-    for actor in trainer + [a for actors in engines for a in actors]:
-        ray.kill(actor)
-    return seen_trainer, seen_engines
+    trainer, engines = trainer_actors(placement), engine_actors(placement)
+    try:
+        return ray.get([a.where.remote() for a in trainer]), ray.get([a.where.remote() for a in engines])
+    finally:
+        for actor in trainer + engines:
+            ray.kill(actor)
 
 
 def _release(placement):
@@ -103,7 +93,7 @@ def test_every_rank_and_engine_runs_where_the_placement_says(cluster, name, flag
     colocate = flags.get("colocate", False)
     placement = reserve(plan(num_gpus_per_node=8, **flags), timeout=60)
     try:
-        seen_trainer, seen_engines = _inside(placement, 0.4 if colocate else 1)
+        seen_trainer, seen_engines = _inside(placement)
         nodes = sorted(
             {s.node_id for s in placement.slots},
             key=lambda n: min((i for i, s in enumerate(placement.slots) if s.node_id == n)),
@@ -111,9 +101,15 @@ def test_every_rank_and_engine_runs_where_the_placement_says(cluster, name, flag
         as_expected = lambda slot: (nodes.index(slot.node_id), slot.gpu)  # noqa: E731
         assert [as_expected(s) for s in placement.trainer] == expect["trainer"], name
         assert [[as_expected(s) for s in e] for e in placement.engines] == expect["engines"], name
-        # from inside the actors: the node and the one device each was given
-        assert seen_trainer == [(s.node_id, [s.gpu]) for s in placement.trainer], name
-        assert seen_engines == [[(s.node_id, [s.gpu]) for s in e] for e in placement.engines], name
+        # from inside the actors: a rank holds its one device and sees only it; an engine's actor holds
+        # none and sees exactly its engine's devices, on the node of its bundles
+        assert [(w["node_id"], w["gpus"], w["cuda_visible_devices"]) for w in seen_trainer] == [
+            (s.node_id, [s.gpu], str(s.gpu)) for s in placement.trainer
+        ], name
+        assert [(w["node_id"], w["gpus"], w["cuda_visible_devices"]) for w in seen_engines] == [
+            (e[0].node_id, [], ",".join(str(s.gpu) for s in e)) for e in placement.engines
+        ], name
+        assert len({w["pid"] for w in seen_trainer + seen_engines}) == len(seen_trainer) + len(seen_engines)
         trainer_devices = {(s.node_id, s.gpu) for s in placement.trainer}
         engine_devices = [(s.node_id, s.gpu) for e in placement.engines for s in e]
         assert len(trainer_devices) == len(placement.trainer) and len(set(engine_devices)) == len(engine_devices)

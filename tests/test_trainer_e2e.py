@@ -595,8 +595,8 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
     try:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         on = {n: ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes}
-        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(str(REPO), [])
-        url = ray.get(engine.start.remote(EngineConfig(), str(tiny_paths["qwen2.5-vl"]), [], 0, str(run_dir)))
+        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(str(REPO), [], [])
+        url = ray.get(engine.start.remote(EngineConfig(), str(tiny_paths["qwen2.5-vl"]), 0, str(run_dir)))
         sender = RankZero.options(num_cpus=0, scheduling_strategy=on[nodes[0]]).remote(url)
         assert ray.get(sender.node.remote()) != ray.get(engine.where.remote())["node_id"]
         for step in (1, 2, 3):

@@ -66,22 +66,25 @@ class TrainerRank:
 
 @ray.remote
 class EngineActor:
-    """One engine on the devices ``start`` is given (on its node; the actor itself holds none)."""
+    """One engine on ``devices`` (physical ids on its node; empty on a CPU cluster). The actor holds no
+    Ray device of its own: from its start it shows only the engine's devices (``CUDA_VISIBLE_DEVICES``),
+    which Ray leaves alone under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``."""
 
-    def __init__(self, cwd: str, paths: list[str]) -> None:
+    def __init__(self, cwd: str, paths: list[str], devices: list[int]) -> None:
         _enter(cwd, paths)
+        self.devices = list(devices)
+        if self.devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
         self.engine = None
 
     def where(self) -> dict:
         return _where()
 
-    def start(self, engine_cfg, model_path: str, devices: list[int], seed: int, log_dir: str) -> str:
-        """Start the engine on ``devices`` (physical ids on this node; empty on a CPU cluster) -> its URL."""
+    def start(self, engine_cfg, model_path: str, seed: int, log_dir: str) -> str:
+        """Start the engine on this actor's devices, bound to its node's address -> its URL."""
         from slime_mt.engine.launch import SGLangServer
         from slime_mt.engine.server import LocalEngine
 
-        if devices:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         host = ray.util.get_node_ip_address()
         if engine_cfg.engine == "local":
             self.engine = LocalEngine(
@@ -95,7 +98,7 @@ class EngineActor:
             self.engine = SGLangServer(
                 model_path,
                 Path(log_dir),
-                tp_size=max(len(devices), 1),
+                tp_size=max(len(self.devices), 1),
                 mem_fraction_static=engine_cfg.sglang_mem_fraction_static,
                 extra_args=engine_cfg.sglang_extra_args,
                 host=host,

@@ -112,10 +112,7 @@ def run(cfg: Config, run_dir: Path) -> None:
                 router.add_worker(url)
             urls = [router.url, *urls]
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=urls))
-        ranks = [
-            _actor(_actors().TrainerRank, placement, slot.bundle, gpus=1 if placement.plan.use_gpus else 0)
-            for slot in placement.trainer
-        ]
+        ranks = trainer_actors(placement)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
         _wait_all([r.train.remote(cfg, str(run_dir), i, len(ranks), master) for i, r in enumerate(ranks)])
@@ -135,40 +132,49 @@ def run(cfg: Config, run_dir: Path) -> None:
         ray.shutdown()
 
 
-def _actors():
-    from slime_mt.launch.ray import actors
+def trainer_actors(placement: Placement) -> list:
+    """One TrainerRank per Megatron rank, in rank order, each in its bundle with its one device."""
+    from slime_mt.launch.ray.actors import TrainerRank
 
-    return actors
+    gpus = 1 if placement.plan.use_gpus else 0
+    return [_actor(TrainerRank, placement, slot.bundle, gpus) for slot in placement.trainer]
 
 
-def _actor(cls, placement: Placement, bundle: int, gpus: float, **options):
+def engine_actors(placement: Placement) -> list:
+    """One EngineActor per engine, in the bundle of its first device and showing only its devices."""
+    from slime_mt.launch.ray.actors import EngineActor
+
+    no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    return [
+        _actor(
+            EngineActor,
+            placement,
+            slots[0].bundle,
+            0,
+            [s.gpu for s in slots if s.gpu is not None],
+            runtime_env=no_visible_devices_override,
+        )
+        for slots in placement.engines
+    ]
+
+
+def _actor(cls, placement: Placement, bundle: int, gpus: float, *args, **options):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     strategy = PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=bundle)
     return cls.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy, **options).remote(
-        os.getcwd(), list(sys.path)
+        os.getcwd(), list(sys.path), *args
     )
 
 
 def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[list, list[str]]:
-    """One EngineActor per engine in the bundle of its first device, given its devices -> (actors, URLs).
-    The actor holds no device of its own: it sets ``CUDA_VISIBLE_DEVICES`` to the engine's devices."""
+    """Start every engine on its devices -> (actors, URLs)."""
     import ray
 
-    no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    actors = [
-        _actor(_actors().EngineActor, placement, slots[0].bundle, gpus=0, runtime_env=no_visible_devices_override)
-        for slots in placement.engines
-    ]
+    actors = engine_actors(placement)
     started = [
-        actor.start.remote(
-            cfg.engine,
-            cfg.train.hf_checkpoint,
-            [s.gpu for s in slots if s.gpu is not None],
-            cfg.train.seed + e,
-            str(run_dir / "logs"),
-        )
-        for e, (actor, slots) in enumerate(zip(actors, placement.engines))
+        actor.start.remote(cfg.engine, cfg.train.hf_checkpoint, cfg.train.seed + e, str(run_dir / "logs"))
+        for e, actor in enumerate(actors)
     ]
     try:
         urls = ray.get(started)
