@@ -165,6 +165,13 @@ class RolloutConfig:
         1, "Stop the run after this many consecutive steps in which every sample failed (nothing to train)."
     )
     env_step_timeout: float | None = _opt(None, "Seconds before an env step counts as a retryable fault.")
+    env_num_workers: int = _opt(
+        0,
+        "Run the environments (build_env, reset, step, close) in this many Ray actors spread over the "
+        "cluster's nodes (--ray-address; none: a local Ray) instead of threads of the rollout process; "
+        "a worker that dies is restarted and its episodes rebuilt. 0: in-process.",
+    )
+    env_worker_num_cpus: float = _opt(1.0, "--env-num-workers: CPUs Ray reserves for each environment worker.")
 
 
 @dataclass

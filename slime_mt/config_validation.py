@@ -89,6 +89,14 @@ def validate(cfg: Config) -> None:
         ("over_sampling_batch_size", r.over_sampling_batch_size),
     ):
         _require(value is None or value > 0, key, value, "must be a positive integer")
+    _require(r.env_num_workers >= 0, "env_num_workers", r.env_num_workers, "must be >= 0")
+    _require(r.env_worker_num_cpus > 0, "env_worker_num_cpus", r.env_worker_num_cpus, "must be > 0")
+    _require(
+        not r.env_num_workers or r.rollout_interaction_env_path,
+        "env_num_workers",
+        r.env_num_workers,
+        "runs the --rollout-interaction-env-path environments, and none is given",
+    )
     _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")
     _require(r.max_failed_steps >= 1, "max_failed_steps", r.max_failed_steps, "must be >= 1")
     _require(

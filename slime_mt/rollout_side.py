@@ -80,8 +80,15 @@ class RolloutSide:
             seed=cfg.train.seed,
             tp_size=cfg.train.tensor_model_parallel_size,
         )
-        ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+        try:
+            ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+        except BaseException:
+            engines.stop()
+            raise
         ctx.client.gate = UpdateGate()
+        if ctx.env_workers is not None:
+            for line in ctx.env_workers.describe():
+                print(f"placement: {line}", flush=True)
         if cfg.rollout.slime_compat:
             from slime_mt.compat import SlimeCompat
 
@@ -129,6 +136,8 @@ class RolloutSide:
             extra["rollout/masked_stale_tokens"] = masked
             extra["async/masked_token_share"] = masked / max(trainable, 1)
         extra.update(staleness_metrics(samples, step))
+        if self.ctx.env_workers is not None:
+            extra["env/worker_restarts"] = self.ctx.env_workers.take_restarts()
         if stop_run is not None:  # every rank stops, not only this one
             return stop_run
         batches.prefetch(step, extra)

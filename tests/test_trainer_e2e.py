@@ -504,16 +504,20 @@ def ray_cmd(geo3k: Path, run_dir: Path, cluster, *extra: str, steps: int = 3) ->
 @pytest.fixture(scope="module")
 def ray_tp2(geo3k, three_nodes, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ray_tp2")
-    proc = run(ray_cmd(geo3k, run_dir, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "1"))
+    proc = run(ray_cmd(geo3k, run_dir, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "1", *ENV_WORKERS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc.stdout
 
 
+ENV_WORKERS = ["--env-num-workers", "2"]
+
+
 def placement_lines(text: str) -> dict[str, str]:
-    """'trainer rank 0' / 'engine 0' -> the node id its placement line names."""
+    """'trainer rank 0' / 'engine 0' / 'env worker 0' -> the node id its placement line names (rank 0's
+    lines come through Ray's log forwarding, after the actor's prefix)."""
     found = {}
     for line in text.splitlines():
-        if line.startswith(("placement: ", "# placement: ")) and "node " in line:
+        if "placement: " in line and ": node " in line:
             role, where = line.split("placement: ", 1)[1].split(": ", 1)
             found[role] = where.split("(", 1)[1].split(")", 1)[0]
     return found
@@ -521,11 +525,13 @@ def placement_lines(text: str) -> dict[str, str]:
 
 def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     """TP=2 with its ranks on two nodes and the engine on the third, weights to the engine over the
-    distributed path: the same rewards, losses and gradient norms as under torchrun, step by step."""
+    distributed path, the environments in two workers on two nodes: the same rewards, losses and
+    gradient norms as under torchrun with the environments in rank 0's threads, step by step."""
     run_dir, stdout = ray_tp2
     nodes = placement_lines(stdout)
-    assert sorted(nodes) == ["engine 0", "trainer rank 0", "trainer rank 1"], stdout[-2000:]
-    assert len(set(nodes.values())) == 3  # three different nodes
+    assert sorted(nodes) == ["engine 0", "env worker 0", "env worker 1", "trainer rank 0", "trainer rank 1"], stdout
+    assert len({nodes[role] for role in ("engine 0", "trainer rank 0", "trainer rank 1")}) == 3
+    assert nodes["env worker 0"] != nodes["env worker 1"]  # two workers, two nodes
     ray_rows, torchrun_rows = metrics(run_dir), metrics(torchrun_tp2)
     assert [r["step"] for r in ray_rows] == [0, 1, 2]
     assert [r["rollout/reward_mean"] for r in ray_rows] == [r["rollout/reward_mean"] for r in torchrun_rows]
@@ -535,6 +541,8 @@ def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     assert [r["rollout/sample_weight_version_min"] for r in ray_rows] == [0.0, 1.0, 2.0]
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in ray_rows)
     assert not (run_dir / "weights").exists()  # nothing went through a folder
+    assert [r["env/worker_restarts"] for r in ray_rows] == [0, 0, 0]
+    assert all(r["rollout/env_seconds"] > 0 for r in ray_rows)  # the environments did step, remotely
 
 
 def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tmp_path):
@@ -612,6 +620,58 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
         ray.get(engine.stop.remote())
     finally:
         ray.shutdown()
+
+
+DIES_ONCE_ENV = """
+import os
+import signal
+
+from slime_mt.plugins import load_module
+
+geo3k = load_module("{path}")
+
+
+class DiesOnce(geo3k.Geo3kEnv):
+    \"\"\"geo3k, whose worker process is killed in the middle of the run's first step (once: the first
+    step to create the marker file).\"\"\"
+
+    def step(self, response_text):
+        try:
+            os.close(os.open("{marker}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().step(response_text)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build_env(sample=None, args=None, **kw):
+    return DiesOnce(sample.label)
+"""
+
+
+def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_without(
+    geo3k, three_nodes, straight, tmp_path
+):
+    """One environment worker's process is killed in the middle of a step, on the three-node cluster:
+    Ray restarts it, the episode is rebuilt there and its earlier steps replayed, the step is tried
+    again; nothing fails, every group is trained once, the restart is counted, and the run trains
+    exactly as the in-process run with the same seed."""
+    marker = tmp_path / "killed"
+    env_file = tmp_path / "dies_once.py"
+    env_file.write_text(DIES_ONCE_ENV.format(path=REPO / "envs/geo3k.py", marker=marker))
+    flags = ["--rollout-interaction-env-path", str(env_file), *ENV_WORKERS, "--ray-address", three_nodes.address]
+    proc = run(train_cmd(geo3k, tmp_path, *DETERMINISTIC, *flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists()
+    rows, reference = metrics(tmp_path), metrics(straight)[:2]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert sum(r["env/worker_restarts"] for r in rows) == 1
+    assert sum(r["rollout/env_retries"] for r in rows) == 1  # the killed step, tried again
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 4
+    assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
 
 
 def greedy(url: str) -> tuple[list[int], list[float], str]:

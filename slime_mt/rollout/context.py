@@ -41,6 +41,7 @@ class RolloutContext:
     _loop: asyncio.AbstractEventLoop | None = None
     _prompt_encodings: dict[int, Encoded] = field(default_factory=dict)  # id(sample) -> its encoded prompt
     start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
+    env_workers: Any = None  # rollout.env_workers.EnvWorkerPool under --env-num-workers
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
@@ -55,6 +56,17 @@ class RolloutContext:
         ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
         r = cfg.rollout
+        if r.env_num_workers:
+            from slime_mt.rollout.env_workers import EnvWorkerPool
+
+            ctx.env_workers = EnvWorkerPool(
+                r.env_num_workers,
+                r.env_worker_num_cpus,
+                r.rollout_interaction_env_path,
+                ctx.args,
+                cfg.cluster.ray_address,
+                retries=r.max_env_retries_per_turn,
+            )
         warn_if_inexact(
             ctx.processor,
             path_of(
@@ -154,6 +166,13 @@ class RolloutContext:
             self._env_module = module
         return self._env_module.build_env(sample=sample, args=self.args)
 
+    async def open_env(self, sample) -> Any:
+        """The episode's environment: ``build_env`` here, or on an environment worker under
+        ``--env-num-workers`` (a ``RemoteEnv`` with the same interface). None without an env module."""
+        if self.env_workers is not None:
+            return await self.env_workers.open_env(sample)
+        return self.build_env(sample)
+
     def sampling_params(self) -> dict:
         """Per-run sampling params from the rollout config (``max_new_tokens`` is set per turn)."""
         r = self.rollout
@@ -195,3 +214,6 @@ class RolloutContext:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
         self.env_executor.shutdown(wait=False, cancel_futures=True)
+        if self.env_workers is not None:
+            self.env_workers.close()
+            self.env_workers = None

@@ -291,7 +291,7 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     stage = "env build"
     try:
         if env is None:
-            env = ctx.build_env(sample)
+            env = await ctx.open_env(sample)
         stage = "env reset"
         if env is not None:
             await call_env(ctx, env.reset)

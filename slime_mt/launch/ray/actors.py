@@ -19,7 +19,8 @@ from pathlib import Path
 import ray
 
 
-def _enter(cwd: str, paths: list[str]) -> None:
+def enter(cwd: str, paths: list[str]) -> None:
+    """Work in the driver's directory with its module path (relative paths and plug-ins resolve there)."""
     os.chdir(cwd)
     for path in reversed(paths):
         if path not in sys.path:
@@ -39,7 +40,7 @@ def _where() -> dict:
 @ray.remote
 class TrainerRank:
     def __init__(self, cwd: str, paths: list[str]) -> None:
-        _enter(cwd, paths)
+        enter(cwd, paths)
 
     def where(self) -> dict:
         return _where()
@@ -71,7 +72,7 @@ class EngineActor:
     which Ray leaves alone under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``."""
 
     def __init__(self, cwd: str, paths: list[str], devices: list[int]) -> None:
-        _enter(cwd, paths)
+        enter(cwd, paths)
         self.devices = list(devices)
         if self.devices:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)

@@ -1,0 +1,319 @@
+"""Environment workers (``--env-num-workers N``): episodes' environments in Ray actors on any node.
+
+Heavy environments (sandboxes, browsers, simulators) leave the rollout process: each of N
+``EnvWorker`` actors (``--env-worker-num-cpus`` each, spread over the cluster's nodes) imports the
+``--rollout-interaction-env-path`` module and holds the environments of the episodes given to it.
+The rollout holds a ``RemoteEnv`` per episode, which has the environment's interface (``reset``,
+``step``, ``format_observation``, ``close``), so ``run_episode`` and the environments written for the
+in-process path run unchanged. Inside a worker, a sync method runs on the worker's thread pool and an
+``async def`` one on its event loop, as they do in-process.
+
+A worker that dies (its process killed, its node lost) is restarted by Ray. The step in flight, and
+the next call of every other episode it held, fails as a ``RetryableEnvError``; the step's retry
+(``--max-env-retries-per-turn``) first rebuilds the episode's environment on the restarted worker
+from the sample it was built from, resets it and replays the episode's earlier steps. A replay whose
+observation differs from the one the model saw fails the sample (the environment is not
+deterministic, and the trajectory no longer matches its state): nothing is trained against an
+environment state the model did not see. The restarts are counted (``env/worker_restarts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import os
+import sys
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+from envs.base import RetryableEnvError
+
+logger = logging.getLogger(__name__)
+
+
+class EpisodeLost(RetryableEnvError):
+    """The worker holds no environment for the episode: it was restarted since the episode was built."""
+
+
+class EnvReplayDiverged(RuntimeError):
+    """Replaying an episode on a restarted worker gave another observation than the model saw."""
+
+
+class EnvWorker:
+    """One worker process: the environments of the episodes given to it, by episode key."""
+
+    def __init__(self, cwd: str, paths: list[str], env_path: str, args: argparse.Namespace) -> None:
+        from slime_mt.launch.ray.actors import enter
+
+        enter(cwd, paths)
+        from slime_mt.plugins import load_module
+
+        self.module = load_module(env_path)
+        self.args = args
+        self.envs: dict[str, Any] = {}
+        self.pool = ThreadPoolExecutor(64, "slime-mt-env")
+        self.incarnation = uuid.uuid4().hex
+
+    def where(self) -> dict:
+        import ray
+
+        return {
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "incarnation": self.incarnation,
+        }
+
+    def held(self) -> int:
+        """How many episodes' environments this worker holds."""
+        return len(self.envs)
+
+    async def _call(self, fn, *args, **kw) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kw)
+        result = await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args, **kw))
+        return await result if inspect.isawaitable(result) else result
+
+    def _env(self, key: str):
+        try:
+            return self.envs[key]
+        except KeyError:
+            raise EpisodeLost(f"worker {self.incarnation[:8]} holds no environment for episode {key}") from None
+
+    async def build(self, key: str, sample) -> str:
+        """Build the episode's environment -> this worker's incarnation (new after every restart)."""
+        self.envs[key] = await self._call(self.module.build_env, sample=sample, args=self.args)
+        return self.incarnation
+
+    async def reset(self, key: str) -> None:
+        await self._call(self._env(key).reset)
+
+    async def step(self, key: str, text: str) -> tuple[Any, tuple[bool, Any]]:
+        """``env.step(text)`` -> (its result, (True, the observation formatted as chat messages) or
+        (False, the exception formatting raised)); formatting here keeps an env's own
+        ``format_observation`` (and its images) where the env is."""
+        env = self._env(key)
+        result = await self._call(env.step, text)
+        formatted: tuple[bool, Any] = (True, None)
+        if isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict) and not result[1]:
+            try:
+                formatted = (True, env.format_observation(result[0]))
+            except Exception as e:  # raised where the rollout formats it, as in-process
+                formatted = (False, e)
+        return result, formatted
+
+    async def close(self, key: str) -> None:
+        env = self.envs.pop(key, None)
+        if env is not None:
+            await self._call(env.close)
+
+
+class EnvWorkerPool:
+    """The run's environment workers: started spread over the cluster's nodes, restarted by Ray when
+    they die; episodes go to the worker holding the fewest."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_cpus: float,
+        env_path: str,
+        args: argparse.Namespace,
+        ray_address: str | None = None,
+        retries: int = 2,
+    ) -> None:
+        import ray
+
+        self.retries = retries  # a build or reset on a worker that dies under it is tried again this often
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+            ray.init(
+                address=ray_address,
+                include_dashboard=False,
+                runtime_env={"env_vars": {"PYTHONPATH": paths}},
+                logging_level=logging.WARNING,
+            )
+        shipped = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "rollout_context"})
+        actor = ray.remote(EnvWorker).options(
+            num_cpus=num_cpus,
+            max_restarts=-1,
+            max_task_retries=0,
+            scheduling_strategy="SPREAD",
+        )
+        self.workers = [actor.remote(os.getcwd(), list(sys.path), env_path, shipped) for _ in range(num_workers)]
+        try:
+            self.where = ray.get([w.where.remote() for w in self.workers], timeout=300)
+        except Exception as e:
+            self.close()
+            raise RuntimeError(
+                f"--env-num-workers {num_workers}: the environment workers did not start "
+                f"(--rollout-interaction-env-path {env_path}, --env-worker-num-cpus {num_cpus}): {e}"
+            ) from e
+        self.incarnations = [{w["incarnation"]} for w in self.where]
+        self.open = [0] * num_workers
+        self.restarts = 0  # restarts seen since the last ``take_restarts``
+        self.total_restarts = 0
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def describe(self) -> list[str]:
+        return [f"env worker {i}: node {w['node_ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)]
+
+    def assign(self) -> int:
+        """The worker for a new episode: the one holding the fewest, the next in turn among equals."""
+        with self._lock:
+            n = len(self.workers)
+            order = [(self._next + i) % n for i in range(n)]
+            index = min(order, key=lambda i: self.open[i])
+            self._next = (index + 1) % n
+            self.open[index] += 1
+            return index
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self.open[index] -= 1
+
+    def saw(self, index: int, incarnation: str) -> None:
+        """A worker answered as ``incarnation``: a new one is a restart."""
+        with self._lock:
+            if incarnation not in self.incarnations[index]:
+                self.incarnations[index].add(incarnation)
+                self.restarts += 1
+                self.total_restarts += 1
+                logger.warning("environment worker %d was restarted (%d in this run)", index, self.total_restarts)
+
+    def take_restarts(self) -> int:
+        with self._lock:
+            restarts, self.restarts = self.restarts, 0
+            return restarts
+
+    async def open_env(self, sample) -> RemoteEnv:
+        import ray
+
+        env = RemoteEnv(self, ray.put(sample))
+        try:
+            await env.retrying(env.build)
+        except BaseException:
+            env.release()
+            raise
+        return env
+
+    def close(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+
+class RemoteEnv:
+    """One episode's environment on an environment worker, with the environment's interface."""
+
+    def __init__(self, pool: EnvWorkerPool, sample_ref) -> None:
+        self.pool = pool
+        self.sample_ref = sample_ref  # the sample as it was built from (a restart rebuilds from it)
+        self.index = pool.assign()
+        self.key = uuid.uuid4().hex
+        self.history: list[tuple[str, Any]] = []  # (text, observation text) of every step that answered
+        self.was_reset = False
+        self.lost = False
+        self.closed = False
+        self._formatted: tuple[int, tuple[bool, Any]] | None = None
+
+    async def _remote(self, method: str, *args) -> Any:
+        import ray
+
+        worker = self.pool.workers[self.index]
+        try:
+            return await getattr(worker, method).remote(self.key, *args)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, EpisodeLost):
+                self.lost = True
+            raise e.cause from None
+        except ray.exceptions.RayActorError as e:
+            self.lost = True
+            raise RetryableEnvError(
+                f"environment worker {self.index} died during {method} ({type(e).__name__}); the episode "
+                "is rebuilt on the restarted worker"
+            ) from e
+
+    async def build(self) -> None:
+        self.lost = True  # until the build answers
+        self.pool.saw(self.index, await self._remote("build", self.sample_ref))
+        self.lost = False
+
+    async def _restore(self) -> None:
+        """Rebuild the episode on its (restarted) worker: build, reset, replay every step that answered."""
+        await self.build()
+        self.lost = True  # until the replay is done
+        if self.was_reset:
+            await self._remote("reset")
+        for k, (text, seen) in enumerate(self.history):
+            (observation, _, _), _ = await self._remote("step", text)
+            if observation.get("text") != seen:
+                raise EnvReplayDiverged(
+                    f"replaying step {k} on the restarted environment worker {self.index} gave another "
+                    f"observation than the model saw: {observation.get('text')!r:.120} != {seen!r:.120}"
+                )
+        self.lost = False
+
+    async def _ensure(self) -> None:
+        if self.lost:
+            await self._restore()
+
+    async def reset(self) -> None:
+        await self.retrying(self._reset_once)
+        self.was_reset = True
+
+    async def _reset_once(self) -> None:
+        await self._ensure()
+        await self._remote("reset")
+
+    async def retrying(self, once) -> None:
+        """``once()`` again while the worker dies under it: a build or a reset has no step retry around
+        it, so it gets the same budget here."""
+        for attempt in range(self.pool.retries + 1):
+            try:
+                return await once()
+            except RetryableEnvError:
+                if not self.lost or attempt == self.pool.retries:
+                    raise
+
+    async def step(self, text: str) -> tuple[dict, bool, dict]:
+        await self._ensure()
+        result, formatted = await self._remote("step", text)
+        if isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict):
+            if not result[2].get("retryable"):
+                self.history.append((text, result[0].get("text")))
+            self._formatted = (id(result[0]), formatted)
+        return result
+
+    def format_observation(self, observation: dict):
+        """The observation as the environment formatted it in its worker, with the step that returned it."""
+        if self._formatted is None or self._formatted[0] != id(observation):
+            raise RuntimeError("a remote environment formats the observation its last step returned, no other")
+        ok, value = self._formatted[1]
+        if not ok:
+            raise value
+        return value
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if not self.lost:
+                await self._remote("close")
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        self.closed = True
+        self.pool.release(self.index)
