@@ -245,7 +245,12 @@ class ClusterConfig:
         1, "--ray: devices per engine (SGLang's tensor parallel size), on one node."
     )
     num_gpus_per_node: int = _opt(8, "--ray: devices per node.")
-    colocate: bool = _opt(False, "--ray: engines on the trainer's devices (the only way two roles share one).")
+    colocate: bool = _opt(
+        False,
+        "Engines on the trainer's devices (under --ray, the only way two roles share one): they generate, "
+        "then release their weights and KV cache while the trainer trains, and take them back with the "
+        "new weights.",
+    )
 
 
 @dataclass

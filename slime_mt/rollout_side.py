@@ -57,6 +57,7 @@ class RolloutSide:
     cfg: Config
     data_state_before_prefetch: dict | None = None
     failed_steps: int = 0  # consecutive steps in which every sample failed
+    asleep: bool = False  # --colocate: the engines' memory is released while the trainer trains
 
     @classmethod
     def start(cls, cfg: Config, run_dir: Path) -> RolloutSide:
@@ -141,6 +142,8 @@ class RolloutSide:
         if stop_run is not None:  # every rank stops, not only this one
             return stop_run
         batches.prefetch(step, extra)
+        if self.cfg.cluster.colocate:
+            extra.update(self.sleep_engines())
         return TrainBatch(
             samples,
             advantages,
@@ -182,8 +185,33 @@ class RolloutSide:
 
     def push_weights(self, stream: Iterator, version: int) -> None:
         """New weights to every engine as ``version`` through the run's transport (in-process, a folder,
-        or broadcast); the client's update gate pauses and empties the engines only around the update."""
-        self.weights.push(stream, version, self.gate_closed)
+        or broadcast); the client's update gate pauses and empties the engines only around the update.
+        Engines asleep (``--colocate``) wake in SGLang's order: weights, the update, then the KV cache."""
+        if not self.asleep:
+            self.weights.push(stream, version, self.gate_closed)
+            return
+        client = self.ctx.client
+        self.ctx.run_sync(client.resume_memory_occupation(["weights"]))
+        self.weights.push(stream, version, contextlib.nullcontext)
+        self.ctx.run_sync(client.resume_memory_occupation(["kv_cache"]))
+        self.asleep = False
+        if client.gate is not None:
+            self.ctx.run_sync(client.gate.open(client))
+
+    def sleep_engines(self) -> dict[str, float]:
+        """``--colocate``: the rollout is done; close the update gate (nothing runs in an engine) and
+        release every engine's memory (weights and KV cache) for the trainer -> what the engines report
+        holding after it (the embedded engine reports it; SGLang does not)."""
+        client = self.ctx.client
+        if client.gate is not None:
+            self.ctx.run_sync(client.gate.close(client))
+        self.ctx.run_sync(client.release_memory_occupation())
+        self.asleep = True
+        held = [info.get("memory_occupation") for info in self.ctx.run_sync(client.server_info())]
+        if any(h is None for h in held):
+            return {}
+        held_bytes = sum(h["weights_bytes"] + h["kv_cache_bytes"] for h in held)
+        return {"colocate/engine_bytes_while_training": float(held_bytes)}
 
     @contextlib.contextmanager
     def gate_closed(self):

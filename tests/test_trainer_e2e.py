@@ -622,6 +622,38 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
         ray.shutdown()
 
 
+@pytest.mark.parametrize("launcher", ["single", "ray"])
+def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_disaggregated(
+    geo3k, tmp_path, launcher, request
+):
+    """--colocate: after each rollout the engines release their weights and KV cache (they report
+    holding 0 bytes while the trainer trains), then wake with the new weights (weights, update, KV
+    cache). In one process (weights by handle) the run equals the disaggregated one step by step; on
+    Ray (TP=2 on two nodes, an engine on each rank's device, weights broadcast) it trains every group
+    once from the weights of the step before."""
+    flags = [*DETERMINISTIC, "--colocate"]
+    if launcher == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, steps=2))
+        nodes = placement_lines(proc.stdout)
+        assert nodes["engine 0"] == nodes["trainer rank 0"] and nodes["engine 1"] == nodes["trainer rank 1"]
+    else:
+        proc = run(train_cmd(geo3k, tmp_path, *flags, "--weight-transport", "tensor"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["colocate/engine_bytes_while_training"] for r in rows] == [0.0, 0.0]
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [0.0, 1.0]
+    assert all(r["train/grad_norm"] > 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 4
+    if launcher == "single":
+        reference = metrics(request.getfixturevalue("straight"))[:2]
+        assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
+        for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+
+
 DIES_ONCE_ENV = """
 import os
 import signal

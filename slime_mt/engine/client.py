@@ -469,6 +469,15 @@ class EngineClient:
         results = await self._broadcast("/update_weights_from_tensor", bodies, retry=False)
         self._acknowledged("/update_weights_from_tensor", results)
 
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every worker frees the tagged memory (``weights``, ``kv_cache``; None: all) for the trainer
+        sharing its device (colocated); refused while a request is in an engine."""
+        await self._broadcast("/release_memory_occupation", {"tags": tags}, timeout=300.0, retry=False)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Every worker takes the tagged memory back (None: all it released)."""
+        await self._broadcast("/resume_memory_occupation", {"tags": tags}, timeout=300.0, retry=False)
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, timeout=60.0, retry=False)
 

@@ -85,6 +85,10 @@ class PrefixCache:
         self._entries.clear()
         self.tokens = 0
 
+    def nbytes(self) -> int:
+        """Bytes of KV state held over all entries."""
+        return sum(k.nbytes + v.nbytes for kv in self._entries.values() for k, v in kv)
+
     def _drop(self, key: tuple[int, ...]) -> None:
         del self._entries[key]
         self.tokens -= len(key)

@@ -54,6 +54,8 @@ class ModelRunner:
         self.is_vlm = isinstance(self.processor, QwenVLProcessor)
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.model = self._load_model().eval()
+        self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None  # while released
+        self._unloaded: set[int] = set()  # parameters resumed and not yet loaded again (by id)
         text_config = getattr(self.config, "text_config", self.config)
         self.vocab_size = int(text_config.vocab_size)
         self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
@@ -204,11 +206,54 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ weights
 
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return list(dict.fromkeys(self.model.parameters()))  # tied weights once
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on the device now."""
+        tensors = self._parameters() + list(self.model.buffers())
+        return sum(t.nbytes for t in tensors)
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released is not None
+
+    @property
+    def weights_unloaded(self) -> int:
+        """Parameters resumed since a release and not loaded again (their content is undefined)."""
+        return len(self._unloaded)
+
+    def release_weights(self) -> None:
+        """Free every parameter's storage on the device (SGLang's ``release_memory_occupation`` of the
+        ``weights`` tag without a CPU backup: the content is gone until an update loads it again).
+        Buffers the checkpoint does not carry (rotary frequencies) stay."""
+        if self._released is not None:
+            return
+        self._released = [(p, p.shape) for p in self._parameters()]
+        for param, _ in self._released:
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_weights(self) -> None:
+        """Allocate the parameters again, content undefined until an update loads every one of them."""
+        if self._released is None:
+            return
+        for param, shape in self._released:
+            param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
+        self._unloaded = {id(param) for param, _ in self._released}
+        self._released = None
+
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor]) -> int:
         """Copy HF-named tensors into the model, all or nothing -> number of tensors updated. Every
         name, shape and dtype is checked and every tensor converted (staged) before the first copy,
         so a WeightUpdateError leaves the served weights exactly as they were."""
+        if self._released is not None:
+            raise WeightUpdateError(
+                "the weights are released (release_memory_occupation); resume them "
+                "(resume_memory_occupation with tag weights) before an update"
+            )
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         aliases = _hf_name_aliases(params)
@@ -230,6 +275,7 @@ class ModelRunner:
             staged.append((target, tensor.to(dtype=target.dtype)))
         for target, tensor in staged:  # same shape and dtype: a plain copy that cannot fail half-way
             target.copy_(tensor)
+            self._unloaded.discard(id(target))
         return len(staged)
 
     def load_weights_from_disk(self, model_path: str) -> int:

@@ -43,6 +43,14 @@ class EngineFault(RuntimeError):
     """The engine failed while serving a request (not the client's fault): HTTP 500 naming the cause."""
 
 
+class EngineAsleep(RuntimeError):
+    """A request while the engine's memory is released (or its weights not yet reloaded): HTTP 503."""
+
+
+class MemoryBusy(RuntimeError):
+    """A memory release while requests are in the engine: HTTP 400, as SGLang refuses it."""
+
+
 @dataclass
 class Job:
     request: GenerateRequest
@@ -80,6 +88,7 @@ class Scheduler:
         self._stopped = False
         self._updates_waiting = 0  # updates waiting for the running requests to finish: admit nothing
         self._epoch = 0  # weight updates so far
+        self.released: set[str] = set()  # memory tags released (release_memory_occupation)
         self._generator = torch.Generator(device=runner.device).manual_seed(seed)
         self._thread = threading.Thread(target=self._loop, name="slime-mt-engine", daemon=True)
         self.generated_tokens = 0
@@ -107,6 +116,10 @@ class Scheduler:
         with self._cond:
             if self._stopped:
                 job.future.set_exception(EngineFault("the engine is shut down"))
+                return job.future
+            asleep = self.asleep()
+            if asleep:
+                job.future.set_exception(EngineAsleep(asleep))
                 return job.future
             self._waiting.append(job)
             self._cond.notify_all()
@@ -184,6 +197,52 @@ class Scheduler:
             with self._cond:
                 self._updates_waiting -= 1
                 self._cond.notify_all()
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Free the ``kv_cache`` (the prefix cache) and/or the ``weights`` on the device, as SGLang's
+        ``release_memory_occupation``: only while no request runs or waits (MemoryBusy otherwise);
+        nothing is served until they are resumed."""
+        with self.lock, self._cond:
+            busy = len(self._running) + len(self._waiting)
+            if busy:
+                raise MemoryBusy(f"release_memory_occupation needs an idle engine: {busy} request(s) in it")
+            if "kv_cache" in tags and self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            if "weights" in tags:
+                self.runner.release_weights()
+            self.released |= tags
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Take the released ``tags`` back (weights: allocated, to be loaded by the next update)."""
+        with self.lock, self._cond:
+            if "weights" in tags:
+                self.runner.resume_weights()
+            self.released -= tags
+
+    def asleep(self) -> str:
+        """Why the engine cannot serve now ('' when it can): memory released, or weights resumed and not
+        loaded again."""
+        if self.released:
+            return f"the engine's memory is released ({', '.join(sorted(self.released))}); resume it first"
+        if self.runner.weights_unloaded:
+            return (
+                f"{self.runner.weights_unloaded} weight tensor(s) were resumed after a release and not "
+                "loaded again; update the weights first"
+            )
+        return ""
+
+    def memory(self) -> dict:
+        """What the engine holds on its device: weight and KV-cache bytes, and the tags released."""
+        with self.lock:
+            kv = self.prefix_cache.nbytes() if self.prefix_cache is not None else 0
+            cache = self._batch.cache
+            if cache is not None:
+                kv += sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+            return {
+                "weights_bytes": self.runner.weight_bytes() if not self.runner.weights_released else 0,
+                "kv_cache_bytes": kv,
+                "released": sorted(self.released),
+            }
 
     def load(self) -> dict:
         with self._cond:

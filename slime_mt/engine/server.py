@@ -61,7 +61,7 @@ from slime_mt.engine.protocol import (
     show,
 )
 from slime_mt.engine.runner import ModelRunner, WeightUpdateError
-from slime_mt.engine.scheduler import EngineFault, Scheduler
+from slime_mt.engine.scheduler import EngineAsleep, EngineFault, MemoryBusy, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,10 @@ def _guarded(handler):
             return _error(400, str(e))
         except EngineFault as e:
             return _error(500, str(e))
+        except EngineAsleep as e:
+            return _error(503, str(e))
+        except MemoryBusy as e:
+            return _error(400, str(e))
         except Exception as e:
             logger.exception("%s %s failed", request.method, request.url.path)
             return _error(500, f"{request.url.path} failed in the engine: {type(e).__name__}: {e}")
@@ -183,6 +187,8 @@ class EngineApp:
             Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=["POST"]),
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=["POST"]),
             Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=["POST"]),
+            Route("/release_memory_occupation", self.release_memory_occupation, methods=["GET", "POST"]),
+            Route("/resume_memory_occupation", self.resume_memory_occupation, methods=["GET", "POST"]),
         ]
         self.app = Starlette(routes=[Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes])
 
@@ -276,6 +282,7 @@ class EngineApp:
                 "tp_size": 1,  # one device: its rank in a weight group is its rank_offset
                 "weight_version": self.scheduler.weight_version,
                 "internal_states": [self.scheduler.load()],
+                "memory_occupation": self.scheduler.memory(),  # slime_mt's: what release frees
                 "image_token_id": self.runner.image_token_id,
                 "vocab_size": self.runner.vocab_size,
             }
@@ -412,6 +419,20 @@ class EngineApp:
             return _refused(str(e))
         return _JSON({"success": True, "message": f"Updated {count} tensors from {source}."})
 
+    async def release_memory_occupation(self, request: Request):
+        """Free the tagged memory (``weights``, ``kv_cache``; none: all) while the trainer uses the
+        device, as SGLang does for colocated RL; 400 while a request is in the engine."""
+        tags = _memory_tags(await _json_body(request, required=False), "release_memory_occupation")
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.release_memory, tags)
+        return _JSON({"success": True, "message": f"released {', '.join(sorted(tags))}"})
+
+    async def resume_memory_occupation(self, request: Request):
+        """Take the tagged memory back (none: everything released). Resumed weights hold nothing until
+        the next update loads them; the engine serves again once every tag is back and they are loaded."""
+        tags = _memory_tags(await _json_body(request, required=False), "resume_memory_occupation")
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.resume_memory, tags)
+        return _JSON({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
+
     async def destroy_weights_update_group(self, request: Request):
         body = await _json_body(request, required=False)
         name = body.get("group_name", weight_group.GROUP_NAME)
@@ -420,6 +441,21 @@ class EngineApp:
             return _refused(f"group_name {show(name)}: not joined")
         weight_group.leave(group)
         return _JSON({"success": True, "message": f"left {name}"})
+
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def _memory_tags(body: dict, what: str) -> set[str]:
+    """SGLang's ``tags`` of a memory call -> the set (None: every tag); ``cuda_graph`` is accepted and
+    has nothing to free here."""
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    known = (*MEMORY_TAGS, "cuda_graph")
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in known for t in tags):
+        raise ProtocolError(f"{what}: tags must be a list of {', '.join(known)}, got {show(tags)}")
+    return set(tags) - {"cuda_graph"}
 
 
 def _refused(message: str) -> JSONResponse:

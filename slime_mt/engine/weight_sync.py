@@ -121,6 +121,8 @@ def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Pat
             f"--update-weight-buffer-size={cfg.update_weight_buffer_size}: must be a positive number of bytes"
         )
     tp_sizes = [int(info.get("tp_size", 1)) for info in ctx.run_sync(ctx.client.server_info())]
+    if mode == "tensor":
+        return TensorWeights(ctx, tp_sizes, cfg.update_weight_buffer_size)
     return DistributedWeights(ctx, tp_sizes, cfg.update_weight_buffer_size)
 
 

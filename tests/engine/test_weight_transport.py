@@ -1,6 +1,7 @@
 """Weights to an embedded engine in another process, nothing written to disk: over the distributed path
 (rank 0, this process, broadcasts through SGLang's weight-group endpoints, in buckets) and by handle
-(``/update_weights_from_tensor``, shared memory on one node)."""
+(``/update_weights_from_tensor``, shared memory on one node); and the colocated sequence around them
+(SGLang's release and resume of memory occupation)."""
 
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def remote_engine(tiny_paths):
     """An embedded engine in its own process (as on another node: nothing shared but the network)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", str(tiny_paths["qwen2"]), "--port", str(port)],
+        [sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", str(tiny_paths["qwen2"]), "--port", str(port)]
+        + ["--cache-tokens", "4096"],  # KV state kept between requests, which a release must free
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -140,3 +142,102 @@ def test_a_tensor_payload_can_only_rebuild_tensors(remote_engine):
         assert expected in answer.json()["message"]
     assert not Path("/tmp/slime_mt_should_not_exist").exists()
     assert greedy(remote_engine) == before
+
+
+def memory(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=30).json()["memory_occupation"]
+
+
+def generate_status(url: str) -> tuple[int, str]:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    answer = httpx.post(url + "/generate", json=body, timeout=60)
+    return answer.status_code, answer.text
+
+
+@pytest.mark.parametrize("transport", [DistributedWeights, TensorWeights])
+def test_a_colocated_engine_holds_nothing_while_the_trainer_trains_and_wakes_with_the_new_weights(
+    remote_engine, tiny_paths, transport
+):
+    """SGLang's colocated sequence: release everything (no weights, no KV cache left on the device,
+    nothing served), resume the weights, update them, resume the KV cache: the engine serves exactly
+    the new weights."""
+    base = load_hf_state(tiny_paths["qwen2"])
+    side = LoopSide(remote_engine)
+    weights = transport(side, [1], buffer_bytes=64 * 1024)
+    try:
+        greedy(remote_engine)
+        held = memory(remote_engine)
+        assert held["weights_bytes"] > 0 and held["kv_cache_bytes"] > 0 and held["released"] == []
+        side.run_sync(side.client.release_memory_occupation())
+        assert memory(remote_engine) == {"weights_bytes": 0, "kv_cache_bytes": 0, "released": ["kv_cache", "weights"]}
+        status, text = generate_status(remote_engine)
+        assert status == 503 and "memory is released (kv_cache, weights)" in text
+        with pytest.raises(RuntimeError, match="weights are released"):  # an update before the resume
+            weights.push(iter(version(9, base).items()), 9, _no_gate)
+        side.run_sync(side.client.resume_memory_occupation(["weights"]))
+        assert memory(remote_engine)["weights_bytes"] == held["weights_bytes"]
+        status, text = generate_status(remote_engine)
+        assert status == 503 and "memory is released (kv_cache)" in text
+        named = version(7, base)
+        weights.push(iter(named.items()), 7, _no_gate)
+        side.run_sync(side.client.resume_memory_occupation(["kv_cache"]))
+        with LocalEngine(tiny_paths["qwen2"]) as reference:
+            reference.update_weights_from_tensors(named, weight_version="7")
+            expected = greedy(reference.url)
+        tokens, logprobs, served = greedy(remote_engine)
+        assert (tokens, served) == (expected[0], "7")
+        assert logprobs == pytest.approx(expected[1], abs=1e-5)
+        assert memory(remote_engine)["released"] == []
+    finally:
+        weights.close()
+        side.close()
+
+
+def test_memory_calls_name_what_they_refuse(remote_engine, tiny_paths):
+    answer = httpx.post(remote_engine + "/release_memory_occupation", json={"tags": ["gpu"]}, timeout=30)
+    assert answer.status_code == 400 and "tags must be a list of weights, kv_cache, cuda_graph" in answer.text
+    # resumed weights hold nothing until an update loads every tensor: the engine does not serve them
+    side = LoopSide(remote_engine)
+    weights = TensorWeights(side, [1], buffer_bytes=1 << 20)
+    try:
+        side.run_sync(side.client.release_memory_occupation(["weights"]))
+        side.run_sync(side.client.resume_memory_occupation())
+        status, text = generate_status(remote_engine)
+        assert status == 503 and "were resumed after a release and not loaded again" in text
+        weights.push(iter(load_hf_state(tiny_paths["qwen2"]).items()), 10, _no_gate)
+        assert generate_status(remote_engine)[0] == 200
+    finally:
+        weights.close()
+        side.close()
+
+
+@pytest.mark.parametrize(
+    "mode,on_ray,colocated,in_process,expected",
+    [
+        ("auto", False, False, True, "InProcessWeights"),
+        ("auto", False, False, False, "FolderWeights"),
+        ("auto", True, False, False, "DistributedWeights"),
+        ("auto", True, True, False, "TensorWeights" if torch.cuda.is_available() else "DistributedWeights"),
+        ("disk", True, False, False, "FolderWeights"),
+        ("distributed", False, False, False, "DistributedWeights"),
+        ("tensor", False, False, False, "TensorWeights"),
+        ("tensor", True, True, False, "TensorWeights"),
+    ],
+)
+def test_the_weight_transport_is_the_one_the_flags_pick(
+    remote_engine, tiny_paths, tmp_path, mode, on_ray, colocated, in_process, expected
+):
+    from types import SimpleNamespace
+
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.weight_sync import transport_for
+
+    side = LoopSide(remote_engine)
+    local = [LocalEngine(tiny_paths["qwen2"])] if in_process else []  # not started: only its presence counts
+    try:
+        cfg = EngineConfig(weight_transport=mode)
+        weights = transport_for(cfg, on_ray, colocated, SimpleNamespace(local_engines=local), side, tmp_path)
+        assert type(weights).__name__ == expected
+        weights.close()
+    finally:
+        side.close()
