@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.client import UPDATE_ABORT, EngineClient, UpdateGate
+from slime_mt.engine.client import UPDATE_ABORT, EngineClient, EngineRequestError, UpdateGate
 from slime_mt.engine.server import LocalEngine
 
 PROMPT = [9707, 11, 1246, 525, 498, 30, 358, 1079]
@@ -235,3 +235,23 @@ def test_nothing_computed_under_old_weights_enters_the_prefix_cache_after_an_upd
     assert first["meta_info"]["weight_version"] == "1" and len(first["output_ids"]) == 200
     assert again["meta_info"]["cached_tokens"] == 0
     assert len(fresh.scheduler.prefix_cache) == 1  # only the new request's own state
+
+
+def test_memory_is_not_released_while_a_request_is_in_the_engine(fresh):
+    """SGLang releases memory only when no request is in the engine: a request paused in place is, so
+    the release is refused naming it and the request finishes untouched once generation continues."""
+    reference = run(generate(fresh.url, PROMPT, max_new_tokens=64))["output_ids"]
+
+    async def go():
+        async with EngineClient(fresh.url) as client:
+            running = asyncio.ensure_future(client.generate(PROMPT, dict(GREEDY, max_new_tokens=64)))
+            await until(lambda: generated(fresh) >= 8, "nothing was generated")
+            await client.pause("in_place")
+            with pytest.raises(EngineRequestError, match="needs an idle engine: 1 request"):
+                await client.release_memory_occupation()
+            await client.resume()
+            return await running
+
+    result = run(go())
+    assert result["output_ids"] == reference
+    assert fresh.scheduler.memory()["released"] == [] and fresh.scheduler.memory()["weights_bytes"] > 0
