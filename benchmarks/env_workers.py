@@ -4,12 +4,13 @@ The environment is CPU-heavy: each step is pure Python (a loop calibrated to abo
 kind a simulator or a checker is, which threads of one interpreter cannot run side by side. The same
 trajectories (build, reset, ``--steps`` steps, close; 16 in flight) go through the rollout's own env
 calls (``open_env``, ``step_with_retries``) twice: in-process, where a sync step runs on the rollout's
-thread pool, and on 2 environment workers (Ray actors, one CPU each, on a local Ray). Printed:
+thread pool, and on 2 environment workers (Ray actors, one CPU each, on a local Ray); the two
+alternate ``--repeats`` times, so the shared machine's load falls on both alike. Printed: the median
 trajectories per second of each and their ratio (goal: at least 1.5x on a 2-core machine), and the
 median time of one ``step`` call of an environment that does nothing, in-process and remote, whose
 difference is the remote call's overhead (goal: at most 2 ms).
 
-    .venv/bin/python benchmarks/env_workers.py [--trajectories 16] [--steps 3]
+    .venv/bin/python benchmarks/env_workers.py [--trajectories 16] [--steps 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     import ray
@@ -124,8 +126,11 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     pool = EnvWorkerPool(2, 1, str(path), argparse.Namespace())
     try:
-        threads = asyncio.run(trajectories(ctx, in_process, args.trajectories, args.steps, str(iterations)))
-        workers = asyncio.run(trajectories(ctx, pool.open_env, args.trajectories, args.steps, str(iterations)))
+        threads, workers = [], []
+        for _ in range(args.repeats):
+            for seconds, open_env in ((threads, in_process), (workers, pool.open_env)):
+                seconds.append(asyncio.run(trajectories(ctx, open_env, args.trajectories, args.steps, str(iterations))))
+        threads, workers = statistics.median(threads), statistics.median(workers)
         local_step = asyncio.run(step_latency(ctx, in_process, args.calls))
         remote_step = asyncio.run(step_latency(ctx, pool.open_env, args.calls))
     finally:
@@ -133,7 +138,7 @@ def main() -> None:
         ray.shutdown()
     n = args.trajectories
     print(f"one step: {iterations} iterations of pure Python, about {args.step_seconds * 1000:.0f} ms")
-    print(f"{n} trajectories of {args.steps} steps, all in flight:")
+    print(f"{n} trajectories of {args.steps} steps, all in flight (median of {args.repeats}, alternating):")
     print(f"  in-process threads    {n / threads:6.2f} trajectories/s  ({threads:.2f} s)")
     print(f"  2 environment workers {n / workers:6.2f} trajectories/s  ({workers:.2f} s)")
     print(f"  ratio                 {threads / workers:6.2f}x (goal >= 1.5x)")
