@@ -251,6 +251,11 @@ class ClusterConfig:
         "then release their weights and KV cache while the trainer trains, and take them back with the "
         "new weights.",
     )
+    offload: bool = _opt(
+        False,
+        "--colocate: the trainer's parameters, gradients and optimizer state leave the device while the "
+        "engines generate, and come back for training (slime's --offload).",
+    )
 
 
 @dataclass

@@ -54,6 +54,8 @@ def _validate_cluster(cfg: Config) -> None:
     _require(k.num_gpus_per_node > 0, "num_gpus_per_node", k.num_gpus_per_node, "must be a positive integer")
     if k.ray and cfg.engine.engine_url:
         raise ConfigError("--engine-url with --ray: the run places and starts its engines; give one or the other")
+    if k.offload and not k.colocate:
+        raise ConfigError("--offload: the trainer leaves the device to colocated engines; it needs --colocate")
     if k.colocate and (cfg.rollout.async_mode or cfg.rollout.fully_async):
         mode = "--async" if cfg.rollout.async_mode else "--fully-async"
         raise ConfigError(

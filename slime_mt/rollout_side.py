@@ -186,13 +186,20 @@ class RolloutSide:
     def push_weights(self, stream: Iterator, version: int) -> None:
         """New weights to every engine as ``version`` through the run's transport (in-process, a folder,
         or broadcast); the client's update gate pauses and empties the engines only around the update.
-        Engines asleep (``--colocate``) wake in SGLang's order: weights, the update, then the KV cache."""
+        Engines asleep (``--colocate``) take their weights back first, then the update; their KV cache
+        follows in ``wake_engines``."""
         if not self.asleep:
             self.weights.push(stream, version, self.gate_closed)
             return
-        client = self.ctx.client
-        self.ctx.run_sync(client.resume_memory_occupation(["weights"]))
+        self.ctx.run_sync(self.ctx.client.resume_memory_occupation(["weights"]))
         self.weights.push(stream, version, contextlib.nullcontext)
+
+    def wake_engines(self) -> None:
+        """``--colocate``: the engines' KV cache back and the gate open, once the new weights are in
+        them and the trainer has left the device (``--offload``)."""
+        if not self.asleep:
+            return
+        client = self.ctx.client
         self.ctx.run_sync(client.resume_memory_occupation(["kv_cache"]))
         self.asleep = False
         if client.gate is not None:

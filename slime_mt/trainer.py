@@ -204,14 +204,36 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
             loop.export_weights(receive, start)
         if side is not None:
             batches = next_batch_for(r, side, start)
+        colocated, offload = cfg.cluster.colocate, cfg.cluster.offload
+        if offload:
+            actor.offload()  # the engines generate first
+
+        def save_if_due(step: int) -> None:
+            last = step + 1 == r.num_rollout or stop["requested"]
+            if cfg.checkpoint.save and (
+                last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
+            ):
+                data_state = batches.data_state() if batches is not None else None
+                actor.save(cfg.checkpoint.save, _broadcast({"rollout_step": step + 1, "data": data_state}, info))
+
+        colocate_metrics: dict[str, float] = {}
         for step in range(start, r.num_rollout):
             t0 = time.perf_counter()
             batch = _broadcast(side.collect(step, batches) if side is not None else None, info)
             if isinstance(batch, RolloutFailedError):
                 raise batch
+            if offload:
+                actor.onload()  # the engines released their memory in collect
             t_metrics, train_started, train_finished = loop.train(step, batch)
             drained_seconds = batches.drain() if batches is not None else 0.0
             sync_seconds = loop.export_weights(receive, step + 1)
+            if colocated:  # slime's order: the checkpoint, the trainer off the device, the engines' KV cache
+                save_if_due(step)
+                if offload:
+                    actor.offload()
+                    colocate_metrics["colocate/trainer_bytes_while_generating"] = float(actor.device_bytes())
+                if side is not None:
+                    side.wake_engines()
             if side is not None:
                 batches.weights_changed(step + 1)
                 metrics = {
@@ -228,18 +250,15 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
                     "time/train_started": train_started,
                     "time/train_finished": train_finished,
                     **batches.idle_metrics(t_metrics["train/seconds"], sync_seconds),
+                    **colocate_metrics,
                 }
                 if drained_seconds:
                     metrics["time/trainer_idle_seconds"] = (
                         metrics.get("time/trainer_idle_seconds", 0.0) + drained_seconds
                     )
                 side.log_step(step, batch, metrics)
-            last = step + 1 == r.num_rollout or stop["requested"]
-            if cfg.checkpoint.save and (
-                last or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
-            ):
-                data_state = batches.data_state() if batches is not None else None
-                actor.save(cfg.checkpoint.save, _broadcast({"rollout_step": step + 1, "data": data_state}, info))
+            if not colocated:
+                save_if_due(step)
             if stop["requested"]:
                 break
     finally:

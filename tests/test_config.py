@@ -217,6 +217,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--update-weight-buffer-size", "0"], r"--update-weight-buffer-size=0: must be a positive integer"),
         (["--env-num-workers", "-1"], r"--env-num-workers=-1: must be >= 0"),
         (["--colocate", "--fully-async"], r"--colocate with --fully-async: colocated engines sleep"),
+        (["--offload"], r"--offload: the trainer leaves the device to colocated engines; it needs --colocate"),
         (["--env-worker-num-cpus", "0"], r"--env-worker-num-cpus=0.0: must be > 0"),
         (["--env-num-workers", "2"], r"--env-num-workers=2: runs the --rollout-interaction-env-path environments"),
         (["--actor-num-nodes", "0"], r"--actor-num-nodes=0: must be a positive integer"),

@@ -128,15 +128,17 @@ def test_a_run_the_cluster_cannot_hold_names_the_resources(cluster):
 
 
 @pytest.mark.parametrize(
-    "nodes,expect",
+    "layout,expect",
     [
         # one 8-GPU node: trainer ranks on GPUs 0-3, the 4 engines on GPUs 4-7
-        ("1", {"trainer": [(0, g) for g in range(4)], "engines": [[(0, g)] for g in range(4, 8)]}),
+        ({"NUM_NODES": "1"}, {"trainer": [(0, g) for g in range(4)], "engines": [[(0, g)] for g in range(4, 8)]}),
         # two nodes, by flags alone: 8 ranks fill the first node, 8 engines the second
-        ("2", {"trainer": [(0, g) for g in range(8)], "engines": [[(1, g)] for g in range(8)]}),
+        ({"NUM_NODES": "2"}, {"trainer": [(0, g) for g in range(8)], "engines": [[(1, g)] for g in range(8)]}),
+        # one node, colocated: 8 ranks and an engine on each of their GPUs
+        ({"COLOCATE": "1"}, {"trainer": [(0, g) for g in range(8)], "engines": [[(0, g)] for g in range(8)]}),
     ],
 )
-def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, nodes, expect):
+def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, layout, expect):
     """The geo3k GPU recipe through --ray --dry-run on the cluster: its configuration, then which node
     and device each trainer rank and each engine gets."""
     script = REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh"
@@ -147,10 +149,12 @@ def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, nodes, expect):
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=dict(env, NUM_NODES=nodes),
+        env=dict(env, **layout),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensor_model_parallel_size: 2" in proc.stdout and "engine: sglang" in proc.stdout
+    colocated = "COLOCATE" in layout
+    assert f"colocate: {str(colocated).lower()}" in proc.stdout and f"offload: {str(colocated).lower()}" in proc.stdout
     assert "eps_clip_high: 0.28" in proc.stdout and "hf_checkpoint: /models/Qwen3-VL-2B-Instruct" in proc.stdout
     lines = [line.removeprefix("# placement: ") for line in proc.stdout.splitlines() if line.startswith("# placement")]
     node_order = []

@@ -628,9 +628,9 @@ def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_dis
 ):
     """--colocate: after each rollout the engines release their weights and KV cache (they report
     holding 0 bytes while the trainer trains), then wake with the new weights (weights, update, KV
-    cache). In one process (weights by handle) the run equals the disaggregated one step by step; on
-    Ray (TP=2 on two nodes, an engine on each rank's device, weights broadcast) it trains every group
-    once from the weights of the step before."""
+    cache). In one process (weights by handle, the trainer offloaded while the engine generates) the
+    run equals the disaggregated one step by step; on Ray (TP=2 on two nodes, an engine on each rank's
+    device, weights broadcast) it trains every group once from the weights of the step before."""
     flags = [*DETERMINISTIC, "--colocate"]
     if launcher == "ray":
         cluster = request.getfixturevalue("three_nodes")
@@ -638,7 +638,7 @@ def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_dis
         nodes = placement_lines(proc.stdout)
         assert nodes["engine 0"] == nodes["trainer rank 0"] and nodes["engine 1"] == nodes["trainer rank 1"]
     else:
-        proc = run(train_cmd(geo3k, tmp_path, *flags, "--weight-transport", "tensor"))
+        proc = run(train_cmd(geo3k, tmp_path, *flags, "--offload", "--weight-transport", "tensor"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
@@ -648,6 +648,7 @@ def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_dis
     trained = [g for r in rows for g in r["trained_groups"]]
     assert len(trained) == len(set(trained)) == 4
     if launcher == "single":
+        assert [r["colocate/trainer_bytes_while_generating"] for r in rows] == [0.0, 0.0]
         reference = metrics(request.getfixturevalue("straight"))[:2]
         assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
         for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):

@@ -7,7 +7,9 @@
 # One 8-GPU node (default): 4 trainer ranks on GPUs 0-3, 4 engines on GPUs 4-7. NUM_NODES=2 after
 # `ray start` on both (RAY_ADDRESS=head:6379, or run it on the head): 8 ranks fill the first node,
 # 8 engines the second. NUM_GPUS (per node), ACTOR_GPUS (trainer ranks per node), ROLLOUT_GPUS and
-# ENGINE_GPUS (devices per engine) change the split. GEO3K holds the geo3k parquet files
+# ENGINE_GPUS (devices per engine) change the split. COLOCATE=1: trainer ranks on all 8 GPUs and an
+# engine on each of them (--colocate), the engines releasing their memory while the trainer trains
+# and the trainer's state offloaded while they generate (--offload). GEO3K holds the geo3k parquet files
 # (train-*.parquet, test-*.parquet). --dry-run prints the resolved configuration, checks the plug-ins,
 # prints the placement and exits. The run folder (data, checkpoints, metrics, config.yaml, train.log)
 # is $RUN_DIR, by default $HOME/slime_mt_runs/geo3k_qwen3vl_2b (printed first).
@@ -21,8 +23,18 @@ GEO3K="${GEO3K:-}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 NUM_NODES="${NUM_NODES:-1}"
 NUM_GPUS="${NUM_GPUS:-8}"
-ACTOR_GPUS="${ACTOR_GPUS:-$((NUM_GPUS / 2))}"
-ROLLOUT_GPUS="${ROLLOUT_GPUS:-$((NUM_NODES * NUM_GPUS - NUM_NODES * ACTOR_GPUS))}"
+COLOCATE="${COLOCATE:-0}"
+if [ "$COLOCATE" = 1 ]; then
+    ACTOR_GPUS="${ACTOR_GPUS:-$NUM_GPUS}"
+    ROLLOUT_GPUS="${ROLLOUT_GPUS:-$((NUM_NODES * ACTOR_GPUS))}"
+    MEM_FRACTION="${MEM_FRACTION:-0.5}"  # the trainer's state comes back while the engines sleep
+    PLACE=(--colocate --offload)
+else
+    ACTOR_GPUS="${ACTOR_GPUS:-$((NUM_GPUS / 2))}"
+    ROLLOUT_GPUS="${ROLLOUT_GPUS:-$((NUM_NODES * NUM_GPUS - NUM_NODES * ACTOR_GPUS))}"
+    MEM_FRACTION="${MEM_FRACTION:-0.7}"
+    PLACE=()
+fi
 ENGINE_GPUS="${ENGINE_GPUS:-1}"
 RUN_DIR="${RUN_DIR:-$HOME/slime_mt_runs/geo3k_qwen3vl_2b}"
 DATA="$RUN_DIR/data"
@@ -48,9 +60,9 @@ ARGS=(
     --use-tis --tis-clip 2.0
     --lr 1e-6 --weight-decay 0.1 --clip-grad 1.0 --bf16
     --tensor-model-parallel-size "$TP"
-    --engine sglang --sglang-mem-fraction-static 0.7
+    --engine sglang --sglang-mem-fraction-static "$MEM_FRACTION"
     --ray --actor-num-nodes "$NUM_NODES" --actor-num-gpus-per-node "$ACTOR_GPUS" --num-gpus-per-node "$NUM_GPUS"
-    --rollout-num-gpus "$ROLLOUT_GPUS" --rollout-num-gpus-per-engine "$ENGINE_GPUS"
+    --rollout-num-gpus "$ROLLOUT_GPUS" --rollout-num-gpus-per-engine "$ENGINE_GPUS" "${PLACE[@]}"
     --save "$RUN_DIR/ckpt" --save-interval 20 --log-dir "$RUN_DIR"
 )
 if [ -n "${RAY_ADDRESS:-}" ]; then ARGS+=(--ray-address "$RAY_ADDRESS"); fi

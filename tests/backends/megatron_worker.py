@@ -1058,7 +1058,51 @@ def check_long_micro_batch(args, info, out):
     out["long_micro_batch"] = result
 
 
+def check_offload(args, info, out):
+    """--offload: two train steps with the trainer's state offloaded and onloaded around the second
+    (bf16 with fp32 main parameters, a KL reference model) against the same two steps without: the
+    device holds none of it while offloaded, and the losses, grad norms and weights are identical."""
+    result = {}
+    for kind in ("qwen2", "qwen2.5-vl"):
+        path = tiny_model_dir(kind)
+        samples = matrix_batch(path, kind)
+        algo = dataclasses.replace(ALGO, use_kl_loss=True, kl_loss_coef=0.01)
+        runs = {}
+        for offloaded in (False, True):
+            torch.manual_seed(0)
+            actor = MegatronActor(str(path), TrainConfig(lr=1e-4, bf16=True), algo, info, temperature=TEMPERATURE)
+            steps = [actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)]
+            held = actor.device_bytes()
+            if offloaded:
+                actor.offload()
+                runs["while_offloaded"] = actor.device_bytes()
+                actor.offload()  # twice: a no-op
+                actor.onload()
+                runs["after_onload"] = actor.device_bytes()
+                runs["held"] = held
+            steps.append(actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False))
+            runs[offloaded] = {
+                "losses": [m["train/loss"] for m in steps],
+                "grad_norms": [m["train/grad_norm"] for m in steps],
+                "weights": actor.export_hf(),
+            }
+            del actor
+        same_weights = runs[False]["weights"].keys() == runs[True]["weights"].keys() and all(
+            torch.equal(w, runs[True]["weights"][n]) for n, w in runs[False]["weights"].items()
+        )
+        result[kind] = {
+            "held_bytes": runs["held"],
+            "offloaded_bytes": runs["while_offloaded"],
+            "onloaded_bytes": runs["after_onload"],
+            "losses": [runs[False]["losses"], runs[True]["losses"]],
+            "grad_norms": [runs[False]["grad_norms"], runs[True]["grad_norms"]],
+            "same_weights": same_weights,
+        }
+    out["offload"] = result
+
+
 CHECKS = {
+    "offload": check_offload,
     "attention": check_attention,
     "long_micro_batch": check_long_micro_batch,
     "tree": check_tree,

@@ -59,10 +59,10 @@ def results(tmp_path_factory):
         1,
         1,
         "attention,tree,families,matrix,hf_reference,dp,bf16,rope,sft,logprob_chunks,engine_fidelity,checkpoint,"
-        "checkpoint_bf16,reshard_save",
+        "checkpoint_bf16,reshard_save,offload",
         out,
     )
-    tp2 = launch(2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks", out)
+    tp2 = launch(2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload", out)
     dp2 = launch(1, 2, "dp,reshard_load", out)
     tp2dp2 = launch(2, 4, "dp", out)
     return {"tp1": tp1, "tp2": tp2, "dp2": dp2, "tp2dp2": tp2dp2, "dir": out}
@@ -317,3 +317,15 @@ def test_export_gathers_to_rank_zero_only(results):
     counts = results["tp2"]["export_ranks"]
     assert counts[0]["none"] == 0 and counts[0]["full"] > 0
     assert counts[1] == {"full": 0, "none": counts[0]["full"]}
+
+
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-vl"])
+def test_offload_frees_the_device_and_onload_trains_on_bit_for_bit(results, tp, kind):
+    """--offload (colocated): while offloaded the trainer's parameters, fp32 main parameters,
+    gradients, optimizer state and reference model hold no device memory; onloaded, the next step's
+    loss, grad norm and weights are exactly those of a trainer that never left the device."""
+    r = results[tp]["offload"][kind]
+    assert r["held_bytes"] > 0 and r["offloaded_bytes"] == 0 and r["onloaded_bytes"] == r["held_bytes"]
+    assert r["losses"][0] == r["losses"][1] and r["grad_norms"][0] == r["grad_norms"][1]
+    assert r["same_weights"]

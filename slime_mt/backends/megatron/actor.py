@@ -334,6 +334,65 @@ class MegatronActor:
             "train/step_ok": float(bool(ok)),
         }
 
+    # ------------------------------------------------------------------ offload (--offload)
+
+    def _device_storages(self) -> list[tuple[torch.UntypedStorage, bool]]:
+        """Every storage on the device that holds the trainer's state, once: parameters (and their fp32
+        main copies), gradient buffers, optimizer state, the reference model -> (storage, whether its
+        content must survive an offload; gradients need not, every step zeroes them first)."""
+        tensors: list[tuple[torch.Tensor, bool]] = []
+        for module in (self.model, self.reference):
+            for param in module.parameters() if module is not None else []:
+                tensors.append((param, True))
+                for attr, keep in (("main_param", True), ("main_grad", False)):
+                    if isinstance(getattr(param, attr, None), torch.Tensor):
+                        tensors.append((getattr(param, attr), keep))
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            tensors += [(param, True) for group in inner.param_groups for param in group["params"]]
+            tensors += [(v, True) for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+        found: dict[int, list] = {}  # by the storage's address: views of one buffer share it
+        for tensor, keep in tensors:
+            storage = tensor.untyped_storage()
+            if tensor.device.type == self.device.type and storage.nbytes() > 0:
+                entry = found.setdefault(storage.data_ptr(), [storage, False])
+                entry[1] = entry[1] or keep
+        return [(storage, keep) for storage, keep in found.values()]
+
+    def device_bytes(self) -> int:
+        """Bytes of the trainer's state on its device now (0 while offloaded)."""
+        return sum(storage.nbytes() for storage, _ in self._device_storages())
+
+    def offload(self) -> None:
+        """Free the device while colocated engines generate: every storage of parameters, gradients and
+        optimizer state is copied to (pinned) host memory, gradients are not, and its device memory is
+        released in place, so every view of it (DDP's buffers, ``main_grad``) stays valid for ``onload``."""
+        if getattr(self, "_offloaded", None) is not None:
+            return
+        pin = self.device.type == "cuda"
+        offloaded = []
+        for storage, keep in self._device_storages():
+            backup = None
+            if keep:
+                backup = torch.UntypedStorage(storage.nbytes(), device="cpu")
+                backup.copy_(storage)
+                backup = backup.pin_memory() if pin else backup
+            offloaded.append((storage, storage.nbytes(), backup))
+            storage.resize_(0)
+        self._offloaded = offloaded
+        if pin:
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """The trainer's state back on its device, bit for bit (gradients zeroed)."""
+        offloaded, self._offloaded = getattr(self, "_offloaded", None), None
+        for storage, nbytes, backup in offloaded or []:
+            storage.resize_(nbytes)
+            if backup is None:
+                storage.fill_(0)
+            else:
+                storage.copy_(backup)
+
     def _cat(self, values) -> torch.Tensor:
         """Per-sample lists or tensors -> one float32 tensor on the trainer's device."""
         return torch.cat([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in values])
