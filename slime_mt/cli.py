@@ -107,10 +107,12 @@ def run_train(cfg, user_errors: tuple[type, ...]) -> int:
 
     preflight(cfg)
     run_dir = run_dir_of(cfg)
+    stops: tuple[type, ...] = (RolloutFailedError,)  # a run that stops on its way: one line, exit 1
     if cfg.cluster.ray:
-        from slime_mt.launch.ray.driver import run
+        from slime_mt.launch.ray.driver import TrainerRankLost, run
 
         train = run  # the driver starts every rank as a Ray actor; each runs trainer.train
+        stops += (TrainerRankLost,)
     elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
         try:
             train(cfg, run_dir)
@@ -122,8 +124,8 @@ def run_train(cfg, user_errors: tuple[type, ...]) -> int:
         print(f"slime-mt train: run folder {run_dir}", flush=True)
         try:
             train(cfg, run_dir)
-        except RolloutFailedError as e:
-            print(f"slime-mt train: error: RolloutFailedError: {e}", file=sys.stderr)
+        except stops as e:
+            print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         except user_errors as e:
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)

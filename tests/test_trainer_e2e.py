@@ -655,6 +655,53 @@ def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_dis
             assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
 
 
+def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, tmp_path):
+    """On a cluster of its own (a head without devices, three nodes with one each), the node of
+    trainer rank 1 is removed once the first checkpoint is written: the run stops with one line
+    naming the rank, its node and --load; with a node added back, --load resumes it and every group
+    is trained once."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        cmd = ray_cmd(geo3k, tmp_path, cluster, *DETERMINISTIC, "--rollout-num-gpus", "1")
+        out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            env = dict(os.environ, PYTHONPATH=str(REPO))
+            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+            try:
+                deadline = time.time() + 300
+                while not (tmp_path / "ckpt" / "latest").is_file() and child.poll() is None:
+                    assert time.time() < deadline, "no checkpoint was written"
+                    time.sleep(0.2)
+                rank1 = placement_lines(out.read_text())["trainer rank 1"]
+                (where,) = [line for line in out.read_text().splitlines() if "placement: trainer rank 1:" in line]
+                (lost,) = [n for n in nodes if n.node_id.startswith(rank1)]
+                cluster.remove_node(lost)
+                assert child.wait(timeout=300) == 1
+            finally:
+                if child.poll() is None:
+                    child.kill()
+        message = err.read_text()
+        node = where.split("placement: trainer rank 1: ", 1)[1].rsplit(" GPU", 1)[0]  # node ADDRESS (id)
+        assert f"TrainerRankLost: trainer rank 1 on {node} was lost" in message, message[-3000:]
+        assert "the node has left the cluster" in message
+        assert f"the run stops; resume from the last checkpoint with --load {tmp_path / 'ckpt'}" in message
+        assert "Traceback" not in message
+        cluster.add_node(num_cpus=2, num_gpus=1)
+        cluster.wait_for_nodes()
+        resumed = run(cmd + ["--load", str(tmp_path / "ckpt")])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        rows = metrics(tmp_path)
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        trained = [g for r in rows for g in r["trained_groups"]]
+        assert len(trained) == len(set(trained)) == 6
+    finally:
+        cluster.shutdown()
+
+
 DIES_ONCE_ENV = """
 import os
 import signal

@@ -115,7 +115,11 @@ def run(cfg: Config, run_dir: Path) -> None:
         ranks = trainer_actors(placement)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
-        _wait_all([r.train.remote(cfg, str(run_dir), i, len(ranks), master) for i, r in enumerate(ranks)])
+        refs = [r.train.remote(cfg, str(run_dir), i, len(ranks), master) for i, r in enumerate(ranks)]
+        try:
+            _wait_all(refs)
+        except ray.exceptions.RayActorError as e:
+            raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
     finally:
         for rank in ranks:
             ray.kill(rank)
@@ -187,6 +191,33 @@ def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[li
     return actors, urls
 
 
+LOST_PEER_SECONDS = 10.0  # how long a rank's failure waits for news of a lost peer
+
+
+class TrainerRankLost(RuntimeError):
+    """A trainer rank's process or node is gone: the run stops; ``--load`` resumes it."""
+
+
+def _lost_rank_message(cfg: Config, placement: Placement, refs: list, error: Exception) -> str:
+    """Which rank was lost, on which node (and whether the node has left the cluster), and how to resume."""
+    import ray
+
+    rank = next(r for r, ref in enumerate(refs) if ref == getattr(error, "ref", None))
+    slot = placement.trainer[rank]
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    gone = "; the node has left the cluster" if slot.node_id not in alive else ""
+    cause = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    resume = (
+        f"resume from the last checkpoint with --load {cfg.checkpoint.save}"
+        if cfg.checkpoint.save
+        else "no --save was given, so there is no checkpoint to resume from"
+    )
+    return (
+        f"trainer rank {rank} on node {slot.node_ip} ({slot.node_id[:8]}) was lost ({cause}{gone}); "
+        f"the run stops; {resume}"
+    )
+
+
 def _wait_all(refs: list) -> None:
     """Every rank's result; the first failure is raised at once (the caller stops the other ranks)."""
     import ray
@@ -194,4 +225,19 @@ def _wait_all(refs: list) -> None:
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])  # raises the rank's own exception (RayTaskError wraps it with its traceback)
+        try:
+            ray.get(done[0])  # raises the rank's own exception (RayTaskError wraps it with its traceback)
+        except ray.exceptions.RayActorError as e:  # the rank's process (or its node) is gone
+            e.ref = done[0]
+            raise
+        except Exception as first:  # maybe a collective whose peer was lost: name the lost rank instead
+            finished, _ = ray.wait(pending, num_returns=len(pending), timeout=LOST_PEER_SECONDS)
+            for ref in finished:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    e.ref = ref
+                    raise e from first
+                except Exception:  # another rank's own error: the first one is raised
+                    pass
+            raise
