@@ -58,11 +58,14 @@ class RolloutSide:
     data_state_before_prefetch: dict | None = None
     failed_steps: int = 0  # consecutive steps in which every sample failed
     asleep: bool = False  # --colocate: the engines' memory is released while the trainer trains
+    supervisor: object = None  # --ray: launch/ray/supervisor.py, starts again an engine that dies
+    weights_to: list | None = None  # the engines the weight transport was made for (with a supervisor)
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path) -> RolloutSide:
+    def start(cls, cfg: Config, run_dir: Path, engine_actors: list | None = None) -> RolloutSide:
         """Data, engines (launched, or the ``--engine-url`` ones), the rollout context with its update
-        gate, the rollout function and the metrics logger."""
+        gate, the rollout function and the metrics logger; under ``--ray`` (``engine_actors``: the
+        driver's EngineActors) the supervisor that starts again an engine that dies."""
         from slime_mt.engine.launch import start_engines
         from slime_mt.metrics import MetricsLogger
         from slime_mt.plugins import load_function
@@ -105,7 +108,16 @@ class RolloutSide:
             ctx.close()
             engines.stop()
             raise
-        return cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
+        side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
+        if engine_actors:
+            from slime_mt.launch.ray.supervisor import EngineSupervisor
+
+            def drop(url: str) -> None:
+                ctx.run_sync(_set_workers(ctx.client, [u for u in ctx.client.worker_urls if u != url]))
+
+            side.supervisor = EngineSupervisor(engine_actors, engines.worker_urls, engines.url, drop)
+            side.weights_to = list(ctx.client.worker_urls)
+        return side
 
     def resume(self, data_state: dict, step: int) -> None:
         self.data.load_state_dict(data_state)
@@ -139,6 +151,8 @@ class RolloutSide:
         extra.update(staleness_metrics(samples, step))
         if self.ctx.env_workers is not None:
             extra["env/worker_restarts"] = self.ctx.env_workers.take_restarts()
+        if self.supervisor is not None:
+            extra["engine/restarts"] = self.supervisor.take_restarts()
         if stop_run is not None:  # every rank stops, not only this one
             return stop_run
         batches.prefetch(step, extra)
@@ -188,11 +202,25 @@ class RolloutSide:
         or broadcast); the client's update gate pauses and empties the engines only around the update.
         Engines asleep (``--colocate``) take their weights back first, then the update; their KV cache
         follows in ``wake_engines``."""
+        ready = {}
+        if self.supervisor is not None:
+            self.supervisor.check()  # an engine lost since the last look leaves the update
+            ready = self.supervisor.take_ready()
+            self.ctx.run_sync(_set_workers(self.ctx.client, self.ctx.client.worker_urls + list(ready.values())))
+            if self.ctx.client.worker_urls != self.weights_to:  # engines left or came back: a new group
+                self.weights.close()
+                c = self.cfg
+                self.weights = transport_for(
+                    c.engine, c.cluster.ray, c.cluster.colocate, self.engines, self.ctx, self.errors_path.parent
+                )
+                self.weights_to = list(self.ctx.client.worker_urls)
         if not self.asleep:
             self.weights.push(stream, version, self.gate_closed)
-            return
-        self.ctx.run_sync(self.ctx.client.resume_memory_occupation(["weights"]))
-        self.weights.push(stream, version, contextlib.nullcontext)
+        else:
+            self.ctx.run_sync(self.ctx.client.resume_memory_occupation(["weights"]))
+            self.weights.push(stream, version, contextlib.nullcontext)
+        for e, url in ready.items():
+            self.supervisor.admit(e, url)
 
     def wake_engines(self) -> None:
         """``--colocate``: the engines' KV cache back and the gate open, once the new weights are in
@@ -265,12 +293,19 @@ class RolloutSide:
         }
 
     def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()
         self.metrics.close()
         try:
             self.weights.close()
         finally:
             self.ctx.close()
             self.engines.stop()
+
+
+async def _set_workers(client, urls: list[str]) -> None:
+    """The client's control calls go to ``urls`` from now on (changed on its loop, between calls)."""
+    client.worker_urls = list(urls)
 
 
 def _version_metrics(groups, version: int) -> dict[str, float]:

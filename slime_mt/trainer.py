@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -157,9 +158,17 @@ def _broadcast(obj, info):
     return box[0]
 
 
-def train(cfg: Config, run_dir: Path | None = None) -> None:
+def train(
+    cfg: Config,
+    run_dir: Path | None = None,
+    engine_actors: list | None = None,
+    stop_requested: threading.Event | None = None,
+) -> None:
     """The RL loop; ``run_dir``: the run folder (default: ``run_dir_of(cfg)``). Every rank runs its
-    ``TrainLoop``; rank 0 also runs the ``RolloutSide`` and the mode's ``NextBatch``."""
+    ``TrainLoop``; rank 0 also runs the ``RolloutSide`` and the mode's ``NextBatch``. ``engine_actors``
+    (``--ray``, rank 0): the engines' actors, to start again one that dies. ``stop_requested`` (``--ray``:
+    the driver's Ctrl-C) acts as Ctrl-C does: rank 0's request, shared with every rank after the step's
+    weight export, finishes the step, saves and stops."""
     from slime_mt.backends.megatron.actor import MegatronActor
     from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 
@@ -178,7 +187,7 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
         total_steps=r.num_rollout * steps_per_rollout,
     )
     loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async))
-    side = RolloutSide.start(cfg, run_dir) if info.is_main else None
+    side = RolloutSide.start(cfg, run_dir, engine_actors) if info.is_main else None
     batches = None
     start = 0
     stop = {"requested": False}
@@ -187,7 +196,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
         stop["requested"] = True
         logger.warning("interrupt: finishing this step, saving, stopping engines")
 
-    previous = signal.signal(signal.SIGINT, request_stop)
+    in_main = threading.current_thread() is threading.main_thread()  # a Ray actor's task may not be
+    previous = signal.signal(signal.SIGINT, request_stop) if in_main else None
     try:
         if cfg.checkpoint.load:
             extra = actor.load(cfg.checkpoint.load)
@@ -227,6 +237,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
             t_metrics, train_started, train_finished = loop.train(step, batch)
             drained_seconds = batches.drain() if batches is not None else 0.0
             sync_seconds = loop.export_weights(receive, step + 1)
+            requested = stop["requested"] or (stop_requested is not None and stop_requested.is_set())
+            stop["requested"] = _broadcast(requested, info)  # rank 0's: every rank stops after the same step
             if colocated:  # slime's order: the checkpoint, the trainer off the device, the engines' KV cache
                 save_if_due(step)
                 if offload:
@@ -262,7 +274,8 @@ def train(cfg: Config, run_dir: Path | None = None) -> None:
             if stop["requested"]:
                 break
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
         if batches is not None:
             batches.close()
         if side is not None:

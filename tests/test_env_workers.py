@@ -151,6 +151,19 @@ def test_a_remote_environment_answers_and_fails_as_the_in_process_one(pool, loca
         assert pool.open == [0, 0]
 
 
+def kill_and_wait_for_restart(pool, index: int) -> None:
+    """Kill worker ``index``'s process (Ray restarts it) and wait until the new one answers: ``ray.kill``
+    only asks for the kill."""
+    before = ray.get(pool.workers[index].where.remote())["incarnation"]
+    ray.kill(pool.workers[index], no_restart=False)
+    while True:
+        try:
+            if ray.get(pool.workers[index].where.remote(), timeout=60)["incarnation"] != before:
+                return
+        except ray.exceptions.RayActorError:  # restarting
+            pass
+
+
 def test_a_restarted_worker_rebuilds_and_replays_the_episode(pool):
     """The worker holding an episode is killed between two steps: the next step fails retryably, the
     retry rebuilds the environment on the restarted worker, replays the two earlier steps and answers
@@ -177,7 +190,7 @@ def test_a_replay_that_differs_from_what_the_model_saw_fails_the_sample(pool):
         env = await pool.open_env(Sample(prompt="p", label="random"))
         await env.reset()
         await step_with_retries(CTX, env, "a")
-        ray.kill(pool.workers[env.index], no_restart=False)
+        kill_and_wait_for_restart(pool, env.index)
         try:
             with pytest.raises(EnvStepFailed, match="replaying step 0 on the restarted environment worker"):
                 await step_with_retries(CTX, env, "b")

@@ -38,9 +38,10 @@ def cluster():
 def _inside(placement):
     """Start the run's own actors (a TrainerRank per rank, an EngineActor per engine) in their bundles,
     as ``--ray`` does -> what each saw from inside: its node, its Ray devices, its visible devices."""
+    from slime_mt.config import Config
     from slime_mt.launch.ray.driver import engine_actors, trainer_actors
 
-    trainer, engines = trainer_actors(placement), engine_actors(placement)
+    trainer, engines = trainer_actors(placement), engine_actors(placement, Config(), REPO / "logs")
     try:
         return ray.get([a.where.remote() for a in trainer]), ray.get([a.where.remote() for a in engines])
     finally:

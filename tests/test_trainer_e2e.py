@@ -603,8 +603,10 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
     try:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         on = {n: ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes}
-        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(str(REPO), [], [])
-        url = ray.get(engine.start.remote(EngineConfig(), str(tiny_paths["qwen2.5-vl"]), 0, str(run_dir)))
+        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(
+            str(REPO), [], [], EngineConfig(), str(tiny_paths["qwen2.5-vl"]), 0, str(run_dir)
+        )
+        url = ray.get(engine.start.remote())
         sender = RankZero.options(num_cpus=0, scheduling_strategy=on[nodes[0]]).remote(url)
         assert ray.get(sender.node.remote()) != ray.get(engine.where.remote())["node_id"]
         for step in (1, 2, 3):
@@ -700,6 +702,86 @@ def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, 
         assert len(trained) == len(set(trained)) == 6
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("launcher", ["single", "ray"])
+def test_ctrl_c_finishes_the_step_saves_and_stops(geo3k, tmp_path, launcher, request):
+    """Ctrl-C in the middle of a 20-step run: the step in hand finishes, a checkpoint of it is saved,
+    the engines stop and the run exits 0; on Ray the driver's Ctrl-C reaches every rank on its node."""
+    flags = ["--save-interval", "100"]  # the checkpoint can only come from the interrupt
+    if launcher == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        cmd = ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "1", steps=20)
+    else:
+        cmd = train_cmd(geo3k, tmp_path, *flags, steps=20)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").is_file() else []) < 2:
+            assert child.poll() is None and time.time() < deadline, "the run did not log two steps"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert 2 <= len(rows) < 20 and [r["step"] for r in rows] == list(range(len(rows))), stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"iter_{len(rows):07d}"
+
+
+def engine_processes() -> list[int]:
+    """PIDs of the processes Ray runs EngineActors in (their title is ``ray::EngineActor...``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EngineActor"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(
+    geo3k, three_nodes, torchrun_tp2, tmp_path
+):
+    """TP=2 on two nodes, two engines on two more behind the router, 6 steps: one engine's process is
+    killed in the middle of step 1's rollout. Its requests fail over to the other engine (each is the same
+    request again), Ray restarts its actor, the engine starts again outside the rotation and joins it
+    at the next weight update with the current weights: nothing fails, no token comes from weights
+    the run did not mean, every group is trained once, the restart is counted, and the run trains as
+    the same run under torchrun (its 3 steps)."""
+    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
+    three_nodes.wait_for_nodes()
+    try:
+        cmd = ray_cmd(geo3k, tmp_path, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "2", steps=6)
+        out = tmp_path / "driver.out"
+        with out.open("w") as stdout:
+            env = dict(os.environ, PYTHONPATH=str(REPO))
+            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 300
+            while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:
+                assert time.time() < deadline, "no step was logged"
+                time.sleep(0.05)
+            (victim, _) = engine_processes()
+            os.kill(victim, signal.SIGKILL)
+            _, stderr = child.communicate(timeout=600)
+        assert child.returncode == 0, stderr[-3000:]
+    finally:
+        three_nodes.remove_node(fourth)
+    assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()
+    rows, reference = metrics(tmp_path), metrics(torchrun_tp2)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert sum(r["engine/restarts"] for r in rows) == 1
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 12
+    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
 
 
 DIES_ONCE_ENV = """

@@ -126,13 +126,45 @@ class Router:
         return httpx.get(self.url + "/workers", timeout=10.0).json().get("workers", [])
 
     def add_worker(self, url: str) -> None:
-        response = httpx.post(self.url + "/workers", json={"url": url}, timeout=30.0)
-        if response.status_code >= 400:
-            raise LaunchError(f"sglang-router refused worker {url}: HTTP {response.status_code} {response.text}")
-        self._wait(lambda: any(w["url"] == url and w.get("is_healthy", True) for w in self.workers()), f"worker {url}")
+        self._process.check_alive()
+        add_worker(self.url, url)
+
+    def remove_worker(self, url: str, timeout: float = 30.0) -> None:
+        """Take ``url`` out of the router's rotation (a worker that died); no-op when it is not in it."""
+        remove_worker(self.url, url, timeout)
 
     def stop(self) -> None:
         self._process.stop()
+
+
+def remove_worker(router_url: str, url: str, timeout: float = 30.0) -> None:
+    """sglang-router's ``DELETE /workers/{id}`` for the worker at ``url``; waits until it is gone."""
+    workers = httpx.get(router_url + "/workers", timeout=10.0).json().get("workers", [])
+    for worker in workers:
+        if worker["url"] == url:
+            response = httpx.delete(f"{router_url}/workers/{worker['id']}", timeout=10.0)
+            if response.status_code >= 400:
+                raise LaunchError(f"sglang-router refused to remove {url}: HTTP {response.status_code} {response.text}")
+    deadline = time.monotonic() + timeout
+    while any(w["url"] == url for w in httpx.get(router_url + "/workers", timeout=10.0).json().get("workers", [])):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"sglang-router still routes to {url} {timeout:.0f}s after its removal")
+        time.sleep(0.05)
+
+
+def add_worker(router_url: str, url: str, timeout: float = 60.0) -> None:
+    """sglang-router's ``POST /workers``; waits until the router reports the worker healthy."""
+    response = httpx.post(router_url + "/workers", json={"url": url}, timeout=30.0)
+    if response.status_code >= 400:
+        raise LaunchError(f"sglang-router refused worker {url}: HTTP {response.status_code} {response.text}")
+    deadline = time.monotonic() + timeout
+    while not any(
+        w["url"] == url and w.get("is_healthy", True)
+        for w in httpx.get(router_url + "/workers", timeout=10.0).json().get("workers", [])
+    ):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"sglang-router: worker {url} not healthy after {timeout:.0f}s")
+        time.sleep(0.1)
 
 
 def sglang_command(
@@ -189,6 +221,10 @@ class SGLangServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self._process.proc.poll() is None
 
     def stop(self) -> None:
         self._process.stop(grace=30.0)

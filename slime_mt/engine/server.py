@@ -506,6 +506,11 @@ class LocalEngine:
     def weight_version(self) -> str:
         return self.scheduler.weight_version
 
+    @property
+    def alive(self) -> bool:
+        """Serving: its HTTP server and its scheduler both run."""
+        return self._server is not None and self._thread.is_alive() and self.scheduler.alive
+
     def start(self, timeout: float = 120.0) -> LocalEngine:
         runner = ModelRunner(self.model_path, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version, self.cache_tokens)

@@ -238,7 +238,7 @@ class RemoteEnv:
             if isinstance(e.cause, EpisodeLost):
                 self.lost = True
             raise e.cause from None
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.RayActorError as e:  # died, or restarting
             self.lost = True
             raise RetryableEnvError(
                 f"environment worker {self.index} died during {method} ({type(e).__name__}); the episode "
@@ -311,6 +311,10 @@ class RemoteEnv:
         try:
             if not self.lost:
                 await self._remote("close")
+        except RetryableEnvError:
+            if not self.lost:
+                raise
+            # the worker died: the environment went with it, there is nothing left to close
         finally:
             self.release()
 

@@ -37,10 +37,17 @@ def _where() -> dict:
     }
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # ``request_stop`` answers while ``train`` runs
 class TrainerRank:
     def __init__(self, cwd: str, paths: list[str]) -> None:
+        import threading
+
         enter(cwd, paths)
+        self.stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """The driver's Ctrl-C: finish the step, save and stop (rank 0's request reaches every rank)."""
+        self.stop_requested.set()
 
     def where(self) -> dict:
         return _where()
@@ -52,7 +59,8 @@ class TrainerRank:
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
 
-    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int]) -> None:
+    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int], engines=None) -> None:
+        """``trainer.train`` as rank ``rank``; rank 0 gets the engine actors, to start again one that dies."""
         from slime_mt.trainer import train
 
         os.environ.update(
@@ -62,49 +70,58 @@ class TrainerRank:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        train(cfg, Path(run_dir))
+        train(cfg, Path(run_dir), engine_actors=engines, stop_requested=self.stop_requested)
 
 
 @ray.remote
 class EngineActor:
-    """One engine on ``devices`` (physical ids on its node; empty on a CPU cluster). The actor holds no
-    Ray device of its own: from its start it shows only the engine's devices (``CUDA_VISIBLE_DEVICES``),
-    which Ray leaves alone under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``."""
+    """One engine on ``devices`` (physical ids on its node; empty on a CPU cluster), with what it serves
+    given at birth, so that Ray, restarting the actor after its process died, gives it the same. The
+    actor holds no Ray device of its own: from its start it shows only the engine's devices
+    (``CUDA_VISIBLE_DEVICES``), which Ray leaves alone under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``."""
 
-    def __init__(self, cwd: str, paths: list[str], devices: list[int]) -> None:
+    def __init__(
+        self, cwd: str, paths: list[str], devices: list[int], engine_cfg, model_path: str, seed: int, log_dir: str
+    ) -> None:
         enter(cwd, paths)
         self.devices = list(devices)
         if self.devices:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
+        self.engine_cfg, self.model_path, self.seed, self.log_dir = engine_cfg, model_path, seed, log_dir
         self.engine = None
 
     def where(self) -> dict:
         return _where()
 
-    def start(self, engine_cfg, model_path: str, seed: int, log_dir: str) -> str:
+    def start(self) -> str:
         """Start the engine on this actor's devices, bound to its node's address -> its URL."""
         from slime_mt.engine.launch import SGLangServer
         from slime_mt.engine.server import LocalEngine
 
-        host = ray.util.get_node_ip_address()
-        if engine_cfg.engine == "local":
+        host, cfg = ray.util.get_node_ip_address(), self.engine_cfg
+        if cfg.engine == "local":
             self.engine = LocalEngine(
-                model_path,
+                self.model_path,
                 host=host,
-                max_batch_size=engine_cfg.engine_max_batch_size,
-                seed=seed,
-                cache_tokens=engine_cfg.engine_cache_tokens,
+                max_batch_size=cfg.engine_max_batch_size,
+                seed=self.seed,
+                cache_tokens=cfg.engine_cache_tokens,
             ).start()
         else:
             self.engine = SGLangServer(
-                model_path,
-                Path(log_dir),
+                self.model_path,
+                Path(self.log_dir),
                 tp_size=max(len(self.devices), 1),
-                mem_fraction_static=engine_cfg.sglang_mem_fraction_static,
-                extra_args=engine_cfg.sglang_extra_args,
+                mem_fraction_static=cfg.sglang_mem_fraction_static,
+                extra_args=cfg.sglang_extra_args,
                 host=host,
             )
         return self.engine.url
+
+    def serving(self) -> str | None:
+        """The URL of the engine this actor runs, or None when it runs none (not started, restarted by
+        Ray, or its engine died)."""
+        return self.engine.url if self.engine is not None and self.engine.alive else None
 
     def stop(self) -> None:
         if self.engine is not None:

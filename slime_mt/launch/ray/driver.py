@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -104,22 +105,26 @@ def run(cfg: Config, run_dir: Path) -> None:
     try:
         placement = place(cfg)
         engines, urls = _start_engines(cfg, placement, run_dir)
-        if len(urls) > 1:
-            router = Router(
-                run_dir / "logs", host=ray.util.get_node_ip_address(), policy=cfg.engine.sglang_router_policy
-            )
-            for url in urls:
-                router.add_worker(url)
-            urls = [router.url, *urls]
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=urls))
+        # always a router: an engine that dies leaves its rotation until it is back with the weights
+        router = Router(run_dir / "logs", host=ray.util.get_node_ip_address(), policy=cfg.engine.sglang_router_policy)
+        for url in urls:
+            router.add_worker(url)
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=[router.url, *urls]))
         ranks = trainer_actors(placement)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
-        refs = [r.train.remote(cfg, str(run_dir), i, len(ranks), master) for i, r in enumerate(ranks)]
+        forward = _forward_interrupt(ranks)
+        refs = [
+            r.train.remote(cfg, str(run_dir), i, len(ranks), master, engines if i == 0 else None)
+            for i, r in enumerate(ranks)
+        ]
+        previous = signal.signal(signal.SIGINT, forward)
         try:
             _wait_all(refs)
         except ray.exceptions.RayActorError as e:
             raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
     finally:
         for rank in ranks:
             ray.kill(rank)
@@ -144,8 +149,9 @@ def trainer_actors(placement: Placement) -> list:
     return [_actor(TrainerRank, placement, slot.bundle, gpus) for slot in placement.trainer]
 
 
-def engine_actors(placement: Placement) -> list:
-    """One EngineActor per engine, in the bundle of its first device and showing only its devices."""
+def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
+    """One EngineActor per engine, in the bundle of its first device and showing only its devices;
+    Ray restarts one whose process dies (the rollout side starts its engine again)."""
     from slime_mt.launch.ray.actors import EngineActor
 
     no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
@@ -156,9 +162,14 @@ def engine_actors(placement: Placement) -> list:
             slots[0].bundle,
             0,
             [s.gpu for s in slots if s.gpu is not None],
+            cfg.engine,
+            cfg.train.hf_checkpoint,
+            cfg.train.seed + e,
+            str(log_dir),
             runtime_env=no_visible_devices_override,
+            max_restarts=-1,
         )
-        for slots in placement.engines
+        for e, slots in enumerate(placement.engines)
     ]
 
 
@@ -175,11 +186,8 @@ def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[li
     """Start every engine on its devices -> (actors, URLs)."""
     import ray
 
-    actors = engine_actors(placement)
-    started = [
-        actor.start.remote(cfg.engine, cfg.train.hf_checkpoint, cfg.train.seed + e, str(run_dir / "logs"))
-        for e, actor in enumerate(actors)
-    ]
+    actors = engine_actors(placement, cfg, run_dir / "logs")
+    started = [actor.start.remote() for actor in actors]
     try:
         urls = ray.get(started)
     except BaseException:
@@ -189,6 +197,18 @@ def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[li
     for e, url in enumerate(urls):
         print(f"placement: engine {e} serves at {url}", flush=True)
     return actors, urls
+
+
+def _forward_interrupt(ranks: list):
+    """The driver's Ctrl-C handler: the first one asks rank 0 to stop as Ctrl-C under ``torchrun``
+    does (every rank finishes the step, saves and stops); a second one stops the driver at once."""
+
+    def forward(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print("slime-mt train: interrupt: every rank finishes its step, saves and stops", file=sys.stderr, flush=True)
+        ranks[0].request_stop.remote()
+
+    return forward
 
 
 LOST_PEER_SECONDS = 10.0  # how long a rank's failure waits for news of a lost peer
@@ -224,7 +244,9 @@ def _wait_all(refs: list) -> None:
 
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # a timeout lets Ctrl-C in
+        if not done:
+            continue
         try:
             ray.get(done[0])  # raises the rank's own exception (RayTaskError wraps it with its traceback)
         except ray.exceptions.RayActorError as e:  # the rank's process (or its node) is gone
