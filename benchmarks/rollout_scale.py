@@ -26,6 +26,15 @@ loop, env and its thread pool, samples), measured with per-thread CPU clocks whe
 (see ``CpuSplit``), its memory per trajectory (RSS growth over the
 process before the trajectories started, divided by their number), and the CPU the engines and the
 router spent per turn.
+
+Rollout processes (``--rollout-num-processes``), ``--processes 1 2 4``: the same engines, and groups
+of ``--group-size`` trajectories run through ``group_rollout.run_group`` as a run's rollout side runs
+them: in its own process (1), or in that many ``RolloutWorker`` Ray actors of a local Ray behind the
+real ``RolloutWorkerPool``. The rollout side keeps ``--trajectories`` trajectories in flight (groups
+replaced as they finish); the environment is the same tool environment with ``--env-cpu-ms`` of
+pure-Python work per step (what a real environment's parsing and formatting costs, and what makes
+one process the bottleneck). Reported per count: turns per second (engine calls of the finished
+groups), the rollout side's own CPU per turn and all the rollout processes' together.
 """
 
 from __future__ import annotations
@@ -400,6 +409,153 @@ def measure_in_process(engines: Engines, size: int) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+# ---------------------------------------------------------------------------------------- processes
+
+
+class BusyToolEnv:
+    """The tool environment of ``measure``, with ``ROLLOUT_SCALE_ENV_CPU_MS`` of pure-Python work per
+    step (built by ``build_env`` in every rollout process: this file is the run's env module)."""
+
+    def __init__(self, cpu_ms: float):
+        self.steps = 0
+        self.cpu_s = cpu_ms / 1e3
+
+    def reset(self):
+        return None
+
+    def step(self, response_text):
+        self.steps += 1
+        started, x = time.thread_time(), 0
+        while time.thread_time() - started < self.cpu_s:
+            x += sum(range(200))
+        return {"text": f"Tool result {self.steps}: 42 rows matched; first row id={self.steps * 7}."}, False, {}
+
+    def format_observation(self, observation):
+        return [{"role": "user", "content": observation["text"]}]
+
+    def close(self):
+        return None
+
+
+def build_env(sample=None, args=None, **kwargs):
+    return BusyToolEnv(float(os.environ.get("ROLLOUT_SCALE_ENV_CPU_MS", "0")))
+
+
+def measure_processes(url: str, worker_urls: list[str], processes: int, args) -> dict:
+    """Groups through ``run_group`` with ``processes`` rollout processes (1: in this one)."""
+    import dataclasses
+
+    import psutil
+
+    from slime_mt.assets import tiny_model_dir
+    from slime_mt.config import Config
+    from slime_mt.rollout.context import RolloutContext
+    from slime_mt.rollout.group_rollout import load_plugins, run_group
+    from slime_mt.types import Sample
+
+    os.environ["ROLLOUT_SCALE_ENV_CPU_MS"] = str(args.env_cpu_ms)  # before Ray starts its workers
+    cfg = Config()
+    cfg.train.hf_checkpoint = str(tiny_model_dir("qwen2"))
+    cfg.data.apply_chat_template = True
+    cfg.rollout = dataclasses.replace(
+        cfg.rollout,
+        max_turns=args.turns,
+        rollout_max_response_len=64,
+        rollout_max_context_len=8192,
+        rollout_interaction_env_path=str(Path(__file__).resolve()),
+        rollout_concurrency=args.trajectories[0],
+        rollout_num_processes=processes,
+        rollout_process_num_cpus=0.01,
+    )
+    cfg.engine.engine_request_timeout = 600.0
+    ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, url, worker_urls)
+    pids = []
+    if processes > 1:
+        from slime_mt.rollout.rollout_workers import RolloutWorkerPool
+
+        ctx.rollout_workers = RolloutWorkerPool(cfg, url, worker_urls)
+        pids = [w["pid"] for w in ctx.rollout_workers.where]
+    generate, rm, _ = load_plugins(cfg.rollout)
+    params = ctx.sampling_params()
+    turns, groups = [0], [0]
+
+    async def one_group_after_another(g: int, semaphore: asyncio.Semaphore) -> None:
+        while True:
+            k = groups[0]
+            groups[0] += 1
+            question = f"Question {g}.{k}: how many rows of table t{g % 97} have a value above {k * 13 % 1000}?"
+            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            group = [
+                Sample(index=k * args.group_size + i, group_index=k, prompt=prompt, metadata={"rollout_id": k})
+                for i in range(args.group_size)
+            ]
+            done = await run_group(ctx, group, generate, rm, params, semaphore)
+            turns[0] += sum(len(s.turns) for s in done)
+
+    async def run():
+        semaphore = asyncio.Semaphore(cfg.rollout.rollout_concurrency)
+        n_groups = args.trajectories[0] // args.group_size
+        tasks = [asyncio.create_task(one_group_after_another(g, semaphore)) for g in range(n_groups)]
+        await asyncio.sleep(args.warmup)
+        workers = [psutil.Process(p) for p in pids]
+        before = (time.perf_counter(), time.process_time(), turns[0], sum(sum(w.cpu_times()[:2]) for w in workers))
+        await asyncio.sleep(args.window)
+        after = (time.perf_counter(), time.process_time(), turns[0], sum(sum(w.cpu_times()[:2]) for w in workers))
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=30)
+        return before, after
+
+    try:
+        before, after = ctx.run_sync(run())
+    finally:
+        ctx.close()
+    wall, cpu, n, workers_cpu = (after[i] - before[i] for i in range(4))
+    return {
+        "turns_per_s": n / wall,
+        "side_cpu_ms_per_turn": cpu / n * 1e3,
+        "all_cpu_ms_per_turn": (cpu + workers_cpu) / n * 1e3,
+        "turns": n,
+    }
+
+
+def processes_table(args) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as log_dir:
+        engines = Engines(args.engines[-1], args, Path(log_dir))
+        try:
+            for processes in args.processes:
+                cmd = [sys.executable, *sys.argv, "--measure-processes", str(processes), "--url", engines.url]
+                cmd += ["--worker-urls", *engines.worker_urls]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
+                if line is None:
+                    raise RuntimeError(f"the run with {processes} rollout processes failed:\n{done.stderr[-3000:]}")
+                r = json.loads(line[len("RESULT ") :])
+                rows.append((processes, r))
+                print(
+                    f"processes={processes}: {r['turns_per_s']:.0f} turns/s, rollout side CPU "
+                    f"{r['side_cpu_ms_per_turn']:.2f} ms/turn, all rollout processes {r['all_cpu_ms_per_turn']:.2f} "
+                    f"ms/turn, {r['turns']} turns",
+                    flush=True,
+                )
+        finally:
+            engines.stop()
+    base = rows[0][1]["turns_per_s"]
+    print()
+    print(
+        f"engines={args.engines[-1]}, {args.trajectories[0]:,} trajectories in groups of {args.group_size}, "
+        f"{args.env_cpu_ms} ms of environment CPU per step, {os.cpu_count()} CPUs"
+    )
+    print("| rollout processes | turns/s | vs 1 | rollout side CPU ms/turn | all rollout processes CPU ms/turn |")
+    print("|---|---|---|---|---|")
+    for processes, r in rows:
+        print(
+            f"| {processes} | {r['turns_per_s']:,.0f} | {r['turns_per_s'] / base:.2f}x "
+            f"| {r['side_cpu_ms_per_turn']:.2f} | {r['all_cpu_ms_per_turn']:.2f} |"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, nargs="+", default=[256, 1024, 4096])
@@ -413,6 +569,10 @@ def main():
     parser.add_argument("--prefill-us", type=float, default=20.0, help="per uncached prompt token")
     parser.add_argument("--step-ms", type=float, default=12.0, help="decode step at an empty batch")
     parser.add_argument("--batch-knee", type=float, default=256.0, help="in-flight requests that double a step")
+    parser.add_argument("--processes", type=int, nargs="+", help="rollout processes to compare (e.g. 1 2 4)")
+    parser.add_argument("--group-size", type=int, default=8, help="--processes: trajectories per group")
+    parser.add_argument("--env-cpu-ms", type=float, default=1.0, help="--processes: env CPU per step")
+    parser.add_argument("--measure-processes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -427,6 +587,13 @@ def main():
         result = measure(args.url, args.worker_urls, args.measure, args, args.engine_pids)
         print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)  # episodes in flight were cancelled; nothing else to wait for
+    if args.measure_processes:
+        result = measure_processes(args.url, args.worker_urls, args.measure_processes, args)
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    if args.processes:
+        processes_table(args)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
         for n_engines in args.engines:

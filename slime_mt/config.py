@@ -172,6 +172,14 @@ class RolloutConfig:
         "a worker that dies is restarted and its episodes rebuilt. 0: in-process.",
     )
     env_worker_num_cpus: float = _opt(1.0, "--env-num-workers: CPUs Ray reserves for each environment worker.")
+    rollout_num_processes: int = _opt(
+        1,
+        "Run the groups' trajectories (generate, environment, reward) in this many Ray actors spread over "
+        "the cluster's nodes (--ray-address; none: a local Ray), for when one process cannot keep the "
+        "engines busy; data, the dynamic-sampling filter, staleness and metrics stay in the rollout side's "
+        "process, so each group is drawn and trained once. 1: in the rollout side's process.",
+    )
+    rollout_process_num_cpus: float = _opt(1.0, "--rollout-num-processes: CPUs Ray reserves for each rollout process.")
 
 
 @dataclass

@@ -105,6 +105,15 @@ def validate(cfg: Config) -> None:
         r.env_num_workers,
         "runs the --rollout-interaction-env-path environments, and none is given",
     )
+    _require(r.rollout_num_processes >= 1, "rollout_num_processes", r.rollout_num_processes, "must be >= 1")
+    _require(r.rollout_process_num_cpus > 0, "rollout_process_num_cpus", r.rollout_process_num_cpus, "must be > 0")
+    _require(
+        r.rollout_num_processes == 1 or not r.slime_compat,
+        "rollout_num_processes",
+        r.rollout_num_processes,
+        "runs slime_mt's samples in other processes; --slime-compat adopts slime's in the rollout side's "
+        "process only (use 1 with --slime-compat)",
+    )
     _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")
     _require(r.max_failed_steps >= 1, "max_failed_steps", r.max_failed_steps, "must be >= 1")
     _require(

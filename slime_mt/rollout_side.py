@@ -90,8 +90,18 @@ class RolloutSide:
             engines.stop()
             raise
         ctx.client.gate = UpdateGate()
-        if ctx.env_workers is not None:
-            for line in ctx.env_workers.describe():
+        if cfg.rollout.rollout_num_processes > 1:
+            from slime_mt.rollout.rollout_workers import RolloutWorkerPool
+
+            try:
+                ctx.rollout_workers = RolloutWorkerPool(cfg, engines.url, engines.worker_urls, ctx.env_workers)
+            except BaseException:
+                ctx.close()
+                engines.stop()
+                raise
+            ctx.client.gate.followers = ctx.rollout_workers
+        for pool in (ctx.env_workers, ctx.rollout_workers):
+            for line in pool.describe() if pool is not None else []:
                 print(f"placement: {line}", flush=True)
         if cfg.rollout.slime_compat:
             from slime_mt.compat import SlimeCompat
@@ -153,6 +163,8 @@ class RolloutSide:
             extra["env/worker_restarts"] = self.ctx.env_workers.take_restarts()
         if self.supervisor is not None:
             extra["engine/restarts"] = self.supervisor.take_restarts()
+        if self.ctx.rollout_workers is not None:
+            extra["rollout/process_restarts"] = self.ctx.rollout_workers.take_restarts()
         if stop_run is not None:  # every rank stops, not only this one
             return stop_run
         batches.prefetch(step, extra)

@@ -175,7 +175,7 @@ def test_a_restarted_worker_rebuilds_and_replays_the_episode(pool):
         for text in ("a", "b"):
             await step_with_retries(CTX, env, text)
         before = pool.total_restarts
-        ray.kill(pool.workers[env.index], no_restart=False)
+        kill_and_wait_for_restart(pool, env.index)  # not ray.kill alone: the step could reach the old process
         third = await step_with_retries(CTX, env, "c")
         await env.close()
         return third, pool.total_restarts - before

@@ -504,12 +504,14 @@ def ray_cmd(geo3k: Path, run_dir: Path, cluster, *extra: str, steps: int = 3) ->
 @pytest.fixture(scope="module")
 def ray_tp2(geo3k, three_nodes, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ray_tp2")
-    proc = run(ray_cmd(geo3k, run_dir, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "1", *ENV_WORKERS))
+    flags = [*DETERMINISTIC, "--rollout-num-gpus", "1", *ENV_WORKERS, *ROLLOUT_PROCESSES]
+    proc = run(ray_cmd(geo3k, run_dir, three_nodes, *flags))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc.stdout
 
 
-ENV_WORKERS = ["--env-num-workers", "2"]
+ENV_WORKERS = ["--env-num-workers", "2", "--env-worker-num-cpus", "0.5"]
+ROLLOUT_PROCESSES = ["--rollout-num-processes", "2", "--rollout-process-num-cpus", "0.25"]
 
 
 def placement_lines(text: str) -> dict[str, str]:
@@ -525,13 +527,16 @@ def placement_lines(text: str) -> dict[str, str]:
 
 def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     """TP=2 with its ranks on two nodes and the engine on the third, weights to the engine over the
-    distributed path, the environments in two workers on two nodes: the same rewards, losses and
-    gradient norms as under torchrun with the environments in rank 0's threads, step by step."""
+    distributed path, the trajectories in two rollout processes and their environments in two workers,
+    each pair on two nodes: the same rewards, losses and gradient norms as under torchrun with
+    everything of the rollout in rank 0's process, step by step; every group trained once."""
     run_dir, stdout = ray_tp2
     nodes = placement_lines(stdout)
-    assert sorted(nodes) == ["engine 0", "env worker 0", "env worker 1", "trainer rank 0", "trainer rank 1"], stdout
+    roles = ["engine 0", "env worker 0", "env worker 1", "rollout process 0", "rollout process 1"]
+    assert sorted(nodes) == [*roles, "trainer rank 0", "trainer rank 1"], stdout
     assert len({nodes[role] for role in ("engine 0", "trainer rank 0", "trainer rank 1")}) == 3
     assert nodes["env worker 0"] != nodes["env worker 1"]  # two workers, two nodes
+    assert nodes["rollout process 0"] != nodes["rollout process 1"]
     ray_rows, torchrun_rows = metrics(run_dir), metrics(torchrun_tp2)
     assert [r["step"] for r in ray_rows] == [0, 1, 2]
     assert [r["rollout/reward_mean"] for r in ray_rows] == [r["rollout/reward_mean"] for r in torchrun_rows]
@@ -542,7 +547,11 @@ def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in ray_rows)
     assert not (run_dir / "weights").exists()  # nothing went through a folder
     assert [r["env/worker_restarts"] for r in ray_rows] == [0, 0, 0]
+    assert [r["rollout/process_restarts"] for r in ray_rows] == [0, 0, 0]
     assert all(r["rollout/env_seconds"] > 0 for r in ray_rows)  # the environments did step, remotely
+    trained = [g for r in ray_rows for g in r["trained_groups"]]
+    assert trained == [g for r in torchrun_rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 6
 
 
 def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tmp_path):
@@ -559,19 +568,21 @@ def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tm
 def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, request):
     """--fully-async at TP=2, under torchrun and on four Ray nodes: rank 0's manager feeds both ranks,
     the weights reach the engine mid-generation (on Ray: broadcast to two engines on two other nodes,
-    behind the router), every group is trained once and no token is staler than S=1."""
+    behind the router, while two rollout processes generate), every group is trained once and no
+    token is staler than S=1."""
     flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
     if launcher == "ray":
         cluster = request.getfixturevalue("three_nodes")
         fourth = cluster.add_node(num_cpus=2, num_gpus=1)  # two engines, on two nodes, behind the router
         cluster.wait_for_nodes()
         try:
-            proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "2"))
+            proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "2", *ROLLOUT_PROCESSES))
         finally:
             cluster.remove_node(fourth)
         nodes = placement_lines(proc.stdout)
         assert len({nodes.get("engine 0"), nodes.get("engine 1")} - {None}) == 2, proc.stdout[-2000:]
         assert len(set(nodes.values())) == 4
+        assert {"rollout process 0", "rollout process 1"} <= set(nodes)
     else:
         proc = run(train_cmd(geo3k, tmp_path, *flags, tp=2, steps=3))
     assert proc.returncode == 0, proc.stderr[-3000:]

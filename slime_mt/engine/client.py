@@ -102,6 +102,12 @@ class UpdateGate:
     the weights of all of its tokens. A response that an update aborted carries
     ``meta_info["weight_update_abort"] = True``; the rollout resumes it from its tokens
     (``--partial-rollout``) or generates it again. Methods run on the client's event loop.
+
+    ``followers`` (``--rollout-num-processes``): the gates of the other rollout processes' clients
+    (``rollout/rollout_workers.py``), which send to the same engines. ``close`` holds them (closed,
+    the update counted, no engine call) before it pauses the engines, waits for their requests as
+    for its own, and ``open`` lets them through after the engines continue; an aborted response in
+    any process is then read as the update's.
     """
 
     def __init__(self, drain_seconds: float = DRAIN_SECONDS) -> None:
@@ -113,6 +119,7 @@ class UpdateGate:
         self._back.set()
         self.updates = 0  # closes so far
         self.held_by_engines = 0  # requests the last close left waiting at an engine's admission
+        self.followers = None  # the other rollout processes' gates (--rollout-num-processes)
 
     @property
     def is_open(self) -> bool:
@@ -142,28 +149,59 @@ class UpdateGate:
                 self._back.set()
             slots.release()
 
-    async def close(self, client: EngineClient) -> None:
-        """Stop requests at the gate, abort and pause the engines, wait (bounded) for those still out."""
+    def hold(self) -> None:
+        """Close the gate and count the update, without calling an engine (a follower's part of ``close``)."""
         self.updates += 1
         self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    @property
+    def out(self) -> int:
+        """Requests sent to an engine and not back."""
+        return self._out
+
+    async def back(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for every request out to come back -> whether they all did."""
+        try:
+            await asyncio.wait_for(self._back.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def close(self, client: EngineClient) -> None:
+        """Stop requests at the gate (and the followers'), abort and pause the engines, wait (bounded)
+        for those still out."""
+        self.hold()
+        if self.followers is not None:
+            await self.followers.hold()
         await client.pause(mode="abort")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_seconds
-        while not self._back.is_set() and (left := deadline - loop.time()) > 0:
-            try:
-                await asyncio.wait_for(self._back.wait(), min(DRAIN_ABORT_INTERVAL, left))
-            except asyncio.TimeoutError:
-                await client.abort(abort_all=True)
-        self.held_by_engines = self._out
-        if self._out:
-            logger.info("weight update %d: %d requests wait at the engines' admission", self.updates, self._out)
+        while (left := deadline - loop.time()) > 0:
+            if await self._all_back(min(DRAIN_ABORT_INTERVAL, left)):
+                break
+            await client.abort(abort_all=True)
+        self.held_by_engines = self._out + (await self.followers.out() if self.followers is not None else 0)
+        if self.held_by_engines:
+            logger.info(
+                "weight update %d: %d requests wait at the engines' admission", self.updates, self.held_by_engines
+            )
+
+    async def _all_back(self, timeout: float) -> bool:
+        if self.followers is None:
+            return await self.back(timeout)
+        return all(await asyncio.gather(self.back(timeout), self.followers.back(timeout)))
 
     async def open(self, client: EngineClient) -> None:
         """Continue generation on every engine and let the waiting requests through."""
         try:
             await client.resume()
         finally:
-            self._open.set()
+            self.release()
+            if self.followers is not None:
+                await self.followers.release()
 
 
 class EngineClient:

@@ -42,6 +42,7 @@ class RolloutContext:
     _prompt_encodings: dict[int, Encoded] = field(default_factory=dict)  # id(sample) -> its encoded prompt
     start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
     env_workers: Any = None  # rollout.env_workers.EnvWorkerPool under --env-num-workers
+    rollout_workers: Any = None  # rollout.rollout_workers.RolloutWorkerPool under --rollout-num-processes
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
@@ -214,6 +215,9 @@ class RolloutContext:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
         self.env_executor.shutdown(wait=False, cancel_futures=True)
+        if self.rollout_workers is not None:  # before the environment workers they share
+            self.rollout_workers.close()
+            self.rollout_workers = None
         if self.env_workers is not None:
             self.env_workers.close()
             self.env_workers = None

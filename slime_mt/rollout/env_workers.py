@@ -128,16 +128,10 @@ class EnvWorkerPool:
     ) -> None:
         import ray
 
-        self.retries = retries  # a build or reset on a worker that dies under it is tried again this often
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
-            ray.init(
-                address=ray_address,
-                include_dashboard=False,
-                runtime_env={"env_vars": {"PYTHONPATH": paths}},
-                logging_level=logging.WARNING,
-            )
+        from slime_mt.launch.ray.actors import connect
+
+        self.started_ray = connect(ray_address)
+        self.owned = True
         shipped = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "rollout_context"})
         actor = ray.remote(EnvWorker).options(
             num_cpus=num_cpus,
@@ -145,7 +139,10 @@ class EnvWorkerPool:
             max_task_retries=0,
             scheduling_strategy="SPREAD",
         )
-        self.workers = [actor.remote(os.getcwd(), list(sys.path), env_path, shipped) for _ in range(num_workers)]
+        # held here: Ray restarts a worker from its constructor's arguments, and args in the object store
+        # (over 100 KB, e.g. long --rollout-stop-token-ids) must outlive the first start
+        self.args_ref = ray.put(shipped)
+        self.workers = [actor.remote(os.getcwd(), list(sys.path), env_path, self.args_ref) for _ in range(num_workers)]
         try:
             self.where = ray.get([w.where.remote() for w in self.workers], timeout=300)
         except Exception as e:
@@ -154,12 +151,32 @@ class EnvWorkerPool:
                 f"--env-num-workers {num_workers}: the environment workers did not start "
                 f"(--rollout-interaction-env-path {env_path}, --env-worker-num-cpus {num_cpus}): {e}"
             ) from e
+        self._track(retries)
+
+    def _track(self, retries: int) -> None:
+        self.retries = retries
         self.incarnations = [{w["incarnation"]} for w in self.where]
-        self.open = [0] * num_workers
+        self.open = [0] * len(self.workers)
         self.restarts = 0  # restarts seen since the last ``take_restarts``
         self.total_restarts = 0
+        self.seen: list[tuple[int, str]] = []  # (worker, incarnation) of every restart seen, for ``take_seen``
         self._next = 0
         self._lock = threading.Lock()
+
+    def shared(self) -> dict:
+        """What another rollout process needs to use these workers (``attached``)."""
+        return {"workers": list(self.workers), "where": self.where, "retries": self.retries}
+
+    @classmethod
+    def attached(cls, shared: dict) -> EnvWorkerPool:
+        """Another process's handle on the workers of ``shared`` (``--rollout-num-processes``): it
+        places its episodes on them and never stops them; the restarts it sees go back to the pool's
+        owner through ``take_seen``, which counts each once."""
+        pool = cls.__new__(cls)
+        pool.started_ray, pool.owned = False, False
+        pool.workers, pool.where = list(shared["workers"]), shared["where"]
+        pool._track(shared["retries"])
+        return pool
 
     def describe(self) -> list[str]:
         return [f"env worker {i}: node {w['node_ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)]
@@ -183,6 +200,7 @@ class EnvWorkerPool:
         with self._lock:
             if incarnation not in self.incarnations[index]:
                 self.incarnations[index].add(incarnation)
+                self.seen.append((index, incarnation))
                 self.restarts += 1
                 self.total_restarts += 1
                 logger.warning("environment worker %d was restarted (%d in this run)", index, self.total_restarts)
@@ -191,6 +209,11 @@ class EnvWorkerPool:
         with self._lock:
             restarts, self.restarts = self.restarts, 0
             return restarts
+
+    def take_seen(self) -> list[tuple[int, str]]:
+        with self._lock:
+            seen, self.seen = self.seen, []
+            return seen
 
     async def open_env(self, sample) -> RemoteEnv:
         import ray
@@ -206,8 +229,9 @@ class EnvWorkerPool:
     def close(self) -> None:
         import ray
 
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+        if self.owned:
+            for worker in self.workers:
+                ray.kill(worker, no_restart=True)
         self.workers = []
         if self.started_ray:
             ray.shutdown()

@@ -127,7 +127,13 @@ async def run_group(
 ) -> list[Sample]:
     """Every sample of a group through ``generate`` (at most ``semaphore`` at once), then its reward.
     Before the call the sample's prompt is encoded into ``sample.tokens``; a generate function that
-    takes ``evaluation`` gets it (slime's keyword)."""
+    takes ``evaluation`` gets it (slime's keyword). Under ``--rollout-num-processes`` the group runs so
+    in one of the rollout processes (``rollout_workers.py``) and its finished samples come back."""
+    if ctx.rollout_workers is not None:
+        done = await ctx.rollout_workers.run_group(group, sampling_params, evaluation, ctx.start_version)
+        if bar is not None:
+            bar.update(len(group))
+        return done
 
     with_evaluation = "evaluation" in inspect.signature(generate).parameters
 

@@ -12,6 +12,7 @@ by module path): every node needs the same code and files at the same paths, as 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,21 @@ def enter(cwd: str, paths: list[str]) -> None:
     for path in reversed(paths):
         if path not in sys.path:
             sys.path.insert(0, path)
+
+
+def connect(address: str | None) -> bool:
+    """Join the Ray cluster at ``address`` (None: start a local one) unless this process already is in
+    one (a run's actors are) -> whether this call started the connection (``ray.shutdown`` it after)."""
+    if ray.is_initialized():
+        return False
+    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": paths}},
+        logging_level=logging.WARNING,
+    )
+    return True
 
 
 def _where() -> dict:
