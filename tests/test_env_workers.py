@@ -148,7 +148,7 @@ def test_a_remote_environment_answers_and_fails_as_the_in_process_one(pool, loca
     assert seen["async"] == [({"text": "p:1"}, False, {}, 0), ({"text": "q:2"}, False, {}, 0)]
     if where == "remote":
         assert ray.get([w.held.remote() for w in pool.workers]) == [0, 0]  # every episode closed there
-        assert pool.open == [0, 0]
+        assert pool.load == [0, 0]
 
 
 def kill_and_wait_for_restart(pool, index: int) -> None:
@@ -198,4 +198,4 @@ def test_a_replay_that_differs_from_what_the_model_saw_fails_the_sample(pool):
             await env.close()
 
     asyncio.run(episode())
-    assert pool.open == [0, 0]
+    assert pool.load == [0, 0]

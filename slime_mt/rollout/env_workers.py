@@ -25,13 +25,13 @@ import inspect
 import logging
 import os
 import sys
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 from envs.base import RetryableEnvError
+from slime_mt.launch.ray.pool import ActorPool, where_with
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,7 @@ class EnvWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        import ray
-
-        return {
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "incarnation": self.incarnation,
-        }
+        return where_with(self.incarnation)
 
     def held(self) -> int:
         """How many episodes' environments this worker holds."""
@@ -113,9 +106,9 @@ class EnvWorker:
             await self._call(env.close)
 
 
-class EnvWorkerPool:
+class EnvWorkerPool(ActorPool):
     """The run's environment workers: started spread over the cluster's nodes, restarted by Ray when
-    they die; episodes go to the worker holding the fewest."""
+    they die; episodes go to the worker holding the fewest (``load``: episodes held)."""
 
     def __init__(
         self,
@@ -139,29 +132,19 @@ class EnvWorkerPool:
             max_task_retries=0,
             scheduling_strategy="SPREAD",
         )
-        # held here: Ray restarts a worker from its constructor's arguments, and args in the object store
-        # (over 100 KB, e.g. long --rollout-stop-token-ids) must outlive the first start
-        self.args_ref = ray.put(shipped)
-        self.workers = [actor.remote(os.getcwd(), list(sys.path), env_path, self.args_ref) for _ in range(num_workers)]
-        try:
-            self.where = ray.get([w.where.remote() for w in self.workers], timeout=300)
-        except Exception as e:
-            self.close()
-            raise RuntimeError(
-                f"--env-num-workers {num_workers}: the environment workers did not start "
-                f"(--rollout-interaction-env-path {env_path}, --env-worker-num-cpus {num_cpus}): {e}"
-            ) from e
-        self._track(retries)
+        self.start(
+            actor,
+            num_workers,
+            (os.getcwd(), list(sys.path), env_path, shipped),
+            f"--env-num-workers {num_workers}: the environment workers (--rollout-interaction-env-path "
+            f"{env_path}, --env-worker-num-cpus {num_cpus})",
+        )
+        self._track(self.where, retries)
 
-    def _track(self, retries: int) -> None:
+    def _track(self, where: list[dict], retries: int) -> None:
+        ActorPool.__init__(self, where)
         self.retries = retries
-        self.incarnations = [{w["incarnation"]} for w in self.where]
-        self.open = [0] * len(self.workers)
-        self.restarts = 0  # restarts seen since the last ``take_restarts``
-        self.total_restarts = 0
         self.seen: list[tuple[int, str]] = []  # (worker, incarnation) of every restart seen, for ``take_seen``
-        self._next = 0
-        self._lock = threading.Lock()
 
     def shared(self) -> dict:
         """What another rollout process needs to use these workers (``attached``)."""
@@ -174,41 +157,21 @@ class EnvWorkerPool:
         owner through ``take_seen``, which counts each once."""
         pool = cls.__new__(cls)
         pool.started_ray, pool.owned = False, False
-        pool.workers, pool.where = list(shared["workers"]), shared["where"]
-        pool._track(shared["retries"])
+        pool.workers = list(shared["workers"])
+        pool._track(shared["where"], shared["retries"])
         return pool
 
     def describe(self) -> list[str]:
-        return [f"env worker {i}: node {w['node_ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)]
+        return super().describe("env worker")
 
-    def assign(self) -> int:
-        """The worker for a new episode: the one holding the fewest, the next in turn among equals."""
+    def saw(self, index: int, incarnation: str) -> bool:
+        """A worker answered as ``incarnation``: a new one is a restart (kept for ``take_seen``)."""
+        if not super().saw(index, incarnation):
+            return False
         with self._lock:
-            n = len(self.workers)
-            order = [(self._next + i) % n for i in range(n)]
-            index = min(order, key=lambda i: self.open[i])
-            self._next = (index + 1) % n
-            self.open[index] += 1
-            return index
-
-    def release(self, index: int) -> None:
-        with self._lock:
-            self.open[index] -= 1
-
-    def saw(self, index: int, incarnation: str) -> None:
-        """A worker answered as ``incarnation``: a new one is a restart."""
-        with self._lock:
-            if incarnation not in self.incarnations[index]:
-                self.incarnations[index].add(incarnation)
-                self.seen.append((index, incarnation))
-                self.restarts += 1
-                self.total_restarts += 1
-                logger.warning("environment worker %d was restarted (%d in this run)", index, self.total_restarts)
-
-    def take_restarts(self) -> int:
-        with self._lock:
-            restarts, self.restarts = self.restarts, 0
-            return restarts
+            self.seen.append((index, incarnation))
+        logger.warning("environment worker %d was restarted (%d in this run)", index, self.total_restarts)
+        return True
 
     def take_seen(self) -> list[tuple[int, str]]:
         with self._lock:
@@ -226,17 +189,6 @@ class EnvWorkerPool:
             raise
         return env
 
-    def close(self) -> None:
-        import ray
-
-        if self.owned:
-            for worker in self.workers:
-                ray.kill(worker, no_restart=True)
-        self.workers = []
-        if self.started_ray:
-            ray.shutdown()
-            self.started_ray = False
-
 
 class RemoteEnv:
     """One episode's environment on an environment worker, with the environment's interface."""
@@ -244,7 +196,7 @@ class RemoteEnv:
     def __init__(self, pool: EnvWorkerPool, sample_ref) -> None:
         self.pool = pool
         self.sample_ref = sample_ref  # the sample as it was built from (a restart rebuilds from it)
-        self.index = pool.assign()
+        self.index = pool.assign()  # never None: no worker is excluded
         self.key = uuid.uuid4().hex
         self.history: list[tuple[str, Any]] = []  # (text, observation text) of every step that answered
         self.was_reset = False
@@ -344,4 +296,4 @@ class RemoteEnv:
 
     def release(self) -> None:
         self.closed = True
-        self.pool.release(self.index)
+        self.pool.unassign(self.index)

@@ -29,9 +29,10 @@ import logging
 import math
 import os
 import sys
-import threading
 import uuid
 from typing import Any
+
+from slime_mt.launch.ray.pool import ActorPool, where_with
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +76,7 @@ class RolloutWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        import ray
-
-        return {
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "incarnation": self.incarnation,
-        }
+        return where_with(self.incarnation)
 
     async def _on_loop(self, coro) -> Any:
         """Run ``coro`` on the context's loop, where the client's connections live (cancelled with it)."""
@@ -123,9 +117,10 @@ async def _call(fn):
     return fn()
 
 
-class RolloutWorkerPool:
-    """The run's rollout processes, seen from the rollout side: groups out, finished groups back; the
-    ``followers`` of its update gate. Methods are coroutines on the rollout side's loop."""
+class RolloutWorkerPool(ActorPool):
+    """The run's rollout processes, seen from the rollout side: groups out, finished groups back
+    (``load``: the samples each runs); the ``followers`` of its update gate. Methods are coroutines on
+    the rollout side's loop."""
 
     def __init__(self, cfg, url: str, worker_urls: list[str] | None, env_workers=None) -> None:
         import ray
@@ -134,7 +129,7 @@ class RolloutWorkerPool:
 
         r = cfg.rollout
         n = r.rollout_num_processes
-        self.started_ray = connect(cfg.cluster.ray_address)
+        self.started_ray, self.owned = connect(cfg.cluster.ray_address), True
         self.concurrency = max(math.ceil(r.rollout_concurrency / n), 1)
         actor = ray.remote(RolloutWorker).options(
             num_cpus=r.rollout_process_num_cpus,
@@ -146,48 +141,23 @@ class RolloutWorkerPool:
         )
         shared = env_workers.shared() if env_workers is not None else None
         self.env_workers = env_workers
-        # held here: Ray restarts an actor from its constructor's arguments, and one in the object store
-        # (a config over 100 KB, e.g. long --rollout-stop-token-ids) must outlive the first start
-        self.cfg_ref = ray.put(cfg)
-        self.workers = [
-            actor.remote(os.getcwd(), list(sys.path), self.cfg_ref, url, worker_urls, self.concurrency, shared)
-            for _ in range(n)
-        ]
-        try:
-            self.where = ray.get([w.where.remote() for w in self.workers], timeout=300)
-        except Exception as e:
-            self.close()
-            raise RuntimeError(
-                f"--rollout-num-processes {n}: the rollout processes did not start "
-                f"(--rollout-process-num-cpus {r.rollout_process_num_cpus}): {e}"
-            ) from e
-        self.in_flight = [0] * n  # samples each process is running
-        self.incarnations = [w["incarnation"] for w in self.where]
+        self.start(
+            actor,
+            n,
+            (os.getcwd(), list(sys.path), cfg, url, worker_urls, self.concurrency, shared),
+            f"--rollout-num-processes {n}: the rollout processes (--rollout-process-num-cpus "
+            f"{r.rollout_process_num_cpus})",
+        )
         self.down: set[int] = set()  # processes lost and not yet answering again: given no group
-        self.restarts = 0  # since the last ``take_restarts``
-        self.total_restarts = 0
-        self._next = 0
-        self._lock = threading.Lock()
+        self._watching: set[asyncio.Task] = set()
 
     def describe(self) -> list[str]:
-        return [f"rollout process {i}: node {w['node_ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)]
-
-    def _assign(self, samples: int) -> int | None:
-        """The process for a group: the one running the fewest samples, the next in turn among equals,
-        never one that is down (None while every one is)."""
-        with self._lock:
-            n = len(self.workers)
-            order = [(self._next + i) % n for i in range(n) if (self._next + i) % n not in self.down]
-            if not order:
-                return None
-            index = min(order, key=lambda i: self.in_flight[i])
-            self._next = (index + 1) % n
-            self.in_flight[index] += samples
-            return index
+        return super().describe("rollout process")
 
     async def _pick(self, samples: int) -> int:
+        """The process for a group of ``samples``, waiting while every one is down."""
         deadline = asyncio.get_running_loop().time() + RESTART_SECONDS
-        while (index := self._assign(samples)) is None:
+        while (index := self.assign(samples, self.down)) is None:
             if asyncio.get_running_loop().time() > deadline:
                 raise RolloutProcessLost(
                     f"every rollout process is down and none came back within {RESTART_SECONDS:.0f} s "
@@ -196,17 +166,15 @@ class RolloutWorkerPool:
             await asyncio.sleep(0.1)
         return index
 
-    def _done(self, index: int, samples: int) -> None:
-        with self._lock:
-            self.in_flight[index] -= samples
-
     def _lost(self, index: int) -> None:
         """Process ``index`` died: no group goes to it until Ray has started it again and it answers."""
         with self._lock:
             if index in self.down:
                 return
             self.down.add(index)
-        asyncio.get_running_loop().create_task(self._watch(index))
+        task = asyncio.get_running_loop().create_task(self._watch(index))
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
 
     async def _watch(self, index: int) -> None:
         import ray
@@ -219,20 +187,12 @@ class RolloutWorkerPool:
             except ray.exceptions.RayActorError:
                 await asyncio.sleep(0.2)
                 continue
+            if self.saw(index, where["incarnation"]):
+                logger.warning("rollout process %d was restarted (%d in this run)", index, self.total_restarts)
             with self._lock:
-                if where["incarnation"] != self.incarnations[index]:
-                    self.incarnations[index] = where["incarnation"]
-                    self.restarts += 1
-                    self.total_restarts += 1
-                    logger.warning("rollout process %d was restarted (%d in this run)", index, self.total_restarts)
                 self.down.discard(index)
             return
         logger.error("rollout process %d did not come back within %.0f s", index, RESTART_SECONDS)
-
-    def take_restarts(self) -> int:
-        with self._lock:
-            restarts, self.restarts = self.restarts, 0
-            return restarts
 
     async def run_group(self, group: list, sampling_params: dict, evaluation: bool, start_version: int) -> list:
         """``group`` run in the process with the fewest samples in flight -> its finished samples (new
@@ -264,7 +224,7 @@ class RolloutWorkerPool:
                     ) from e
                 continue
             finally:
-                self._done(index, len(group))
+                self.unassign(index, len(group))
             if self.env_workers is not None:
                 for worker, incarnation in seen:
                     self.env_workers.saw(worker, incarnation)
@@ -298,13 +258,3 @@ class RolloutWorkerPool:
 
     async def out(self) -> int:
         return sum(await self._each("gate_out"))
-
-    def close(self) -> None:
-        import ray
-
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        self.workers = []
-        if self.started_ray:
-            ray.shutdown()
-            self.started_ray = False

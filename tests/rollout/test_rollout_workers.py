@@ -147,7 +147,7 @@ def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine
         pool = ctx.rollout_workers
         future = ctx.submit(rollout_groups(ctx, data, rollout_id=0))
         deadline = time.monotonic() + 60
-        while pool.in_flight[0] == 0:  # a group is running in process 0
+        while pool.load[0] == 0:  # a group is running in process 0
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)  # mid-group: its environments are stepping
