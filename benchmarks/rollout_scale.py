@@ -295,6 +295,17 @@ SYSTEM = (
 )
 
 
+def prompt_of(i: int, k: int) -> list[dict]:
+    """Trajectory ``i``'s ``k``-th question, as chat messages."""
+    question = f"Question {i}.{k}: how many rows of table t{i % 97} have a value above {k * 13 % 1000}?"
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def tool_answer(step: int) -> tuple[dict, bool, dict]:
+    """The tool environment's answer to its ``step``-th call (never done)."""
+    return {"text": f"Tool result {step}: 42 rows matched; first row id={step * 7}."}, False, {}
+
+
 def rss_mb() -> float:
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -322,7 +333,7 @@ def measure(url: str, worker_urls: list[str], size: int, args, engine_pids: list
         def step(self, response_text):
             self.steps += 1
             turns[0] += 1
-            return {"text": f"Tool result {self.steps}: 42 rows matched; first row id={self.steps * 7}."}, False, {}
+            return tool_answer(self.steps)
 
     client = EngineClient(url, worker_urls, timeout=600.0)
     rollout = RolloutConfig(max_turns=args.turns, rollout_max_response_len=64, rollout_max_context_len=8192)
@@ -354,9 +365,7 @@ def measure(url: str, worker_urls: list[str], size: int, args, engine_pids: list
     async def trajectory(i: int) -> None:
         k = 0
         while True:
-            question = f"Question {i}.{k}: how many rows of table t{i % 97} have a value above {k * 13 % 1000}?"
-            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-            sample = Sample(index=i, prompt=prompt, metadata={"rollout_id": k})
+            sample = Sample(index=i, prompt=prompt_of(i, k), metadata={"rollout_id": k})
             await run_episode(ctx, sample, params, env=ToolEnv())
             if sample.status not in (Status.COMPLETED,):
                 failed[str(sample.metadata.get("error", sample.status))[:120]] += 1
@@ -398,15 +407,21 @@ def measure(url: str, worker_urls: list[str], size: int, args, engine_pids: list
     }
 
 
-def measure_in_process(engines: Engines, size: int) -> dict:
-    """``measure`` in a fresh rollout process (nothing one size leaves behind weighs on the next)."""
-    cmd = [sys.executable, *sys.argv, "--measure", str(size), "--url", engines.url]
-    cmd += ["--worker-urls", *engines.worker_urls, "--engine-pids", *map(str, engines.pids())]
+def in_fresh_process(engines: Engines, flags: list[str], what: str) -> dict:
+    """This script run again with ``flags`` against ``engines`` -> the result it prints (nothing one
+    measurement leaves behind weighs on the next)."""
+    cmd = [sys.executable, *sys.argv, *flags, "--url", engines.url, "--worker-urls", *engines.worker_urls]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(f"the rollout process for {size} trajectories failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(line[len("RESULT ") :])
+
+
+def measure_in_process(engines: Engines, size: int) -> dict:
+    """``measure`` in a fresh rollout process."""
+    flags = ["--measure", str(size), "--engine-pids", *map(str, engines.pids())]
+    return in_fresh_process(engines, flags, f"the rollout process for {size} trajectories")
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -428,7 +443,7 @@ class BusyToolEnv:
         started, x = time.thread_time(), 0
         while time.thread_time() - started < self.cpu_s:
             x += sum(range(200))
-        return {"text": f"Tool result {self.steps}: 42 rows matched; first row id={self.steps * 7}."}, False, {}
+        return tool_answer(self.steps)
 
     def format_observation(self, observation):
         return [{"role": "user", "content": observation["text"]}]
@@ -483,8 +498,7 @@ def measure_processes(url: str, worker_urls: list[str], processes: int, args) ->
         while True:
             k = groups[0]
             groups[0] += 1
-            question = f"Question {g}.{k}: how many rows of table t{g % 97} have a value above {k * 13 % 1000}?"
-            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            prompt = prompt_of(g, k)
             group = [
                 Sample(index=k * args.group_size + i, group_index=k, prompt=prompt, metadata={"rollout_id": k})
                 for i in range(args.group_size)
@@ -525,13 +539,8 @@ def processes_table(args) -> None:
         engines = Engines(args.engines[-1], args, Path(log_dir))
         try:
             for processes in args.processes:
-                cmd = [sys.executable, *sys.argv, "--measure-processes", str(processes), "--url", engines.url]
-                cmd += ["--worker-urls", *engines.worker_urls]
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-                line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("RESULT ")), None)
-                if line is None:
-                    raise RuntimeError(f"the run with {processes} rollout processes failed:\n{done.stderr[-3000:]}")
-                r = json.loads(line[len("RESULT ") :])
+                flags = ["--measure-processes", str(processes)]
+                r = in_fresh_process(engines, flags, f"the run with {processes} rollout processes")
                 rows.append((processes, r))
                 print(
                     f"processes={processes}: {r['turns_per_s']:.0f} turns/s, rollout side CPU "

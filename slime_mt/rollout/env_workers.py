@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from envs.base import RetryableEnvError
-from slime_mt.launch.ray.pool import ActorPool, where_with
+from slime_mt.launch.ray.pool import ActorPool
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,9 @@ class EnvWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        return where_with(self.incarnation)
+        from slime_mt.launch.ray.actors import location
+
+        return {**location(), "incarnation": self.incarnation}
 
     def held(self) -> int:
         """How many episodes' environments this worker holds."""
@@ -139,10 +141,9 @@ class EnvWorkerPool(ActorPool):
             f"--env-num-workers {num_workers}: the environment workers (--rollout-interaction-env-path "
             f"{env_path}, --env-worker-num-cpus {num_cpus})",
         )
-        self._track(self.where, retries)
+        self._track(retries)
 
-    def _track(self, where: list[dict], retries: int) -> None:
-        ActorPool.__init__(self, where)
+    def _track(self, retries: int) -> None:
         self.retries = retries
         self.seen: list[tuple[int, str]] = []  # (worker, incarnation) of every restart seen, for ``take_seen``
 
@@ -158,7 +159,8 @@ class EnvWorkerPool(ActorPool):
         pool = cls.__new__(cls)
         pool.started_ray, pool.owned = False, False
         pool.workers = list(shared["workers"])
-        pool._track(shared["where"], shared["retries"])
+        ActorPool.__init__(pool, shared["where"])
+        pool._track(shared["retries"])
         return pool
 
     def describe(self) -> list[str]:

@@ -32,7 +32,7 @@ import sys
 import uuid
 from typing import Any
 
-from slime_mt.launch.ray.pool import ActorPool, where_with
+from slime_mt.launch.ray.pool import ActorPool
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ class RolloutWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        return where_with(self.incarnation)
+        from slime_mt.launch.ray.actors import location
+
+        return {**location(), "incarnation": self.incarnation}
 
     async def _on_loop(self, coro) -> Any:
         """Run ``coro`` on the context's loop, where the client's connections live (cancelled with it)."""

@@ -102,6 +102,17 @@ def side_ctx(cfg, engine) -> RolloutContext:
     return ctx
 
 
+def running(ctx, data, until, seconds: float = 60.0):
+    """Start the rollout of ``data`` on the rollout side's loop and wait (at most ``seconds``) until
+    ``until()`` holds while it runs -> its future."""
+    future = ctx.submit(rollout_groups(ctx, data, rollout_id=0))
+    deadline = time.monotonic() + seconds
+    while not until():
+        assert time.monotonic() < deadline and not future.done()
+        time.sleep(0.02)
+    return future
+
+
 def tokens_of(groups) -> dict:
     return {s.index: (s.group_index, s.tokens, s.loss_mask, s.reward, s.weight_versions) for g in groups for s in g}
 
@@ -145,17 +156,14 @@ def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine
     ctx = side_ctx(cfg, engine)
     try:
         pool = ctx.rollout_workers
-        future = ctx.submit(rollout_groups(ctx, data, rollout_id=0))
-        deadline = time.monotonic() + 60
-        while pool.load[0] == 0:  # a group is running in process 0
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        future = running(ctx, data, lambda: pool.load[0] > 0)  # a group is running in process 0
         time.sleep(0.5)  # mid-group: its environments are stepping
         victim = pool.where[0]["pid"]
         ray.kill(pool.workers[0], no_restart=False)
         groups = future.result(timeout=300)
+        deadline = time.monotonic() + 120
         while pool.down:  # Ray starts it again; the pool gives it groups once it answers
-            assert time.monotonic() < deadline + 120
+            assert time.monotonic() < deadline
             time.sleep(0.1)
         assert ray.get(pool.workers[0].where.remote(), timeout=60)["pid"] != victim
         assert pool.take_restarts() == 1  # counted once, however many of its groups failed
@@ -176,11 +184,7 @@ def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_upd
     ctx = side_ctx(cfg, engine)
     try:
         pool = ctx.rollout_workers
-        future = ctx.submit(rollout_groups(ctx, data, rollout_id=0))
-        deadline = time.monotonic() + 60
-        while ctx.run_sync(pool.out()) < 4:  # both processes have requests in the engine
-            assert time.monotonic() < deadline and not future.done()
-            time.sleep(0.02)
+        future = running(ctx, data, lambda: ctx.run_sync(pool.out()) >= 4)  # requests in the engine
         ctx.run_sync(ctx.client.gate.close(ctx.client))
         assert ctx.run_sync(pool.out()) == 0  # every request came back: aborted by the pause
         held = engine.scheduler.load()

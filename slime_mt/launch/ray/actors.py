@@ -43,7 +43,8 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def _where() -> dict:
+def location() -> dict:
+    """Where the calling actor runs: its node, the devices Ray gave it, its process."""
     return {
         "node_ip": ray.util.get_node_ip_address(),
         "node_id": ray.get_runtime_context().get_node_id(),
@@ -66,7 +67,7 @@ class TrainerRank:
         self.stop_requested.set()
 
     def where(self) -> dict:
-        return _where()
+        return location()
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: its node's address and a free port there, for every rank's ``MASTER_ADDR:MASTER_PORT``."""
@@ -107,7 +108,7 @@ class EngineActor:
         self.engine = None
 
     def where(self) -> dict:
-        return _where()
+        return location()
 
     def start(self) -> str:
         """Start the engine on this actor's devices, bound to its node's address -> its URL."""

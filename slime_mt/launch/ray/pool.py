@@ -1,33 +1,29 @@
 """What the pools of restartable actors share (environment workers, rollout processes): where each
 actor runs, the load each carries, and the restarts seen.
 
-An actor answers ``where()`` with its node and an ``incarnation`` that is new after every restart
-(Ray starts it again with the same arguments, so a restart shows only there). Work goes to the actor
-carrying the least, the next in turn among equals; the pool counts each incarnation it had not seen
-as one restart. Methods are thread-safe.
+An actor answers ``where()`` with ``actors.location()`` and an ``incarnation`` that is new after
+every restart (Ray starts it again with the same arguments, so a restart shows only there). Work
+goes to the actor carrying the least, the next in turn among equals; the pool counts each
+incarnation it had not seen as one restart. Methods are thread-safe.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-
-
-def where_with(incarnation: str) -> dict:
-    """What an actor answers ``where()``: its node and process, and ``incarnation``."""
-    import ray
-
-    return {
-        "node_ip": ray.util.get_node_ip_address(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "pid": os.getpid(),
-        "incarnation": incarnation,
-    }
 
 
 class ActorPool:
     """The bookkeeping of a pool of actors whose first ``where()`` answers are ``where``; a pool that
     starts them sets ``workers``, ``owned`` and ``started_ray`` (``start``, ``close``)."""
+
+    def __init__(self, where: list[dict]) -> None:
+        self.where = where
+        self.load = [0] * len(where)  # what each carries (episodes, samples)
+        self.incarnations = [{w["incarnation"]} for w in where]
+        self.restarts = 0  # seen since the last ``take_restarts``
+        self.total_restarts = 0
+        self._next = 0
+        self._lock = threading.Lock()
 
     def start(self, actor, n: int, args: tuple, what: str) -> None:
         """Start ``n`` of ``actor`` (a Ray actor class with its options) from ``args`` and wait for their
@@ -58,15 +54,6 @@ class ActorPool:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
-
-    def __init__(self, where: list[dict]) -> None:
-        self.where = where
-        self.load = [0] * len(where)  # what each carries (episodes, samples)
-        self.incarnations = [{w["incarnation"]} for w in where]
-        self.restarts = 0  # seen since the last ``take_restarts``
-        self.total_restarts = 0
-        self._next = 0
-        self._lock = threading.Lock()
 
     def describe(self, role: str) -> list[str]:
         return [f"{role} {i}: node {w['node_ip']} ({w['node_id'][:8]})" for i, w in enumerate(self.where)]
