@@ -8,7 +8,8 @@ import os
 import sys
 import traceback
 
-from slime_mt.config import ConfigError, add_config_arguments, config_from_namespace, option_strings, unrecognized
+from slime_mt.config import ConfigError
+from slime_mt.config_parsing import add_config_arguments, config_from_namespace, option_strings, unrecognized
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",

@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from slime_mt.cli import main as cli_main
-from slime_mt.config import Config, ConfigError, build_parser, parse_config
+from slime_mt.config import Config, ConfigError
+from slime_mt.config_parsing import build_parser, parse_config
 
 
 def write(tmp_path, name, text):
@@ -175,7 +176,7 @@ def test_unknown_cli_flag_exits_nonzero_from_the_command_line():
 
 def test_unknown_yaml_key_is_kept_as_custom_and_logged(tmp_path, caplog):
     path = write(tmp_path, "x.yaml", "calculator_precision: 3\nreward_scale: 0.5\n")
-    with caplog.at_level(logging.INFO, logger="slime_mt.config"):
+    with caplog.at_level(logging.INFO, logger="slime_mt.config_parsing"):
         cfg = parse_config(["--config", path])
     assert cfg.custom == {"calculator_precision": 3, "reward_scale": 0.5}
     args = cfg.to_args()
@@ -194,7 +195,7 @@ def test_unknown_yaml_key_is_kept_as_custom_and_logged(tmp_path, caplog):
 )
 def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
     path = write(tmp_path, "x.yaml", f"{key}: 3\n")
-    with caplog.at_level(logging.WARNING, logger="slime_mt.config"):
+    with caplog.at_level(logging.WARNING, logger="slime_mt.config_parsing"):
         cfg = parse_config(["--config", path])
     assert key.replace("-", "_") in cfg.custom
     assert f"did you mean {suggestion}?" in caplog.text

@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from slime_mt.compat import SlimeCompat, install, rebuild_turns, text_drift
-from slime_mt.config import ConfigError, parse_config
+from slime_mt.config import ConfigError
+from slime_mt.config_parsing import parse_config
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import RolloutError, rollout_output
 from slime_mt.rollout.rewards import GRADERS, RewardError, rule_based_rm

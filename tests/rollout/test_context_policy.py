@@ -39,7 +39,8 @@ from transformers import AutoTokenizer
 
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
-from slime_mt.config import ConfigError, DataConfig, build_config
+from slime_mt.config import ConfigError, DataConfig
+from slime_mt.config_parsing import build_config
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.engine.server import LocalEngine

@@ -41,7 +41,8 @@ from transformers import AutoTokenizer
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
-from slime_mt.config import AlgoConfig, ConfigError, DataConfig, build_config
+from slime_mt.config import AlgoConfig, ConfigError, DataConfig
+from slime_mt.config_parsing import build_config
 from slime_mt.engine.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.metrics import rollout_metrics
