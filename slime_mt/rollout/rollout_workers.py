@@ -111,9 +111,6 @@ class RolloutWorker:
     async def gate_out(self) -> int:
         return await self._on_loop(_call(lambda: self.ctx.client.gate.out))
 
-    def close(self) -> None:
-        self.ctx.close()
-
 
 async def _call(fn):
     return fn()
