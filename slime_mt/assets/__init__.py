@@ -36,6 +36,7 @@ __all__ = [
     "tiny_model_dir",
     "SIZED_MODELS",
     "TINY_KINDS",
+    "VLLM_TINY_KIND",
 ]
 
 VISION_START, IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END = 151652, 151655, 151656, 151653
@@ -146,6 +147,8 @@ def _tiny_text_config(kind: str) -> dict:
     )
     if kind == "qwen3":
         common.update(head_dim=16, rope_theta=1000000.0)
+    if kind == "qwen2-h64":  # vLLM's CPU attention takes head sizes of 32 and up (16 is refused)
+        common.update(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2)
     return common
 
 
@@ -183,11 +186,11 @@ def _build_tiny(out: Path, kind: str) -> None:
     if kind == "llama":
         return _build_tiny_llama(out)
     torch.manual_seed(0)
-    if kind in ("qwen2", "qwen3"):
-        cls_config = transformers.Qwen2Config if kind == "qwen2" else transformers.Qwen3Config
+    if kind in ("qwen2", "qwen2-h64", "qwen3"):
+        cls_config = transformers.Qwen3Config if kind == "qwen3" else transformers.Qwen2Config
         config = cls_config(**_tiny_text_config(kind))
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        variant = "qwen2.5" if kind == "qwen2" else "qwen3"
+        variant = "qwen3" if kind == "qwen3" else "qwen2.5"
     else:
         text = dict(_tiny_text_config("qwen2"), head_dim=16, rope_theta=1000000.0)
         vision = dict(
@@ -245,7 +248,7 @@ def _build_tiny(out: Path, kind: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen2-h64", "qwen3"):
         tokenizer.save_pretrained(out)
     else:
         QwenVLProcessor(tokenizer, image_processor).save_pretrained(out)
@@ -253,15 +256,18 @@ def _build_tiny(out: Path, kind: str) -> None:
 
 
 TINY_KINDS = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
+# The tiny Qwen2 at head size 64 (hidden 128, 2 heads): the model the vLLM tests serve, because vLLM's
+# CPU attention refuses head size 16. The same family as "qwen2", so not a member of the family matrix.
+VLLM_TINY_KIND = "qwen2-h64"
 
 
 def tiny_model_dir(kind: str) -> Path:
-    """A random-weight tiny model folder of ``kind`` (one of TINY_KINDS), seed 0."""
-    if kind not in TINY_KINDS:
-        raise AssetError(f"unknown tiny model {kind!r}; choose from {TINY_KINDS}")
+    """A random-weight tiny model folder of ``kind`` (one of TINY_KINDS, or VLLM_TINY_KIND), seed 0."""
+    if kind not in (*TINY_KINDS, VLLM_TINY_KIND):
+        raise AssetError(f"unknown tiny model {kind!r}; choose from {(*TINY_KINDS, VLLM_TINY_KIND)}")
     if kind == "llama":
         return cached_dir(f"tiny-llama-v{ASSET_VERSION}", lambda out: _build_tiny(out, kind))
-    variant = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
+    variant = {"qwen2": "qwen2.5", "qwen2-h64": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
     return cached_dir(f"tiny-{kind}-{_tag(variant)}", lambda out: _build_tiny(out, kind))
 
 

@@ -45,7 +45,7 @@ import torch
 
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.processing import QwenVLProcessor
-from slime_mt.rollout.multi_turn import turn_seed
+from slime_mt.rollout.multi_turn import route_of, turn_seed
 from slime_mt.rollout.retokenize import drift
 from slime_mt.tokenization import mask_runs
 from slime_mt.types import Sample, Status, Turn
@@ -189,8 +189,9 @@ class SlimeCompat:
             sample, records = call
             seed = turn_seed(self.ctx.data.rollout_seed, sample.metadata["rollout_id"], sample.index or 0, len(records))
             sampling = {**sampling, "sampling_seed": seed}
+        route = route_of(call[0]) if call is not None else None
         response = await self.ctx.client.generate(
-            ids, sampling, images, text, return_logprob, rid=body.pop("rid", None), **body
+            ids, sampling, images, text, return_logprob, rid=body.pop("rid", None), route=route, **body
         )
         if call is not None:  # every request counts (the seed's index); text ones carry what the engine saw
             call[1].append((self._engine_view(text, response) if text is not None else None, _generated(response)))

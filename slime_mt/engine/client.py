@@ -272,9 +272,12 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
         timeout: float | None = None,
+        route: str | None = None,
         **extra: Any,
     ) -> dict:
-        """POST /generate for one prompt -> SGLang's response dict (``text``, ``output_ids``, ``meta_info``)."""
+        """POST /generate for one prompt -> SGLang's response dict (``text``, ``output_ids``, ``meta_info``).
+        ``route`` names the trajectory the request belongs to, for clients that pick the engine
+        themselves (vLLM's); behind sglang-router its policy decides (cache_aware follows the prefix)."""
         rid = rid or uuid.uuid4().hex
         body: dict[str, Any] = {"rid": rid, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if input_ids is not None:
@@ -284,7 +287,7 @@ class EngineClient:
         if image_data:
             body["image_data"] = image_data
         body.update(extra)
-        return await self._generate(body, [rid], timeout)
+        return await self._generate(self.url + "/generate", body, [rid], timeout)
 
     async def generate_batch(
         self,
@@ -305,18 +308,25 @@ class EngineClient:
             "rid": rid,
             **extra,
         }
-        return await self._generate(body, [f"{rid}_{i}" for i in range(len(input_ids))], timeout)
+        rids = [f"{rid}_{i}" for i in range(len(input_ids))]
+        return await self._generate(self.url + "/generate", body, rids, timeout)
 
-    async def _generate(self, body: dict, rids: list[str], timeout: float | None) -> Any:
-        """Send through the pool and the update gate, with retries, within ``timeout`` (time spent
-        waiting at a closed gate before the first attempt not counted); a response an update aborted
-        is marked ``UPDATE_ABORT``."""
+    async def _generate(
+        self,
+        where: str,
+        body: dict,
+        rids: list[str],
+        timeout: float | None,
+        convert: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """POST ``body`` to ``where`` through the pool and the update gate, with retries, within
+        ``timeout`` (time spent waiting at a closed gate before the first attempt not counted) -> the
+        answer, through ``convert`` when given (an engine whose answer is not SGLang's); a response an
+        update aborted is marked ``UPDATE_ABORT``."""
         if self.gate is not None:
             await self.gate.wait_open()
         http = self.http
         update = {"began": False}
-
-        where = self.url + "/generate"
         payload = orjson.dumps(body)
 
         async def send() -> Response:
@@ -335,8 +345,10 @@ class EngineClient:
         except asyncio.TimeoutError:
             await self._abort_within_grace(rids)
             raise EngineTimeoutError(
-                f"{self.url}/generate: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
+                f"{where}: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
             ) from None
+        if convert is not None:
+            result = convert(result)
         if update["began"]:
             for response in result if isinstance(result, list) else [result]:
                 meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
@@ -384,12 +396,14 @@ class EngineClient:
         timeout: float | None = None,
         text: bool = False,
         retry: bool = True,
+        urls: list[str] | None = None,
     ) -> list[Any]:
-        """POST to every worker (concurrently, each bounded by ``timeout``) ``body``, or ``body[i]`` to
-        worker i; an error names every worker that failed and why. ``retry`` False: one attempt (a
-        weight-group call must not be repeated: the engine may be waiting on the first)."""
+        """POST to every worker (or to ``urls``; concurrently, each bounded by ``timeout``) ``body``, or
+        ``body[i]`` to worker i; an error names every worker that failed and why. ``retry`` False: one
+        attempt (a weight-group call must not be repeated: the engine may be waiting on the first)."""
         limit = timeout or self.timeout
-        bodies = body if isinstance(body, list) else [body or {}] * len(self.worker_urls)
+        urls = urls or self.worker_urls
+        bodies = body if isinstance(body, list) else [body or {}] * len(urls)
 
         async def one(url: str, payload: bytes) -> Any:
             send = functools.partial(self.control.request, "POST", url + path, payload)
@@ -406,7 +420,7 @@ class EngineClient:
                 raise EngineError(f"engine {url}{path}: {type(e).__name__}: {e}") from None
 
         results = await asyncio.gather(
-            *(one(u, orjson.dumps(b)) for u, b in zip(self.worker_urls, bodies, strict=True)), return_exceptions=True
+            *(one(u, orjson.dumps(b)) for u, b in zip(urls, bodies, strict=True)), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
@@ -434,6 +448,10 @@ class EngineClient:
 
     async def resume(self, timeout: float | None = None) -> None:
         await self._broadcast("/continue_generation", timeout=timeout)
+
+    async def paused(self) -> list[bool]:
+        """Whether each worker is paused."""
+        return [bool(info["internal_states"][0]["paused"]) for info in await self.server_info()]
 
     async def flush_cache(self, timeout: float | None = None) -> None:
         """Drop every worker's prefix cache (SGLang answers plain text; 400 while it cannot)."""
@@ -545,6 +563,15 @@ class EngineClient:
 
     async def server_info(self) -> list[dict]:
         return [await self._get(u, "/server_info") for u in self.worker_urls]
+
+
+def client_for(engine: str, url: str, worker_urls: list[str] | None = None, **kw: Any) -> EngineClient:
+    """The client of ``--engine`` ``engine``: vLLM's (``engine/vllm.py``) or SGLang's API (local, sglang)."""
+    if engine == "vllm":
+        from slime_mt.engine.vllm import VLLMClient
+
+        return VLLMClient(url, worker_urls, **kw)
+    return EngineClient(url, worker_urls, **kw)
 
 
 def _json_of(response: Response, where: str) -> Any:

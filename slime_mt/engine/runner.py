@@ -9,7 +9,6 @@ Log-probs are ``log_softmax(logits / T)`` of the sampled token, as SGLang report
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,12 +16,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from slime_mt.engine.checkpoint import WeightUpdateError, checkpoint_files
 from slime_mt.engine.protocol import ProtocolError, SamplingParams, expand_image_pads
 from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
-
-
-class WeightUpdateError(ValueError):
-    """Weights that do not fit the served model; the message names the tensor."""
 
 
 @dataclass
@@ -281,23 +277,7 @@ class ModelRunner:
     def load_weights_from_disk(self, model_path: str) -> int:
         """Load every ``*.safetensors`` file of an HF folder into the model, all or nothing. A missing
         folder, a bad index or an unreadable file is a WeightUpdateError naming it."""
-        folder = Path(model_path)
-        if not folder.is_dir():
-            raise WeightUpdateError(f"update_weights_from_disk: model_path {model_path!r} is not a folder")
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise WeightUpdateError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-            files = [folder / n for n in names]
-            missing = [str(f) for f in files if not f.is_file()]
-            if missing:
-                raise WeightUpdateError(f"{index} names files that do not exist: {missing[:3]}")
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise WeightUpdateError(f"no *.safetensors files in {model_path}")
+        files = checkpoint_files(model_path)
         named: dict[str, torch.Tensor] = {}
         for f in files:
             try:

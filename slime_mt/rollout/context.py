@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_mt.config import Config, DataConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient, output_of
+from slime_mt.engine.client import EngineClient, client_for, output_of
 from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
@@ -47,14 +47,21 @@ class RolloutContext:
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
         e = cfg.engine
-        client = EngineClient(
+        client = client_for(
+            e.engine,
             url,
             worker_urls,
             timeout=e.engine_request_timeout,
             max_retries=e.engine_max_retries,
             max_connections=e.sglang_server_concurrency * len(worker_urls or [url]),
         )
-        ctx = cls(client, load_tokenizer_or_processor(model_path), cfg.rollout, cfg.data, cfg.to_args())
+        processor = load_tokenizer_or_processor(model_path)
+        if e.engine == "vllm" and getattr(processor, "image_token_id", None) is not None:
+            from slime_mt.config import ConfigError
+            from slime_mt.engine.vllm import IMAGES_REFUSED
+
+            raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED.split(': ', 1)[1]}")
+        ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
         r = cfg.rollout
         if r.env_num_workers:

@@ -362,6 +362,20 @@ def _version_name(ctx: RolloutContext, engine_version):
     return str(ctx.start_version) if engine_version == "default" else engine_version
 
 
+def route_of(sample: Sample) -> str:
+    """The name that keeps a trajectory's requests on one engine (clients that route themselves)."""
+    return f"{sample.metadata.get('rollout_id', '')}/{sample.index}/{id(sample)}"
+
+
+def token_versions(ctx: RolloutContext, meta: dict, n: int) -> list[int]:
+    """The weight version of each of a response's ``n`` tokens: the engine's spans when its tokens span
+    an update (vLLM's ``weight_version_spans``), else its one ``weight_version``."""
+    versions = [ctx.version_of(meta.get("weight_version"))] * n
+    for span in meta.get("weight_version_spans") or []:
+        versions[span["start"] : span["end"]] = [ctx.version_of(span["version"])] * (span["end"] - span["start"])
+    return versions
+
+
 def _count(sample: Sample, key: str) -> None:
     sample.metadata[key] = sample.metadata.get(key, 0) + 1
 
@@ -391,7 +405,7 @@ async def generate_turn(
         if calls and "sampling_seed" in call:  # a call made again must not replay the last call's draws
             call["sampling_seed"] = (call["sampling_seed"] + calls) % (2**31 - 1)
         context = engine_ids + ids if ids else engine_ids  # the growing context is copied only to resume
-        response = await ctx.client.generate(context, call, image_data=image_data or None)
+        response = await ctx.client.generate(context, call, image_data=image_data or None, route=route_of(sample))
         calls += 1
         meta = response["meta_info"]
         new, new_logprobs = output_of(response)
@@ -411,7 +425,7 @@ async def generate_turn(
             continue
         ids += new
         logprobs += new_logprobs
-        versions += [ctx.version_of(meta.get("weight_version"))] * len(new)
+        versions += token_versions(ctx, meta, len(new))
         texts.append(response.get("text", ""))
         if not aborted:
             break

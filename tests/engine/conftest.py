@@ -1,10 +1,13 @@
-"""Engines shared by the engine tests: embedded engines on tiny models, alone and behind the router."""
+"""Engines shared by the engine tests: embedded engines on tiny models, alone and behind the router,
+and a vLLM server."""
 
 import pytest
 
 
-@pytest.fixture(params=["text-direct", "text-router"])
+@pytest.fixture(params=["text-direct", "text-router", "text-vllm"])
 def text_target(request, farm, tiny_paths):
+    if request.param == "text-vllm":
+        return request.getfixturevalue("vllm_target")
     return farm.target(request.param, tiny_paths["qwen2"])
 
 

@@ -135,16 +135,16 @@ def test_pause_and_continue_lose_no_request(text_target):
             await asyncio.sleep(0.3)
             await client.pause(mode="in_place")
             await asyncio.sleep(0.3)
-            infos = await client.server_info()
+            paused = await client.paused()
             paused_done = sum(t.done() for t in tasks)
             await asyncio.sleep(0.7)
             still_done = sum(t.done() for t in tasks)
             await client.resume()
             results = await asyncio.gather(*tasks)
-            return infos, paused_done, still_done, results
+            return paused, paused_done, still_done, results
 
-    infos, paused_done, still_done, results = run(go())
-    assert all(info["internal_states"][0]["paused"] for info in infos)
+    paused, paused_done, still_done, results = run(go())
+    assert all(paused) and len(paused) == len(text_target.workers)
     assert paused_done == still_done  # nothing progressed while paused
     assert all(r["meta_info"]["finish_reason"] == {"type": "length", "length": 30} for r in results)
 
@@ -176,10 +176,8 @@ def test_weight_update_from_disk_changes_outputs_and_version(text_target, tmp_pa
     assert before["meta_info"]["weight_version"] == "0" and after["meta_info"]["weight_version"] == "1"
     assert restored["output_ids"] == before["output_ids"]
     assert restored["meta_info"]["weight_version"] == "restored"
-    for url in text_target.workers:  # leave the shared engines at version 0 for later tests
-        from slime_mt.engine.client import EngineClient
-
-        run(EngineClient(url).update_weights_from_disk(str(tmp_path / "old"), weight_version="0"))
+    # leave the shared engines at version 0 for later tests
+    run(text_target.client().update_weights_from_disk(str(tmp_path / "old"), weight_version="0"))
 
 
 def test_image_requests_expand_one_pad_per_image(vl_target):

@@ -37,22 +37,29 @@ def smollm2_engine(smollm2_path):
         yield engine
 
 
-@pytest.mark.parametrize("model", ["smollm2", "qwen2"])
-def test_text_logprobs_equal_teacher_forcing(model, smollm2_engine, smollm2_path, farm, tiny_paths):
+@pytest.mark.parametrize("temperature", [1.0, TEMPERATURE])
+@pytest.mark.parametrize("model", ["smollm2", "qwen2", "vllm"])
+def test_text_logprobs_equal_teacher_forcing(
+    model, temperature, smollm2_engine, smollm2_path, farm, tiny_paths, request
+):
     if model == "smollm2":
-        url, path = smollm2_engine.url, smollm2_path
+        client, path = EngineClient(smollm2_engine.url), smollm2_path
     else:
-        target = farm.target("text-direct", tiny_paths["qwen2"])
-        url, path = target.url, target.model_path
+        target = (
+            request.getfixturevalue("vllm_target")
+            if model == "vllm"
+            else farm.target("text-direct", tiny_paths["qwen2"])
+        )
+        client, path = target.client(), target.model_path
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompts = [chat_ids(tokenizer, q) for q in ("Name a prime number.", "What is 12 times 7?", "Say hi.")]
 
     async def go():
-        async with EngineClient(url) as client:
+        async with client:
             return await asyncio.gather(
                 *(
-                    client.generate(p, {"max_new_tokens": 24, "temperature": TEMPERATURE, "sampling_seed": 11 + i})
+                    client.generate(p, {"max_new_tokens": 24, "temperature": temperature, "sampling_seed": 11 + i})
                     for i, p in enumerate(prompts)
                 )
             )
@@ -61,7 +68,7 @@ def test_text_logprobs_equal_teacher_forcing(model, smollm2_engine, smollm2_path
     worst = 0.0
     for prompt, out in zip(prompts, outs):
         engine_lp = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-        ref = teacher_forced_logprobs(hf, prompt + out["output_ids"], len(out["output_ids"]), TEMPERATURE)
+        ref = teacher_forced_logprobs(hf, prompt + out["output_ids"], len(out["output_ids"]), temperature)
         worst = max(worst, max(abs(a - b) for a, b in zip(engine_lp, ref)))
     assert worst < 1e-4
 

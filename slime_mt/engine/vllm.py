@@ -1,0 +1,362 @@
+"""vLLM behind the rollout's client contract (``--engine vllm``): ``VLLMClient`` speaks vLLM's HTTP API
+and answers as ``EngineClient`` does, in SGLang's shapes, so nothing above the client knows which
+engine runs.
+
+Generation goes to vLLM's token-in/token-out endpoint, ``POST /inference/v1/generate`` (served with
+``--enable-scale-out``), not to ``/v1/completions`` with ``return_token_ids``. Both take token ids and
+return the exact output ids with one log-prob per token, but only the generate endpoint reports
+which weights sampled each token (``weight_versions``: ``[start, end)`` spans over the output, the
+version set by ``/update_weight_version``); completions report no version, and a client that
+inferred it from the order of its own calls would be wrong for a request that spans an update. It
+also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokenized.
+
+- Sampling parameters: SGLang's names map to vLLM's (``max_new_tokens`` -> ``max_tokens``,
+  ``sampling_seed`` -> ``seed``, ``no_stop_trim`` -> ``include_stop_str_in_output``, ...); one vLLM
+  cannot honour (structured output, ``stop_regex``, ``n`` > 1) is an ``EngineRequestError`` naming it.
+- Log-probs: servers run with ``--logprobs-mode processed_logprobs``, so a token's log-prob is
+  ``log_softmax(logits / T)`` as SGLang's, and what the trainer recomputes; vLLM renormalises over
+  the tokens top-k/top-p keep, so with ``top_p < 1`` or ``top_k`` the two differ (RL keeps them off).
+- Finish reasons: ``stop`` (``matched``: the stop string or token id, the EOS id otherwise),
+  ``length`` and ``abort`` as SGLang's ``meta_info.finish_reason``.
+- Weight versions: ``meta_info.weight_version`` is the version of the last span; a response whose
+  tokens span an update (a pause in ``keep`` mode) carries the spans in ``weight_version_spans``.
+- Aborts: vLLM names a request ``generate-tokens-{rid}``; ``abort`` sends that name, or nothing
+  (every request) to ``/abort_requests``. An aborted request returns its tokens so far, finish
+  reason ``abort``, as SGLang's do.
+- Pause: ``/pause?mode=abort`` aborts what is running and holds what arrives until ``/resume``
+  (SGLang's ``abort``); ``in_place`` and ``retract`` map to vLLM's ``keep``.
+- Weights from disk: ``/collective_rpc reload_weights`` then ``/update_weight_version``, with the
+  engine paused (``mode=wait``) unless it already is. vLLM's in-place reload stops the engine on a
+  tensor it cannot load, so the folder is first checked against the checkpoint the engine serves
+  (``checkpoint.check_compatible``): a bad folder is refused and nothing changes, as with SGLang.
+- Not yet: colocated engines (``--colocate`` runs on Ray, where engines are SGLang or embedded; vLLM's
+  ``/sleep`` and ``/wake_up`` are the endpoints it would use) and, below, the distributed paths.
+- Several engines: no router process; the client sends each request to an engine itself and keeps
+  the requests of one ``route`` (a trajectory) on the engine its first request went to, the least
+  loaded one then, so its turns reuse that engine's prefix cache.
+- Weight updates from a distributed group or by tensor handle use vLLM's own NCCL/IPC weight-transfer
+  protocol, which the trainer side does not speak yet: they are refused (``--weight-transport disk``).
+- Images: refused (``IMAGES_REFUSED``). vLLM's generate endpoint takes images beside token ids
+  (``content_parts``) and expands the pads itself, which is SGLang's contract, but that path is not
+  yet checked against the ids the trainer builds: vLLM's CPU attention refuses the tiny VLMs' head
+  size and the CPU build's torchvision does not load, so nothing here can run it. A VLM run with
+  ``--engine vllm`` fails at its first request with this message rather than train on ids unchecked.
+
+The server's RL endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` (``engine/launch.py`` sets it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, tensor_headers
+from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError
+
+logger = logging.getLogger(__name__)
+
+GENERATE = "/inference/v1/generate"
+REQUEST_PREFIX = "generate-tokens-"  # how vLLM's generate endpoint names a request_id internally
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default; vLLM's is 16
+ROUTES_KEPT = 100_000  # trajectories whose engine the client remembers (least recently used dropped)
+
+# SGLang's sampling parameter -> vLLM's
+RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+SAME = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+}
+REFUSED = {
+    "json_schema": "structured output through this client",
+    "regex": "structured output through this client",
+    "ebnf": "structured output through this client",
+    "structural_tag": "structured output through this client",
+    "stop_regex": "stop regexes",
+    "custom_params": "SGLang's custom logit processors",
+}
+IMAGES_REFUSED = (
+    "image_data: --engine vllm serves text models for now; its image path (content_parts beside token ids) is "
+    "not yet checked to keep the ids exact, so VLMs run on --engine sglang or local"
+)
+PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+
+
+def vllm_sampling(params: dict, return_logprob: bool) -> dict:
+    """SGLang's ``sampling_params`` -> vLLM's; EngineRequestError naming a parameter vLLM cannot honour."""
+    out: dict[str, Any] = {"max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS, "detokenize": True}
+    for key, value in params.items():
+        if key in RENAMED:
+            out[RENAMED[key]] = value
+        elif key in SAME:
+            out[key] = value
+        elif key == "n":
+            if value != 1:
+                raise _refused(f"sampling_params.n={value}: send one request per sample (n must be 1)")
+        elif key in REFUSED:
+            raise _refused(f"sampling_params.{key}: --engine vllm does not support {REFUSED[key]}")
+        else:
+            raise _refused(f"sampling_params.{key} is not a sampling parameter --engine vllm can honour")
+    if return_logprob:
+        out["logprobs"] = 0  # the sampled token's log-prob only
+    return out
+
+
+def _refused(message: str) -> EngineRequestError:
+    return EngineRequestError("--engine vllm", 400, message)
+
+
+def sglang_response(answer: dict, rid: str) -> dict:
+    """A vLLM generate answer (one choice, ``output_mode: text``) -> SGLang's ``/generate`` response."""
+    choice = answer["choices"][0]
+    ids = list(choice.get("token_ids") or [])
+    reason = choice.get("finish_reason")
+    if reason == "stop":
+        matched = choice.get("stop_reason")
+        finish: dict[str, Any] = {"type": "stop", "matched": ids[-1] if matched is None and ids else matched}
+    elif reason == "length":
+        finish = {"type": "length", "length": len(ids)}
+    else:
+        finish = {"type": "abort", "message": f"vLLM finish_reason {reason!r}"}
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    spans = choice.get("weight_versions") or []
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "completion_tokens": len(ids),
+        "cached_tokens": details.get("cached_tokens") or 0,
+        "weight_version": spans[-1]["version"] if spans else None,
+    }
+    if len(spans) > 1:
+        meta["weight_version_spans"] = spans
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is not None:
+        if len(content) != len(ids):
+            raise EngineError(f"vLLM returned {len(ids)} tokens but {len(content)} log-probs for request {rid}")
+        meta["output_token_logprobs"] = [[float(c["logprob"]), t, None] for c, t in zip(content, ids)]
+    if answer.get("prompt_token_ids") is not None:
+        meta["prompt_token_ids"] = answer["prompt_token_ids"]
+    return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
+
+
+class VLLMClient(EngineClient):
+    """``EngineClient`` for vLLM servers (see the module docstring); ``worker_urls`` are the engines."""
+
+    def __init__(self, url: str, worker_urls: list[str] | None = None, **kw: Any):
+        super().__init__(url, worker_urls, **kw)
+        self._routes: OrderedDict[str, str] = OrderedDict()
+        self._load = dict.fromkeys(self.worker_urls, 0)
+        self._served: dict[str, tuple[tuple[int, ...], str]] | None = None
+
+    # ------------------------------------------------------------------ generation
+
+    def _engine_for(self, route: str | None) -> str:
+        """The engine of ``route`` (the least loaded one for a new route or none)."""
+        if len(self.worker_urls) == 1:
+            return self.worker_urls[0]
+        if route is not None and route in self._routes:
+            self._routes.move_to_end(route)
+            return self._routes[route]
+        url = min(self.worker_urls, key=self._load.__getitem__)
+        if route is not None:
+            self._routes[route] = url
+            if len(self._routes) > ROUTES_KEPT:
+                self._routes.popitem(last=False)
+        return url
+
+    async def generate(
+        self,
+        input_ids: list[int] | None = None,
+        sampling_params: dict | None = None,
+        image_data: list[str] | None = None,
+        text: str | None = None,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout: float | None = None,
+        route: str | None = None,
+        **extra: Any,
+    ) -> dict:
+        """One prompt (token ids, or text tokenized by the engine) -> SGLang's response dict."""
+        rid = rid or uuid.uuid4().hex
+        if image_data:
+            raise _refused(IMAGES_REFUSED)
+        if extra:
+            raise _refused(f"request field(s) {sorted(extra)} are not supported with --engine vllm")
+        url = self._engine_for(route)
+        tokenized = None
+        if input_ids is None:
+            if text is None:
+                raise _refused("a request needs input_ids or text")
+            tokenized = await self._tokenize(url, text)
+        body: dict[str, Any] = {
+            "request_id": rid,
+            "token_ids": list(input_ids if input_ids is not None else tokenized),
+            "sampling_params": vllm_sampling(sampling_params or {}, return_logprob),
+            "output_mode": "text",
+        }
+
+        def convert(answer: dict) -> dict:
+            response = sglang_response(answer, rid)
+            if tokenized is not None:
+                response["meta_info"]["prompt_token_ids"] = tokenized
+            return response
+
+        self._load[url] += 1
+        try:
+            return await self._generate(url + GENERATE, body, [rid], timeout, convert)
+        finally:
+            self._load[url] -= 1
+
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | None = None,
+        return_logprob: bool = True,
+        timeout: float | None = None,
+        **extra: Any,
+    ) -> list[dict]:
+        """Several prompts as concurrent requests ``{rid}_{i}`` (vLLM's endpoint takes one prompt)."""
+        rid = extra.pop("rid", None) or uuid.uuid4().hex
+        images = extra.pop("image_data", None) or [None] * len(input_ids)
+        return list(
+            await asyncio.gather(
+                *(
+                    self.generate(ids, sampling_params, image, None, return_logprob, f"{rid}_{i}", timeout, **extra)
+                    for i, (ids, image) in enumerate(zip(input_ids, images, strict=True))
+                )
+            )
+        )
+
+    async def _tokenize(self, url: str, text: str) -> list[int]:
+        answer = await self._post(url, "/tokenize", {"prompt": text, "add_special_tokens": False})
+        return list(answer["tokens"])
+
+    async def _post(self, url: str, path: str, body: dict | None = None) -> Any:
+        return (await self._broadcast(path, body, urls=[url]))[0]
+
+    # ------------------------------------------------------------------ control endpoints
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (``rid``) or every request on every engine; errors are logged, not raised."""
+        body = {} if abort_all or rid is None else {"request_ids": [REQUEST_PREFIX + rid]}
+        await self._control_all("/abort_requests", body)
+
+    async def _control_all(self, path: str, body: dict) -> None:
+        try:
+            await self._broadcast(path, body, timeout=10.0, retry=False)
+        except EngineError as e:
+            logger.warning("%s failed: %s", path, e)
+
+    async def pause(self, mode: str = "in_place", timeout: float | None = None) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: choose from {sorted(PAUSE_MODES)}")
+        await self._broadcast(f"/pause?mode={PAUSE_MODES[mode]}", timeout=timeout)
+
+    async def resume(self, timeout: float | None = None) -> None:
+        await self._broadcast("/resume", timeout=timeout)
+
+    async def paused(self) -> list[bool]:
+        return [bool((await self._get(u, "/is_paused"))["is_paused"]) for u in self.worker_urls]
+
+    async def flush_cache(self, timeout: float | None = None) -> None:
+        await self._broadcast("/reset_prefix_cache", timeout=timeout, text=True)
+
+    async def weight_versions(self) -> list[str]:
+        return [str((await self._get(u, "/weight_info"))["weight_version"]) for u in self.worker_urls]
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, timeout: float | None = None
+    ) -> list[dict]:
+        """Every engine reloads ``model_path`` in place (checked first: a folder that does not fit the
+        served checkpoint is refused with nothing changed) and, when given, takes ``weight_version``;
+        -> SGLang's answers (``success``, ``message``, ``weight_version``) once every engine has."""
+        try:
+            if self._served is None:
+                self._served = tensor_headers((await self.model_info())["model_path"])
+            count = check_compatible(model_path, self._served)
+        except WeightUpdateError as e:
+            raise EngineRequestError(self.worker_urls[0] + "/update_weights_from_disk", 400, str(e)) from None
+        was_paused = await self.paused()
+        waiting = [u for u, p in zip(self.worker_urls, was_paused) if not p]
+        for url in waiting:  # no request generates while the weights change
+            await self._post(url, "/pause?mode=wait")
+        try:
+            await self._broadcast(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}},
+                timeout=timeout or 600.0,
+                retry=False,
+            )
+            if weight_version is not None:
+                await self._broadcast("/update_weight_version", {"new_version": str(weight_version)}, timeout=timeout)
+        finally:
+            for url in waiting:
+                await self._post(url, "/resume")
+        versions = await self.weight_versions()
+        return [
+            {"success": True, "message": f"reloaded {count} tensors from {model_path}", "weight_version": v}
+            for v in versions
+        ]
+
+    async def set_weight_version(self, weight_version: str) -> None:
+        await self._broadcast("/update_weight_version", {"new_version": str(weight_version)})
+
+    async def init_weights_update_group(self, *args: Any, **kw: Any) -> None:
+        raise _unsupported("a weight update group")
+
+    async def update_weights_from_distributed(self, *args: Any, **kw: Any) -> None:
+        raise _unsupported("weights from a distributed group")
+
+    async def update_weights_from_tensor(self, *args: Any, **kw: Any) -> None:
+        raise _unsupported("weights by tensor handle")
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        raise _unsupported("colocated engines (--colocate runs on Ray)")
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        raise _unsupported("colocated engines (--colocate runs on Ray)")
+
+    async def health_generate(self) -> bool:
+        """Every engine generates one token."""
+
+        async def one(url: str) -> bool:
+            try:
+                body = {"token_ids": [0], "sampling_params": {"max_tokens": 1}}
+                await self._post(url, GENERATE, body)
+                return True
+            except EngineError:
+                return False
+
+        return all(await asyncio.gather(*(one(u) for u in self.worker_urls)))
+
+    async def model_info(self) -> dict:
+        """SGLang's ``/model_info`` fields from vLLM's ``/v1/models``: ``model_path`` is the served folder."""
+        models = (await self._get(self.worker_urls[0], "/v1/models"))["data"]
+        return {"model_path": models[0].get("root") or models[0]["id"], "is_generation": True}
+
+    async def server_info(self) -> list[dict]:
+        return [await self._get(u, "/server_info?config_format=json") for u in self.worker_urls]
+
+
+def _unsupported(what: str) -> EngineError:
+    return EngineError(f"--engine vllm: {what} is not supported yet; see slime_mt/engine/vllm.py")
