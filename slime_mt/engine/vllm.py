@@ -307,6 +307,7 @@ class VLLMClient(EngineClient):
                 timeout=timeout or 600.0,
                 retry=False,
             )
+            await self._broadcast("/reset_prefix_cache", timeout=timeout, text=True)  # no KV of the old weights
             if weight_version is not None:
                 await self._broadcast("/update_weight_version", {"new_version": str(weight_version)}, timeout=timeout)
         finally:

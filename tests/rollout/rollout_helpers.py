@@ -16,6 +16,7 @@ from PIL import Image, ImageDraw
 from envs.base import BaseInteractionEnv, RetryableEnvError
 from slime_mt.config import DataConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient
+from slime_mt.engine.vllm import VLLMClient
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.multi_turn import run_episode
@@ -57,11 +58,11 @@ PROMPT = [
 RESULTS = [{"text": f"partial result {k}"} for k in range(1, 4)]
 
 
-class RecordingClient(EngineClient):
-    """The real client, keeping every /generate request and response for the assertions."""
+class Recording:
+    """A real client that keeps every /generate request and response for the assertions."""
 
-    def __init__(self, url):
-        super().__init__(url)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.calls = []
 
     async def generate(self, input_ids=None, sampling_params=None, image_data=None, **kw):
@@ -77,6 +78,14 @@ class RecordingClient(EngineClient):
         return response
 
 
+class RecordingClient(Recording, EngineClient):
+    """SGLang's API (embedded engines, sglang-router)."""
+
+
+class RecordingVLLMClient(Recording, VLLMClient):
+    """vLLM's API."""
+
+
 @functools.cache
 def processor_of(model_path: str):
     """The model folder's tokenizer or processor, loaded once per test process (a Qwen tokenizer
@@ -84,9 +93,9 @@ def processor_of(model_path: str):
     return load_tokenizer_or_processor(model_path)
 
 
-def make_ctx(url, model_path, data=None, **rollout) -> RolloutContext:
+def make_ctx(url, model_path, data=None, engine="local", **rollout) -> RolloutContext:
     ctx = RolloutContext(
-        RecordingClient(url),
+        (RecordingVLLMClient if engine == "vllm" else RecordingClient)(url),
         processor_of(str(model_path)),
         RolloutConfig(**rollout),
         data or DataConfig(apply_chat_template=True),

@@ -13,6 +13,7 @@ import torch
 from rollout_helpers import ScriptedEnv, make_ctx, picture
 
 from slime_mt.engine.protocol import collapse_image_pads
+from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
 
@@ -47,6 +48,14 @@ CASES = {
         None,
         True,
     ),
+    # the same conversation on a real vLLM server (the tiny Qwen2 at head size 64)
+    "qwen2.5-vllm": (
+        "vllm",
+        [{"role": "user", "content": "Solve 3x = 12. Use the tool."}],
+        [{"text": "Tool says: x is 4"}, {"text": "Please give the final answer."}],
+        RANDOM_STOPS,
+        True,
+    ),
     "qwen2.5-vl": (
         "qwen2.5-vl",
         [
@@ -63,9 +72,15 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def engines(farm, tiny_paths, smollm2_path):
+def engines(farm, tiny_paths, smollm2_path, request):
     paths = dict(tiny_paths, smollm2=smollm2_path)
-    return lambda model: farm.target(f"{model.replace('-', '')}-direct", paths[model])
+
+    def target(model):
+        if model == "vllm":
+            return request.getfixturevalue("vllm_target")
+        return farm.target(f"{model.replace('-', '')}-direct", paths[model])
+
+    return target
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -75,6 +90,7 @@ def test_episode_tokens_are_engine_outputs_plus_observation_deltas(name, engines
     ctx = make_ctx(
         target.url,
         target.model_path,
+        engine=target.engine,
         max_turns=4,
         rollout_max_response_len=48,
         rollout_max_context_len=4096,
@@ -112,11 +128,30 @@ def test_episode_tokens_are_engine_outputs_plus_observation_deltas(name, engines
     assert sample.loss_mask == mask
     assert sample.rollout_log_probs == logprobs
     assert [t.output_tokens for t in sample.turns] == [len(c["response"]["output_ids"]) for c in calls]
+    _assert_steps_and_merge_train_what_the_engine_generated(sample, calls, image_id)
 
     if prefix_stable:
         _assert_renders_final_conversation(
             ctx, sample, prompt, observations, calls, env, exact_tokens=name == "smollm2"
         )
+
+
+def _assert_steps_and_merge_train_what_the_engine_generated(sample, calls, image_id):
+    """Step-wise: step k is call k's context and its output, trained on exactly the output with the
+    engine's log-probs. Merged: the trajectory again, as concat trains it."""
+    steps, _ = finalize([sample], "step_wise", merge=False)
+    assert len(steps) == len(calls)
+    for step, call in zip(steps, calls):
+        out = call["response"]["output_ids"]
+        assert collapse_image_pads(step.tokens, image_id)[0] == call["input_ids"] + out
+        trained = [t for t, m in zip(step.response_ids, step.loss_mask) if m]
+        assert trained == out == step.response_ids[-len(out) :]
+        engine_lps = [x[0] for x in call["response"]["meta_info"]["output_token_logprobs"]]
+        assert [lp for lp, m in zip(step.rollout_log_probs, step.loss_mask) if m] == engine_lps
+    (merged,), _ = finalize([sample], "step_wise", merge=True)
+    (concat,), _ = finalize([sample], "concat", merge=False)
+    assert merged.tokens == concat.tokens == sample.tokens
+    assert merged.loss_mask == concat.loss_mask and merged.rollout_log_probs == concat.rollout_log_probs
 
 
 def _assert_renders_final_conversation(ctx, sample, prompt, observations, calls, env, exact_tokens):
@@ -148,6 +183,7 @@ def test_vlm_episode_images_and_tensors(engines):
     ctx = make_ctx(
         target.url,
         target.model_path,
+        engine=target.engine,
         max_turns=4,
         rollout_max_response_len=48,
         rollout_temperature=0.6,

@@ -189,3 +189,84 @@ def test_versions_follow_each_token_through_step_wise_and_merge():
     assert [s.token_versions for s in steps] == [[3, 3, 4], [4, 4]]
     (merged,), _ = finalize([sample], "step_wise", merge=True)
     assert merged.token_versions == concat.token_versions and merged.loss_mask == [1, 1, 1, 0, 0, 1, 1]
+
+
+VLLM_BUDGET = 1500  # vLLM decodes the tiny model fast: a budget long enough for the update to land mid-turn
+
+
+def _vllm_generated_tokens(url) -> float:
+    """vLLM's count of tokens it has generated (its Prometheus metrics)."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:generation_tokens_total not in /metrics")
+
+
+def test_on_vllm_a_turn_resumed_across_a_weight_update_keeps_each_segments_weights(vllm_target, tmp_path):
+    """--fully-async --partial-rollout against a real vLLM server: the gate pauses vLLM (abort), the
+    new weights load from disk mid-turn, the turn continues from its tokens; versions [0]*a + [1]*b,
+    each segment is greedy decoding by its own weights, every log-prob is vLLM's."""
+    from safetensors.torch import load_file, save_file
+
+    from slime_mt.engine.vllm import VLLMClient
+
+    path = vllm_target.model_path
+    served = load_file(str(path / "model.safetensors"))
+    (tmp_path / "v0").mkdir()
+    (tmp_path / "v1").mkdir()
+    save_file(served, str(tmp_path / "v0" / "model.safetensors"))
+    save_file(
+        {k: v * 1.7 if k == "model.norm.weight" else v for k, v in served.items()},
+        str(tmp_path / "v1" / "model.safetensors"),
+    )
+    ctx = make_ctx(
+        vllm_target.url,
+        path,
+        engine="vllm",
+        partial_rollout=True,
+        fully_async=True,
+        max_turns=1,
+        rollout_max_response_len=VLLM_BUDGET,
+        rollout_max_context_len=4096,
+    )
+    ctx.client.gate = UpdateGate()
+    before = _vllm_generated_tokens(vllm_target.url)
+
+    async def main():
+        sample = Sample(index=0, group_index=0, prompt=prompt_of("qwen2"))
+        episode = asyncio.ensure_future(run_episode(ctx, sample, dict(GREEDY, max_new_tokens=VLLM_BUDGET)))
+        while _vllm_generated_tokens(vllm_target.url) - before < 8:
+            assert not episode.done(), sample.metadata
+            await asyncio.sleep(0.005)
+        await ctx.client.gate.close(ctx.client)
+        await ctx.client.update_weights_from_disk(str(tmp_path / "v1"), weight_version="1")
+        await ctx.client.gate.open(ctx.client)
+        return await episode
+
+    async def greedy(ids, n):
+        async with VLLMClient(vllm_target.url) as client:
+            return (await client.generate(ids, dict(GREEDY, max_new_tokens=n)))["output_ids"]
+
+    try:
+        sample = asyncio.run(main())
+        sample.validate()
+        assert sample.metadata["partial_resumes"] == 1
+        first, second = ctx.client.calls
+        assert first["response"]["meta_info"][UPDATE_ABORT] is True
+        assert first["response"]["meta_info"]["weight_version"] == "0"
+        assert second["response"]["meta_info"]["weight_version"] == "1"
+        a, b = first["response"]["output_ids"], second["response"]["output_ids"]
+        assert len(a) >= 8 and len(b) >= 1 and len(a) + len(b) == VLLM_BUDGET
+        assert sample.token_versions == [0] * len(a) + [1] * len(b)
+        assert second["input_ids"] == first["input_ids"] + a
+        assert sample.tokens[sample.prompt_length :] == a + b
+        engine_logprobs = [
+            lp for c in (first, second) for lp, *_ in c["response"]["meta_info"]["output_token_logprobs"]
+        ]
+        assert sample.rollout_log_probs == engine_logprobs
+        assert asyncio.run(greedy(second["input_ids"], len(b))) == b  # version 1's greedy decoding
+    finally:
+        asyncio.run(VLLMClient(vllm_target.url).update_weights_from_disk(str(tmp_path / "v0"), weight_version="0"))
+    assert asyncio.run(greedy(first["input_ids"], len(a))) == a  # version 0's, the weights put back
