@@ -1,24 +1,31 @@
-"""Embedded engine throughput: generated tokens/s at each concurrency level and the batched/sequential ratio.
+"""Engine throughput: generated tokens/s at each concurrency level and the batched/sequential ratio.
 
     .venv/bin/python benchmarks/engine_throughput.py [--requests 16] [--max-new-tokens 64]
+    .venv/bin/python benchmarks/engine_throughput.py --engine vllm --vllm-python .venv-vllm/bin/python
     python benchmarks/engine_throughput.py --requests 64 --concurrency 1,16,64 --max-batch-size 64   # on a GPU
 
-Runs SmolLM2-135M-Instruct (real weights) and the tiny Qwen2.5-VL (two images per request) in one
-process; each level sends the same ``--requests`` prompts through the SGLang-protocol client with at
-most ``c`` in flight. Sequential = concurrency 1. The engine runs on CUDA when a GPU is present.
+Runs SmolLM2-135M-Instruct (real weights) and the tiny Qwen2.5-VL (two images per request) on the
+embedded engine in one process; with ``--engine vllm`` SmolLM2 also on a vLLM server, in the same
+run (vLLM serves text models only here). Each level sends the same ``--requests`` prompts through
+the run's client with at most ``c`` in flight. Sequential = concurrency 1. The embedded engine runs
+on CUDA when a GPU is present; vLLM on what its build targets (float32 on CPUs).
 """
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from slime_mt.assets import smollm2_dir, tiny_model_dir  # noqa: E402
-from slime_mt.engine.client import EngineClient  # noqa: E402
+from slime_mt.engine.client import client_for  # noqa: E402
 from slime_mt.engine.images import encode_image  # noqa: E402
+from slime_mt.engine.launch import VLLMServer  # noqa: E402
 from slime_mt.engine.protocol import collapse_image_pads  # noqa: E402
 from slime_mt.engine.server import LocalEngine  # noqa: E402
 from slime_mt.processing import load_tokenizer_or_processor  # noqa: E402
@@ -73,9 +80,9 @@ def vlm_requests(path, n):
     return out
 
 
-async def run_level(url, requests, concurrency, max_new_tokens):
+async def run_level(url, requests, concurrency, max_new_tokens, engine="local"):
     sem = asyncio.Semaphore(concurrency)
-    async with EngineClient(url) as client:
+    async with client_for(engine, url) as client:
 
         async def one(i, ids, images):
             async with sem:
@@ -91,16 +98,30 @@ async def run_level(url, requests, concurrency, max_new_tokens):
         return sum(tokens) / (time.perf_counter() - started)
 
 
-def bench(name, path, make, args):
+@contextlib.contextmanager
+def serving(engine, path, args):
+    """An engine serving ``path`` -> its URL: the embedded engine, or a vLLM server."""
+    if engine == "vllm":
+        server = VLLMServer(path, Path(tempfile.mkdtemp()), python=args.vllm_python, extra_args=args.vllm_extra_args)
+        try:
+            yield server.url
+        finally:
+            server.stop()
+    else:
+        with LocalEngine(path, max_batch_size=args.max_batch_size) as local:
+            yield local.url
+
+
+def bench(name, path, make, args, engine="local"):
     requests = make(path, args.requests)
     rates = {}
-    with LocalEngine(path, max_batch_size=args.max_batch_size) as engine:
-        asyncio.run(run_level(engine.url, requests[:2], 2, 4))  # warm-up
+    with serving(engine, path, args) as url:
+        asyncio.run(run_level(url, requests[:2], 2, 4, engine))  # warm-up
         for c in args.concurrency:
-            runs = [asyncio.run(run_level(engine.url, requests, c, args.max_new_tokens)) for _ in range(args.repeats)]
+            runs = [asyncio.run(run_level(url, requests, c, args.max_new_tokens, engine)) for _ in range(args.repeats)]
             rates[c] = statistics.median(runs)
     print(
-        f"{name}: "
+        f"{name} [{engine}]: "
         + ", ".join(f"c={c}: {r:.1f} tok/s" for c, r in rates.items())
         + " | batched/sequential: "
         + ", ".join(f"c={c}: {rates[c] / rates[1]:.2f}x" for c in rates if c != 1),
@@ -121,6 +142,9 @@ def main():
         help="comma-separated levels; the first must be 1 (the sequential reference)",
     )
     parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--engine", choices=["local", "vllm"], default="local", help="vllm: both engines, one run")
+    parser.add_argument("--vllm-python", default=None, help="the Python of a venv with vLLM (.venv-vllm/bin/python)")
+    parser.add_argument("--vllm-extra-args", default="--dtype float32 --max-model-len 2048")
     args = parser.parse_args()
     if args.concurrency[0] != 1:
         parser.error("--concurrency must start with 1, the sequential reference")
@@ -131,6 +155,8 @@ def main():
         f"max_new_tokens={args.max_new_tokens}"
     )
     bench("SmolLM2-135M-Instruct", smollm2_dir(), text_requests, args)
+    if args.engine == "vllm":
+        bench("SmolLM2-135M-Instruct", smollm2_dir(), text_requests, args, "vllm")
     bench("tiny Qwen2.5-VL (2 images/request)", tiny_model_dir("qwen2.5-vl"), vlm_requests, args)
 
 

@@ -888,3 +888,53 @@ class RankZero:
     def close(self) -> None:
         self.weights.close()
         self.side.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully-async"])
+def test_trains_on_vllm(mode, tmp_path, request):
+    """``slime-mt train --engine vllm`` on the demo's recipe (the tiny Qwen2 at head size 64): sync, the
+    run launching its own vLLM server, two steps; ``--fully-async --partial-rollout``, on the shared
+    server by ``--engine-url``, three steps with every token within the staleness bound. The weights
+    reach vLLM after every step (its version is the step's) and the trainer's log-probs are vLLM's."""
+    from safetensors.torch import load_file, save_file
+    from vllm_helpers import VLLM_ARGS, vllm_python
+
+    from slime_mt.assets import VLLM_TINY_KIND, tiny_model_dir
+    from slime_mt.engine.vllm import VLLMClient
+
+    model = tiny_model_dir(VLLM_TINY_KIND)
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True, capture_output=True, cwd=REPO
+    )
+    (tmp_path / "plugins.py").write_text(PLUGINS)
+    flags = [*TWO_SMALL_STEPS, "--custom-rm-path", f"{tmp_path}/plugins.py:rm", "--engine", "vllm"]
+    if mode == "sync":
+        flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS]
+        steps = 2
+    else:
+        target = request.getfixturevalue("vllm_target")
+        flags += ["--engine-url", target.url, "--fully-async", "--partial-rollout", "--max-staleness", "1"]
+        flags += ["--use-tis", "--num-rollout", "3"]
+        steps = 3
+        (tmp_path / "v0").mkdir()
+        save_file(load_file(str(model / "model.safetensors")), str(tmp_path / "v0" / "model.safetensors"))
+    try:
+        proc = run(demo_train_cmd(model, data / "train.jsonl", tmp_path / "run", *flags), timeout=900)
+    finally:
+        if mode != "sync":  # the shared server back at the starting weights
+            import asyncio
+
+            asyncio.run(VLLMClient(target.url).update_weights_from_disk(str(tmp_path / "v0"), weight_version="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["rollout/weight_version"] for r in rows] == [float(k + 1) for k in range(steps)]
+    assert any(r["train/grad_norm"] > 0 for r in rows)
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-3  # step 0: the trainer's weights are vLLM's
+    if mode == "sync":
+        assert [r["rollout/sample_weight_version_min"] for r in rows[1:]] == [1.0]
+    else:
+        assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
+        trained = [g for r in rows for g in r["trained_groups"]]
+        assert len(trained) == len(set(trained)) == steps

@@ -575,3 +575,45 @@ def test_health_reports_a_dead_scheduler(tiny_paths):
         assert generate.status_code == 503
     finally:
         engine.stop()
+
+
+def test_on_vllm_failed_updates_are_refused_and_change_nothing(vllm_target, tmp_path):
+    """vLLM's in-place reload stops the engine on a tensor it cannot load; the client checks a folder
+    against the served checkpoint first, so every bad folder is a 400 naming it, the engine keeps
+    serving the same weights and version, and a good folder then loads."""
+    from safetensors.torch import load_file
+
+    from slime_mt.engine.client import EngineRequestError
+
+    good = load_file(str(vllm_target.model_path / "model.safetensors"))
+    cases = _bad_checkpoints(tmp_path, good)
+
+    async def greedy_on(client):
+        return await client.generate(PROMPT, dict(GREEDY))
+
+    async def go():
+        async with vllm_target.client() as client:
+            before = await greedy_on(client)
+            for label, path in cases.items():
+                with pytest.raises(EngineRequestError) as refused:
+                    await client.update_weights_from_disk(path, weight_version=label)
+                assert refused.value.status == 400, label
+                assert path in refused.value.message or "model.safetensors" in refused.value.message, (label, refused)
+                now = await greedy_on(client)
+                assert now["output_ids"] == before["output_ids"], label
+                assert now["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"], label
+                assert now["meta_info"]["weight_version"] == "0", label
+            torch.manual_seed(3)
+            perturbed = tmp_path / "perturbed"
+            perturbed.mkdir()
+            save_file({k: v + 0.5 * torch.randn_like(v) for k, v in good.items()}, str(perturbed / "model.safetensors"))
+            (answer,) = await client.update_weights_from_disk(str(perturbed), weight_version="7")
+            after = await greedy_on(client)
+            (tmp_path / "original").mkdir()
+            save_file(good, str(tmp_path / "original" / "model.safetensors"))
+            await client.update_weights_from_disk(str(tmp_path / "original"), weight_version="0")
+            return before, answer, after
+
+    before, answer, after = run(go())
+    assert answer["success"] and answer["weight_version"] == "7"
+    assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"

