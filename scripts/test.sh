@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv "test"
 ensure_vllm_venv  # .venv-vllm: the real vLLM server the engine tests also run against (--engine vllm)
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false SLIME_MT_REQUIRE_VLLM=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[checks] ruff check, ruff format --check"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

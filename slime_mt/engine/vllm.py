@@ -48,15 +48,12 @@ The server's RL endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` (``engine/l
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections import OrderedDict
 from typing import Any
 
 from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, tensor_headers
 from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError
-
-logger = logging.getLogger(__name__)
 
 GENERATE = "/inference/v1/generate"
 REQUEST_PREFIX = "generate-tokens-"  # how vLLM's generate endpoint names a request_id internally
@@ -94,7 +91,7 @@ REFUSED = {
     "custom_params": "SGLang's custom logit processors",
 }
 IMAGES_REFUSED = (
-    "image_data: --engine vllm serves text models for now; its image path (content_parts beside token ids) is "
+    "--engine vllm serves text models for now; its image path (content_parts beside token ids) is "
     "not yet checked to keep the ids exact, so VLMs run on --engine sglang or local"
 )
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -154,8 +151,6 @@ def sglang_response(answer: dict, rid: str) -> dict:
         if len(content) != len(ids):
             raise EngineError(f"vLLM returned {len(ids)} tokens but {len(content)} log-probs for request {rid}")
         meta["output_token_logprobs"] = [[float(c["logprob"]), t, None] for c, t in zip(content, ids)]
-    if answer.get("prompt_token_ids") is not None:
-        meta["prompt_token_ids"] = answer["prompt_token_ids"]
     return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
 
 
@@ -199,7 +194,7 @@ class VLLMClient(EngineClient):
         """One prompt (token ids, or text tokenized by the engine) -> SGLang's response dict."""
         rid = rid or uuid.uuid4().hex
         if image_data:
-            raise _refused(IMAGES_REFUSED)
+            raise _refused(f"image_data: {IMAGES_REFUSED}")
         if extra:
             raise _refused(f"request field(s) {sorted(extra)} are not supported with --engine vllm")
         url = self._engine_for(route)
@@ -237,12 +232,12 @@ class VLLMClient(EngineClient):
     ) -> list[dict]:
         """Several prompts as concurrent requests ``{rid}_{i}`` (vLLM's endpoint takes one prompt)."""
         rid = extra.pop("rid", None) or uuid.uuid4().hex
-        images = extra.pop("image_data", None) or [None] * len(input_ids)
+        images = extra.pop("image_data", None)  # refused by generate, as for one prompt
         return list(
             await asyncio.gather(
                 *(
-                    self.generate(ids, sampling_params, image, None, return_logprob, f"{rid}_{i}", timeout, **extra)
-                    for i, (ids, image) in enumerate(zip(input_ids, images, strict=True))
+                    self.generate(ids, sampling_params, images, None, return_logprob, f"{rid}_{i}", timeout, **extra)
+                    for i, ids in enumerate(input_ids)
                 )
             )
         )
@@ -256,16 +251,9 @@ class VLLMClient(EngineClient):
 
     # ------------------------------------------------------------------ control endpoints
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        """Abort one request (``rid``) or every request on every engine; errors are logged, not raised."""
-        body = {} if abort_all or rid is None else {"request_ids": [REQUEST_PREFIX + rid]}
-        await self._control_all("/abort_requests", body)
-
-    async def _control_all(self, path: str, body: dict) -> None:
-        try:
-            await self._broadcast(path, body, timeout=10.0, retry=False)
-        except EngineError as e:
-            logger.warning("%s failed: %s", path, e)
+    def _abort_call(self, rid: str | None, abort_all: bool) -> tuple[str, dict]:
+        """vLLM's ``/abort_requests``: the request's internal name, or no name (every request)."""
+        return "/abort_requests", {} if abort_all or rid is None else {"request_ids": [REQUEST_PREFIX + rid]}
 
     async def pause(self, mode: str = "in_place", timeout: float | None = None) -> None:
         if mode not in PAUSE_MODES:
@@ -318,9 +306,6 @@ class VLLMClient(EngineClient):
             {"success": True, "message": f"reloaded {count} tensors from {model_path}", "weight_version": v}
             for v in versions
         ]
-
-    async def set_weight_version(self, weight_version: str) -> None:
-        await self._broadcast("/update_weight_version", {"new_version": str(weight_version)})
 
     async def init_weights_update_group(self, *args: Any, **kw: Any) -> None:
         raise _unsupported("a weight update group")

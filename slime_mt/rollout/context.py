@@ -60,7 +60,7 @@ class RolloutContext:
             from slime_mt.config import ConfigError
             from slime_mt.engine.vllm import IMAGES_REFUSED
 
-            raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED.split(': ', 1)[1]}")
+            raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args())
         ctx.args.rollout_context = ctx
         r = cfg.rollout
