@@ -18,7 +18,7 @@ from pathlib import Path
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
-from slime_mt.engine.client import UpdateGate
+from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.engine.weight_sync import transport_for
 from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize

@@ -60,7 +60,7 @@ class RolloutWorker:
         from slime_mt.launch.ray.actors import enter
 
         enter(cwd, paths)
-        from slime_mt.engine.client import UpdateGate
+        from slime_mt.engine.update_gate import UpdateGate
         from slime_mt.rollout.context import RolloutContext
 
         rollout = dataclasses.replace(cfg.rollout, rollout_num_processes=1, env_num_workers=0)

@@ -11,8 +11,9 @@ from rollout_helpers import make_ctx, picture
 
 from slime_mt.algo.losses import off_policy_weights
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.client import UPDATE_ABORT, EngineClient, UpdateGate
+from slime_mt.engine.client import UPDATE_ABORT, EngineClient
 from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import NO_VERSION, Sample
