@@ -78,11 +78,10 @@ def _validate_vllm(cfg: Config) -> None:
             "--engine vllm with --ray: engines on a Ray cluster are SGLang or embedded for now "
             "(vLLM engines are launched by a single-process or torchrun run, or given by --engine-url)"
         )
-    if cfg.engine.weight_transport not in ("auto", "disk"):
+    if cfg.engine.weight_transport in ("inprocess", "tensor"):
         raise ConfigError(
-            f"--weight-transport {cfg.engine.weight_transport} with --engine vllm: vLLM loads new weights from "
-            "disk here; its distributed and tensor paths use vLLM's own NCCL/IPC weight-transfer protocol, which "
-            "the trainer does not speak yet (use --weight-transport disk)"
+            f"--weight-transport {cfg.engine.weight_transport} with --engine vllm: vLLM takes new weights from "
+            "disk or from the weight group (use --weight-transport disk or distributed)"
         )
     if cfg.engine.engine_cache_tokens:
         raise ConfigError(

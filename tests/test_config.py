@@ -230,6 +230,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--ray", "--weight-transport", "inprocess"], r"--weight-transport inprocess: the engines are not in"),
         (["--engine", "vllm", "--ray"], r"--engine vllm with --ray: engines on a Ray cluster are SGLang"),
         (["--engine", "vllm", "--weight-transport", "tensor"], r"--weight-transport tensor with --engine vllm"),
+        (["--engine", "vllm", "--weight-transport", "inprocess"], r"--weight-transport inprocess with --engine vllm"),
         (["--engine", "vllm", "--engine-cache-tokens", "64"], r"--engine-cache-tokens is the embedded engine's"),
         (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5"),
         (

@@ -893,9 +893,11 @@ class RankZero:
 @pytest.mark.parametrize("mode", ["sync", "fully-async"])
 def test_trains_on_vllm(mode, tmp_path, request):
     """``slime-mt train --engine vllm`` on the demo's recipe (the tiny Qwen2 at head size 64): sync, the
-    run launching its own vLLM server, two steps; ``--fully-async --partial-rollout``, on the shared
-    server by ``--engine-url``, three steps with every token within the staleness bound. The weights
-    reach vLLM after every step (its version is the step's) and the trainer's log-probs are vLLM's."""
+    run launching its own vLLM server, two steps, the weights broadcast from rank 0 over the weight
+    group; ``--fully-async --partial-rollout``, on the shared server by ``--engine-url``, three steps
+    with every token within the staleness bound, the weights from disk. The weights reach vLLM after
+    every step (its version is the step's) and the trainer's log-probs are vLLM's: at every step of the
+    sync run, so the weights vLLM serves are exactly the trainer's."""
     from safetensors.torch import load_file, save_file
     from vllm_helpers import VLLM_ARGS, vllm_python
 
@@ -910,7 +912,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     (tmp_path / "plugins.py").write_text(PLUGINS)
     flags = [*TWO_SMALL_STEPS, "--custom-rm-path", f"{tmp_path}/plugins.py:rm", "--engine", "vllm"]
     if mode == "sync":
-        flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS]
+        flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS, "--weight-transport", "distributed"]
         steps = 2
     else:
         target = request.getfixturevalue("vllm_target")
@@ -934,6 +936,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-3  # step 0: the trainer's weights are vLLM's
     if mode == "sync":
         assert [r["rollout/sample_weight_version_min"] for r in rows[1:]] == [1.0]
+        assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in rows), rows
     else:
         assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
         trained = [g for r in rows for g in r["trained_groups"]]

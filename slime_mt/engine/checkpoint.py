@@ -1,9 +1,10 @@
 """Safetensors checkpoint folders as an engine loads them: the folder's files (through its index when
 it has one), and every tensor's name, shape and dtype read from the file headers alone.
 
-The embedded engine loads through ``checkpoint_files``; the vLLM client checks a folder against the
-one its engines serve (``check_compatible``) before it asks them to reload, because vLLM's in-place
-reload stops the engine on a tensor it cannot load.
+The embedded engine loads through ``checkpoint_files``; the vLLM client checks a folder, or a bucket
+of a distributed update, against the checkpoint its engines serve (``check_compatible``,
+``check_tensor``) before it asks them to load it, because vLLM's in-place loading stops the engine on
+a tensor it cannot load.
 """
 
 from __future__ import annotations
@@ -63,15 +64,23 @@ def _floating(dtype: str) -> bool:
 
 def check_compatible(model_path: str | Path, served: dict[str, tuple[tuple[int, ...], str]]) -> int:
     """Check every tensor of ``model_path`` against ``served`` (``tensor_headers`` of the checkpoint an
-    engine serves): a name it does not have, another shape, or an integer tensor for a floating one is
-    a WeightUpdateError naming the folder and the tensor. -> the number of tensors."""
+    engine serves): see ``check_tensor``. -> the number of tensors."""
     new = tensor_headers(model_path)
     for name, (shape, dtype) in new.items():
-        if name not in served:
-            raise WeightUpdateError(f"{model_path}: weight '{name}' is not in the served checkpoint")
-        served_shape, served_dtype = served[name]
-        if shape != served_shape:
-            raise WeightUpdateError(f"{model_path}: weight '{name}': shape {shape} != served {served_shape}")
-        if _floating(dtype) != _floating(served_dtype):
-            raise WeightUpdateError(f"{model_path}: weight '{name}': dtype {dtype} cannot replace {served_dtype}")
+        check_tensor(str(model_path), name, shape, _floating(dtype), served)
     return len(new)
+
+
+def check_tensor(
+    where: str, name: str, shape: tuple[int, ...], floating: bool, served: dict[str, tuple[tuple[int, ...], str]]
+) -> None:
+    """A tensor that can replace one of ``served``: a name it does not have, another shape, or an
+    integer tensor for a floating one (or the reverse) is a WeightUpdateError naming ``where`` and it."""
+    if name not in served:
+        raise WeightUpdateError(f"{where}: weight '{name}' is not in the served checkpoint")
+    served_shape, served_dtype = served[name]
+    if tuple(shape) != served_shape:
+        raise WeightUpdateError(f"{where}: weight '{name}': shape {tuple(shape)} != served {served_shape}")
+    if floating != _floating(served_dtype):
+        kind = "a floating" if floating else "an integer"
+        raise WeightUpdateError(f"{where}: weight '{name}': {kind} tensor cannot replace {served_dtype}")

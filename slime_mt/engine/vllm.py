@@ -29,13 +29,19 @@ also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokeniz
   engine paused (``mode=wait``) unless it already is. vLLM's in-place reload stops the engine on a
   tensor it cannot load, so the folder is first checked against the checkpoint the engine serves
   (``checkpoint.check_compatible``): a bad folder is refused and nothing changes, as with SGLang.
-- Not yet: colocated engines (``--colocate`` runs on Ray, where engines are SGLang or embedded; vLLM's
-  ``/sleep`` and ``/wake_up`` are the endpoints it would use) and, below, the distributed paths.
+- Weights from a distributed group (``--weight-transport distributed``): vLLM's weight-transfer
+  endpoints (``/init_weight_transfer_engine``, then per bucket ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update`` with the version) with the backend ``slime_mt``
+  (``engine/vllm_worker.py``), which joins the same torch process group as SGLang's weight-group
+  endpoints and receives the same broadcasts, so the trainer's side is one for every engine. vLLM's
+  own NCCL and IPC backends would need vLLM in the trainer's process and a GPU. Each bucket is checked
+  against the served checkpoint before any engine is asked to receive it.
 - Several engines: no router process; the client sends each request to an engine itself and keeps
   the requests of one ``route`` (a trajectory) on the engine its first request went to, the least
   loaded one then, so its turns reuse that engine's prefix cache.
-- Weight updates from a distributed group or by tensor handle use vLLM's own NCCL/IPC weight-transfer
-  protocol, which the trainer side does not speak yet: they are refused (``--weight-transport disk``).
+- Not yet: colocated engines (``--colocate`` runs on Ray, where engines are SGLang or embedded; vLLM's
+  ``/sleep`` and ``/wake_up`` are the endpoints it would use, and its sleep mode needs CUDA) and
+  weights by tensor handle (vLLM's IPC backend is CUDA's).
 - Images: refused (``IMAGES_REFUSED``). vLLM's generate endpoint takes images beside token ids
   (``content_parts``) and expands the pads itself, which is SGLang's contract, but that path is not
   yet checked against the ids the trainer builds: vLLM's CPU attention refuses the tiny VLMs' head
@@ -48,15 +54,24 @@ The server's RL endpoints exist only with ``VLLM_SERVER_DEV_MODE=1`` (``engine/l
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
-from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, tensor_headers
-from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError
+from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, check_tensor, tensor_headers
+from slime_mt.engine.client import JOIN_SECONDS, EngineClient, EngineError, EngineRequestError, weight_group_joins
+from slime_mt.engine.weight_group import dtype_of
+
+logger = logging.getLogger(__name__)
 
 GENERATE = "/inference/v1/generate"
 REQUEST_PREFIX = "generate-tokens-"  # how vLLM's generate endpoint names a request_id internally
+WORKER_EXTENSION = "slime_mt.engine.vllm_worker.WeightGroupWorker"  # brings the weight-group backend
+WEIGHT_BACKEND = "slime_mt"  # vllm_worker.BACKEND, named here without importing vLLM
+REPACK_CALL = "slime_mt_repack_cpu_kernels"  # vllm_worker.WeightGroupWorker's call
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default; vLLM's is 16
 ROUTES_KEPT = 100_000  # trajectories whose engine the client remembers (least recently used dropped)
 
@@ -162,6 +177,8 @@ class VLLMClient(EngineClient):
         self._routes: OrderedDict[str, str] = OrderedDict()
         self._load = dict.fromkeys(self.worker_urls, 0)
         self._served: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._updating: list[str] | None = None  # a distributed update begun: the engines it paused
+        self._warned_repack = False
 
     # ------------------------------------------------------------------ generation
 
@@ -279,39 +296,130 @@ class VLLMClient(EngineClient):
         served checkpoint is refused with nothing changed) and, when given, takes ``weight_version``;
         -> SGLang's answers (``success``, ``message``, ``weight_version``) once every engine has."""
         try:
-            if self._served is None:
-                self._served = tensor_headers((await self.model_info())["model_path"])
-            count = check_compatible(model_path, self._served)
+            count = check_compatible(model_path, await self._served_headers())
         except WeightUpdateError as e:
             raise EngineRequestError(self.worker_urls[0] + "/update_weights_from_disk", 400, str(e)) from None
-        was_paused = await self.paused()
-        waiting = [u for u, p in zip(self.worker_urls, was_paused) if not p]
-        for url in waiting:  # no request generates while the weights change
-            await self._post(url, "/pause?mode=wait")
-        try:
+        async with self._paused():  # no request generates while the weights change
             await self._broadcast(
                 "/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}},
                 timeout=timeout or 600.0,
                 retry=False,
             )
+            await self._repack_cpu_kernels()
             await self._broadcast("/reset_prefix_cache", timeout=timeout, text=True)  # no KV of the old weights
             if weight_version is not None:
                 await self._broadcast("/update_weight_version", {"new_version": str(weight_version)}, timeout=timeout)
-        finally:
-            for url in waiting:
-                await self._post(url, "/resume")
         versions = await self.weight_versions()
         return [
             {"success": True, "message": f"reloaded {count} tensors from {model_path}", "weight_version": v}
             for v in versions
         ]
 
-    async def init_weights_update_group(self, *args: Any, **kw: Any) -> None:
-        raise _unsupported("a weight update group")
+    async def _pause(self) -> list[str]:
+        """Pause (``mode=wait``: what runs finishes first) the engines not paused already (an update
+        gate pauses them) -> those, for ``_resume``."""
+        was_paused = await self.paused()
+        waiting = [u for u, p in zip(self.worker_urls, was_paused) if not p]
+        for url in waiting:
+            await self._post(url, "/pause?mode=wait")
+        return waiting
 
-    async def update_weights_from_distributed(self, *args: Any, **kw: Any) -> None:
-        raise _unsupported("weights from a distributed group")
+    async def _resume(self, urls: list[str]) -> None:
+        for url in urls:
+            await self._post(url, "/resume")
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        waiting = await self._pause()
+        try:
+            yield
+        finally:
+            await self._resume(waiting)
+
+    async def _repack_cpu_kernels(self) -> None:
+        """After ``reload_weights``: a CPU build's LM head tied to the embedding is packed again from
+        the new weights (``vllm_worker.repack_cpu_kernels``; nothing on GPUs). A server without
+        slime_mt's worker extension cannot: warned once, as its tied LM head then keeps the old weights."""
+        try:
+            await self._broadcast("/collective_rpc", {"method": REPACK_CALL}, retry=False)
+        except EngineError as e:
+            if not self._warned_repack:
+                self._warned_repack = True
+                logger.warning(
+                    "%s failed (%s): a server started without --worker-extension-cls %s keeps, on CPUs, an LM head "
+                    "tied to the embedding at the old weights after a reload",
+                    REPACK_CALL,
+                    e,
+                    WORKER_EXTENSION,
+                )
+
+    async def _served_headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        if self._served is None:
+            self._served = tensor_headers((await self.model_info())["model_path"])
+        return self._served
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
+    ) -> None:
+        """Every engine joins the weight group whose rank 0 is the caller, through vLLM's
+        ``/init_weight_transfer_engine`` and the ``slime_mt`` backend (``engine/vllm_worker.py``); returns
+        once every engine has joined, so the caller joins as rank 0 while this waits."""
+        bodies = [
+            {"init_info": b} for b in weight_group_joins(master_address, master_port, tp_sizes, group_name, backend)
+        ]
+        try:
+            await self._broadcast("/init_weight_transfer_engine", bodies, timeout=JOIN_SECONDS, retry=False)
+        except EngineError as e:
+            raise EngineError(
+                f"{e} (a vLLM server joins the weight group when started with --worker-extension-cls "
+                f'{WORKER_EXTENSION} --weight-transfer-config \'{{"backend": "{WEIGHT_BACKEND}"}}\', as '
+                "slime-mt starts them)"
+            ) from None
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: str
+    ) -> None:
+        """Every engine receives one bucket that the caller broadcasts as rank 0 (in this order); the
+        version's first bucket pauses the engines (unless paused) and starts vLLM's update, and
+        ``finish_weights_update`` ends it. The bucket is checked first against the served checkpoint
+        (vLLM stops on a tensor it cannot load): one that does not fit is an EngineRequestError naming
+        the tensor, no engine is asked to receive it, and the caller's broadcast is left unanswered."""
+        served = await self._served_headers()
+        try:
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                floating = dtype_of(dtype).is_floating_point
+                check_tensor(f"weights version {weight_version}", name, shape, floating, served)
+        except (WeightUpdateError, ValueError) as e:
+            raise EngineRequestError(self.worker_urls[0] + "/update_weights", 400, str(e)) from None
+        if self._updating is None:
+            self._updating = await self._pause()
+            try:
+                await self._broadcast("/start_weight_update", retry=False)
+            except BaseException:
+                await self._resume(self._updating)
+                self._updating = None
+                raise
+        bucket = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        await self._broadcast("/update_weights", {"update_info": bucket}, retry=False)
+
+    async def finish_weights_update(self, weight_version: str | None) -> None:
+        """End the update the buckets began: vLLM processes what arrived and takes ``weight_version``,
+        the prefix cache is reset, the engines paused for it continue. After a failed bucket
+        (``weight_version`` None) the version stays the last one; the layers that received their
+        tensors have them (the caller stops the run: its weights are mixed)."""
+        if self._updating is None:
+            return
+        waiting, self._updating = self._updating, None
+        try:
+            body = {} if weight_version is None else {"weight_version": str(weight_version)}
+            await self._broadcast("/finish_weight_update", body, retry=False)
+            await self.flush_cache()  # no KV of the old weights
+        finally:
+            await self._resume(waiting)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._broadcast("/shutdown_weight_transfer_engine", timeout=60.0, retry=False)
 
     async def update_weights_from_tensor(self, *args: Any, **kw: Any) -> None:
         raise _unsupported("weights by tensor handle")
@@ -341,7 +449,14 @@ class VLLMClient(EngineClient):
         return {"model_path": models[0].get("root") or models[0]["id"], "is_generation": True}
 
     async def server_info(self) -> list[dict]:
-        return [await self._get(u, "/server_info?config_format=json") for u in self.worker_urls]
+        """vLLM's ``/server_info`` of every engine, with SGLang's ``tp_size``: the devices that join a
+        weight group (vLLM's world size, data-parallel replicas included)."""
+        infos = []
+        for url in self.worker_urls:
+            info = await self._get(url, "/server_info?config_format=json")
+            info["tp_size"] = int((await self._get(url, "/get_world_size?include_dp=true"))["world_size"])
+            infos.append(info)
+        return infos
 
 
 def _unsupported(what: str) -> EngineError:

@@ -208,7 +208,12 @@ class DistributedWeights:
                 except BaseException:
                     self.broken = True
                     self._unfinished = None if sent.done() else sent
+                    try:
+                        self.ctx.run_sync(client.finish_weights_update(None))
+                    except Exception as e:  # the bucket's own failure is the one to raise
+                        logger.warning("ending the failed update of version %s: %s", version, e)
                     raise
+            self.ctx.run_sync(client.finish_weights_update(str(version)))
 
     def close(self) -> None:
         """Leave the group on every engine and here; an engine that cannot (it left, or is gone) is logged."""

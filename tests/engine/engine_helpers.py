@@ -8,7 +8,7 @@ import threading
 
 from PIL import Image, ImageDraw
 
-from slime_mt.engine.client import EngineClient
+from slime_mt.engine.client import client_for
 
 
 def run(coro):
@@ -60,10 +60,10 @@ def eager_to_stop_model(src, out, eos: int, runner_up: int | None = None):
 class LoopSide:
     """What a weight transport needs of the rollout context: a client and a loop in its own thread."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, engine: str = "local") -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.client = EngineClient(url)
+        self.client = client_for(engine, url)
 
     def submit(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

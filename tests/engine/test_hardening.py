@@ -580,7 +580,9 @@ def test_health_reports_a_dead_scheduler(tiny_paths):
 def test_on_vllm_failed_updates_are_refused_and_change_nothing(vllm_target, tmp_path):
     """vLLM's in-place reload stops the engine on a tensor it cannot load; the client checks a folder
     against the served checkpoint first, so every bad folder is a 400 naming it, the engine keeps
-    serving the same weights and version, and a good folder then loads."""
+    serving the same weights and version, and a good folder then loads and serves exactly its weights
+    (an LM head tied to the embedding too, which vLLM's CPU build keeps packed from the old ones unless
+    slime_mt's worker extension packs it again)."""
     from safetensors.torch import load_file
 
     from slime_mt.engine.client import EngineRequestError
@@ -603,17 +605,32 @@ def test_on_vllm_failed_updates_are_refused_and_change_nothing(vllm_target, tmp_
                 assert now["output_ids"] == before["output_ids"], label
                 assert now["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"], label
                 assert now["meta_info"]["weight_version"] == "0", label
-            torch.manual_seed(3)
-            perturbed = tmp_path / "perturbed"
-            perturbed.mkdir()
-            save_file({k: v + 0.5 * torch.randn_like(v) for k, v in good.items()}, str(perturbed / "model.safetensors"))
             (answer,) = await client.update_weights_from_disk(str(perturbed), weight_version="7")
             after = await greedy_on(client)
             (tmp_path / "original").mkdir()
             save_file(good, str(tmp_path / "original" / "model.safetensors"))
             await client.update_weights_from_disk(str(tmp_path / "original"), weight_version="0")
-            return before, answer, after
+            return before, answer, after, await greedy_on(client)
 
-    before, answer, after = run(go())
+    torch.manual_seed(3)
+    perturbed = tmp_path / "perturbed"
+    perturbed.mkdir()
+    new_weights = {k: v + 0.5 * torch.randn_like(v) for k, v in good.items()}  # the tied embedding too
+    save_file(new_weights, str(perturbed / "model.safetensors"))
+    before, answer, after, back = run(go())
     assert answer["success"] and answer["weight_version"] == "7"
     assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == "7"
+    # the reloaded server serves exactly the new weights (the embedded engine's greedy decoding by them),
+    # and exactly the old ones once they are back
+    with LocalEngine(vllm_target.model_path) as reference:
+        reference.update_weights_from_tensors(new_weights, weight_version="7")
+        expected = httpx.post(reference.url + "/generate", json=_greedy_body(), timeout=60).json()
+    assert after["output_ids"] == expected["output_ids"]
+    assert [t[0] for t in after["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [t[0] for t in expected["meta_info"]["output_token_logprobs"]], abs=1e-4
+    )
+    assert back["output_ids"] == before["output_ids"] and back["meta_info"]["weight_version"] == "0"
+
+
+def _greedy_body() -> dict:
+    return {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True}

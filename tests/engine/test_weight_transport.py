@@ -3,6 +3,7 @@
 (``/update_weights_from_tensor``, shared memory on one node); and the colocated sequence around them
 (SGLang's release and resume of memory occupation)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,4 +241,57 @@ def test_the_weight_transport_is_the_one_the_flags_pick(
         assert type(weights).__name__ == expected
         weights.close()
     finally:
+        side.close()
+
+
+def test_on_vllm_versions_from_the_weight_group_serve_exactly_the_sent_weights(vllm_target, tmp_path):
+    """A vLLM server joins the trainer's weight group through vLLM's weight-transfer endpoints (the
+    ``slime_mt`` backend, engine/vllm_worker.py) and loads every bucket rank 0 broadcasts: greedy
+    decoding then equals the embedded engine's with the same weights, version by version. A bucket that
+    does not fit the served checkpoint is refused before any engine receives it, naming the tensor,
+    and vLLM keeps serving the last version; a new group then loads the original weights."""
+    from types import SimpleNamespace
+
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.weight_sync import transport_for
+
+    base = load_hf_state(vllm_target.model_path)
+    side = LoopSide(vllm_target.url, engine="vllm")
+
+    def served() -> tuple[list[int], list[float], str]:
+        out = side.run_sync(side.client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0.0}))
+        meta = out["meta_info"]
+        return out["output_ids"], [t[0] for t in meta["output_token_logprobs"]], meta["weight_version"]
+
+    cfg = EngineConfig(engine="vllm", weight_transport="distributed", update_weight_buffer_size=64 * 1024)
+    weights = transport_for(cfg, False, False, SimpleNamespace(local_engines=[]), side, tmp_path)
+    assert isinstance(weights, DistributedWeights)  # joined: vLLM counts one device for the group
+    try:
+        with LocalEngine(vllm_target.model_path) as reference:
+            for step in (1, 2, 3):
+                named = version(step, base)
+                weights.push(iter(named.items()), step, _no_gate)  # several buckets per version
+                reference.update_weights_from_tensors(named, weight_version=str(step))
+                tokens, logprobs, at = served()
+                expected_tokens, expected_logprobs, _ = greedy(reference.url)
+                assert at == str(step)
+                assert tokens == expected_tokens
+                assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+        for bad, named_in_error in [
+            ({"model.not_a_weight": torch.zeros(3)}, "model.not_a_weight"),
+            ({"model.norm.weight": torch.zeros(5)}, "model.norm.weight': shape (5,)"),
+        ]:
+            with pytest.raises(RuntimeError, match=re.escape(named_in_error)):
+                weights.push(iter(bad.items()), 4, _no_gate)
+            assert weights.broken
+            assert served()[0] == tokens and served()[2] == "3"
+    finally:
+        weights.close()
+    again = DistributedWeights(side, [1], buffer_bytes=1 << 20)
+    try:
+        again.push(iter(base.items()), 0, _no_gate)  # the session's server back to its own weights
+        with LocalEngine(vllm_target.model_path) as reference:
+            assert served()[::2] == (greedy(reference.url)[0], "0")
+    finally:
+        again.close()
         side.close()
