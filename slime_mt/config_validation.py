@@ -73,10 +73,11 @@ def _validate_cluster(cfg: Config) -> None:
 
 def _validate_vllm(cfg: Config) -> None:
     """What --engine vllm cannot do yet, refused before anything starts."""
-    if cfg.cluster.ray:
+    if cfg.cluster.colocate:
         raise ConfigError(
-            "--engine vllm with --ray: engines on a Ray cluster are SGLang or embedded for now "
-            "(vLLM engines are launched by a single-process or torchrun run, or given by --engine-url)"
+            "--colocate with --engine vllm: colocated engines give the device to the trainer while it trains "
+            "(SGLang's release and resume of memory occupation); vLLM's counterpart, its sleep mode, needs CUDA "
+            "and is not wired here yet (run vLLM engines disaggregated, or colocate with --engine sglang)"
         )
     if cfg.engine.weight_transport in ("inprocess", "tensor"):
         raise ConfigError(

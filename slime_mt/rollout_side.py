@@ -120,12 +120,23 @@ class RolloutSide:
             raise
         side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
         if engine_actors:
+            from slime_mt.engine.launch import add_worker, remove_worker
             from slime_mt.launch.ray.supervisor import EngineSupervisor
 
-            def drop(url: str) -> None:
+            def lost(url: str) -> None:
+                if cfg.engine.engine == "vllm":  # no router: the client's own rotation
+                    ctx.run_sync(_call(ctx.client.leave, url))
+                else:
+                    remove_worker(engines.url, url)
                 ctx.run_sync(_set_workers(ctx.client, [u for u in ctx.client.worker_urls if u != url]))
 
-            side.supervisor = EngineSupervisor(engine_actors, engines.worker_urls, engines.url, drop)
+            def admitted(url: str) -> None:
+                if cfg.engine.engine == "vllm":
+                    ctx.run_sync(_call(ctx.client.enter, url))
+                else:
+                    add_worker(engines.url, url)
+
+            side.supervisor = EngineSupervisor(engine_actors, engines.worker_urls, lost, admitted)
             side.weights_to = list(ctx.client.worker_urls)
         return side
 
@@ -313,6 +324,11 @@ class RolloutSide:
         finally:
             self.ctx.close()
             self.engines.stop()
+
+
+async def _call(fn, *args):
+    """``fn(*args)`` on the client's loop, between its calls."""
+    return fn(*args)
 
 
 async def _set_workers(client, urls: list[str]) -> None:

@@ -228,7 +228,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--rollout-num-gpus-per-engine", "-2"], r"--rollout-num-gpus-per-engine=-2: must be a positive integer"),
         (["--ray", "--engine-url", "http://a:1"], r"--engine-url with --ray: the run places and starts its engines"),
         (["--ray", "--weight-transport", "inprocess"], r"--weight-transport inprocess: the engines are not in"),
-        (["--engine", "vllm", "--ray"], r"--engine vllm with --ray: engines on a Ray cluster are SGLang"),
+        (["--engine", "vllm", "--ray", "--colocate"], r"--colocate with --engine vllm: colocated engines give"),
         (["--engine", "vllm", "--weight-transport", "tensor"], r"--weight-transport tensor with --engine vllm"),
         (["--engine", "vllm", "--weight-transport", "inprocess"], r"--weight-transport inprocess with --engine vllm"),
         (["--engine", "vllm", "--engine-cache-tokens", "64"], r"--engine-cache-tokens is the embedded engine's"),

@@ -890,14 +890,16 @@ class RankZero:
         self.side.close()
 
 
-@pytest.mark.parametrize("mode", ["sync", "fully-async"])
+@pytest.mark.parametrize("mode", ["sync", "fully-async", "ray"])
 def test_trains_on_vllm(mode, tmp_path, request):
     """``slime-mt train --engine vllm`` on the demo's recipe (the tiny Qwen2 at head size 64): sync, the
     run launching its own vLLM server, two steps, the weights broadcast from rank 0 over the weight
     group; ``--fully-async --partial-rollout``, on the shared server by ``--engine-url``, three steps
-    with every token within the staleness bound, the weights from disk. The weights reach vLLM after
-    every step (its version is the step's) and the trainer's log-probs are vLLM's: at every step of the
-    sync run, so the weights vLLM serves are exactly the trainer's."""
+    with every token within the staleness bound, the weights from disk; ``--ray`` on three loopback
+    nodes, the vLLM server started by its engine actor on a node of its own, two steps, the weights
+    over the group (the default on Ray). The weights reach vLLM after every step (its version is the
+    step's) and the trainer's log-probs are vLLM's: at every step of the synchronous runs, so the
+    weights vLLM serves are exactly the trainer's."""
     from safetensors.torch import load_file, save_file
     from vllm_helpers import VLLM_ARGS, vllm_python
 
@@ -914,6 +916,12 @@ def test_trains_on_vllm(mode, tmp_path, request):
     if mode == "sync":
         flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS, "--weight-transport", "distributed"]
         steps = 2
+    elif mode == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS, "--ray", "--ray-address"]
+        flags += [cluster.address, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"]
+        flags += ["--num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+        steps = 2
     else:
         target = request.getfixturevalue("vllm_target")
         flags += ["--engine-url", target.url, "--fully-async", "--partial-rollout", "--max-staleness", "1"]
@@ -924,7 +932,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     try:
         proc = run(demo_train_cmd(model, data / "train.jsonl", tmp_path / "run", *flags), timeout=900)
     finally:
-        if mode != "sync":  # the shared server back at the starting weights
+        if mode == "fully-async":  # the shared server back at the starting weights
             import asyncio
 
             asyncio.run(VLLMClient(target.url).update_weights_from_disk(str(tmp_path / "v0"), weight_version="0"))
@@ -934,10 +942,13 @@ def test_trains_on_vllm(mode, tmp_path, request):
     assert [r["rollout/weight_version"] for r in rows] == [float(k + 1) for k in range(steps)]
     assert any(r["train/grad_norm"] > 0 for r in rows)
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-3  # step 0: the trainer's weights are vLLM's
-    if mode == "sync":
+    if mode != "fully-async":
         assert [r["rollout/sample_weight_version_min"] for r in rows[1:]] == [1.0]
         assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in rows), rows
-    else:
+    if mode == "ray":  # the engine on a node of its own
+        where = placement_lines(proc.stdout + proc.stderr)
+        assert where["engine 0"] != where["trainer rank 0"], where
+    elif mode == "fully-async":
         assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
         trained = [g for r in rows for g in r["trained_groups"]]
         assert len(trained) == len(set(trained)) == steps

@@ -36,12 +36,15 @@ also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokeniz
   endpoints and receives the same broadcasts, so the trainer's side is one for every engine. vLLM's
   own NCCL and IPC backends would need vLLM in the trainer's process and a GPU. Each bucket is checked
   against the served checkpoint before any engine is asked to receive it.
-- Several engines: no router process; the client sends each request to an engine itself and keeps
-  the requests of one ``route`` (a trajectory) on the engine its first request went to, the least
-  loaded one then, so its turns reuse that engine's prefix cache.
-- Not yet: colocated engines (``--colocate`` runs on Ray, where engines are SGLang or embedded; vLLM's
-  ``/sleep`` and ``/wake_up`` are the endpoints it would use, and its sleep mode needs CUDA) and
-  weights by tensor handle (vLLM's IPC backend is CUDA's).
+- Several engines: no router process; the client sends each request to an engine of its rotation
+  itself and keeps the requests of one ``route`` (a trajectory) on the engine its first request went
+  to, the least loaded one then, so its turns reuse that engine's prefix cache. On Ray the
+  supervisor takes a lost engine out of the rotation (``leave``): the request it was serving is sent
+  again, from its start, to another engine; the engine started again enters it (``enter``) once it
+  has the current weights.
+- Not yet: colocated engines (vLLM's ``/sleep`` and ``/wake_up`` are the endpoints they would use; its
+  sleep mode needs CUDA, a no-op on CPUs, so nothing here could check it: ``--colocate`` is refused)
+  and weights by tensor handle (vLLM's IPC backend is CUDA's).
 - Images: refused (``IMAGES_REFUSED``). vLLM's generate endpoint takes images beside token ids
   (``content_parts``) and expands the pads itself, which is SGLang's contract, but that path is not
   yet checked against the ids the trainer builds: vLLM's CPU attention refuses the tiny VLMs' head
@@ -175,6 +178,7 @@ class VLLMClient(EngineClient):
     def __init__(self, url: str, worker_urls: list[str] | None = None, **kw: Any):
         super().__init__(url, worker_urls, **kw)
         self._routes: OrderedDict[str, str] = OrderedDict()
+        self.rotation = list(self.worker_urls)  # the engines new requests go to (--ray: the supervisor's)
         self._load = dict.fromkeys(self.worker_urls, 0)
         self._served: dict[str, tuple[tuple[int, ...], str]] | None = None
         self._updating: list[str] | None = None  # a distributed update begun: the engines it paused
@@ -183,18 +187,32 @@ class VLLMClient(EngineClient):
     # ------------------------------------------------------------------ generation
 
     def _engine_for(self, route: str | None) -> str:
-        """The engine of ``route`` (the least loaded one for a new route or none)."""
-        if len(self.worker_urls) == 1:
-            return self.worker_urls[0]
-        if route is not None and route in self._routes:
+        """The engine of ``route`` (the least loaded one in the rotation for a new route, for none, or
+        for a route whose engine has left the rotation)."""
+        if not self.rotation:
+            raise EngineError(f"no engine in the rotation (engines {self.worker_urls} were lost)")
+        if len(self.rotation) == 1:
+            return self.rotation[0]
+        if route is not None and self._routes.get(route) in self.rotation:
             self._routes.move_to_end(route)
             return self._routes[route]
-        url = min(self.worker_urls, key=self._load.__getitem__)
+        url = min(self.rotation, key=lambda u: self._load.get(u, 0))
         if route is not None:
             self._routes[route] = url
             if len(self._routes) > ROUTES_KEPT:
                 self._routes.popitem(last=False)
         return url
+
+    def leave(self, url: str) -> None:
+        """``url``'s engine was lost (``--ray``: the supervisor saw it die): no request goes there, and
+        a request it was serving is generated again on another engine."""
+        if url in self.rotation:
+            self.rotation.remove(url)
+
+    def enter(self, url: str) -> None:
+        """``url``'s engine (started again) has the current weights: new requests may go to it."""
+        if url not in self.rotation:
+            self.rotation.append(url)
 
     async def generate(
         self,
@@ -214,12 +232,31 @@ class VLLMClient(EngineClient):
             raise _refused(f"image_data: {IMAGES_REFUSED}")
         if extra:
             raise _refused(f"request field(s) {sorted(extra)} are not supported with --engine vllm")
-        url = self._engine_for(route)
-        tokenized = None
-        if input_ids is None:
-            if text is None:
-                raise _refused("a request needs input_ids or text")
-            tokenized = await self._tokenize(url, text)
+        if input_ids is None and text is None:
+            raise _refused("a request needs input_ids or text")
+        while True:
+            url = self._engine_for(route)
+            self._load[url] = self._load.get(url, 0) + 1
+            try:
+                return await self._generate_on(url, input_ids, text, sampling_params, return_logprob, rid, timeout)
+            except EngineError:
+                if url in self.rotation:
+                    raise
+                logger.warning("engine %s was lost while it served %s: the request goes to another engine", url, rid)
+            finally:
+                self._load[url] -= 1
+
+    async def _generate_on(
+        self,
+        url: str,
+        input_ids: list[int] | None,
+        text: str | None,
+        sampling_params: dict | None,
+        return_logprob: bool,
+        rid: str,
+        timeout: float | None,
+    ) -> dict:
+        tokenized = await self._tokenize(url, text) if input_ids is None else None
         body: dict[str, Any] = {
             "request_id": rid,
             "token_ids": list(input_ids if input_ids is not None else tokenized),
@@ -233,11 +270,7 @@ class VLLMClient(EngineClient):
                 response["meta_info"]["prompt_token_ids"] = tokenized
             return response
 
-        self._load[url] += 1
-        try:
-            return await self._generate(url + GENERATE, body, [rid], timeout, convert)
-        finally:
-            self._load[url] -= 1
+        return await self._generate(url + GENERATE, body, [rid], timeout, convert)
 
     async def generate_batch(
         self,
@@ -425,10 +458,10 @@ class VLLMClient(EngineClient):
         raise _unsupported("weights by tensor handle")
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        raise _unsupported("colocated engines (--colocate runs on Ray)")
+        raise _unsupported("colocated engines (--colocate)")
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        raise _unsupported("colocated engines (--colocate runs on Ray)")
+        raise _unsupported("colocated engines (--colocate)")
 
     async def health_generate(self) -> bool:
         """Every engine generates one token."""

@@ -634,3 +634,37 @@ def test_on_vllm_failed_updates_are_refused_and_change_nothing(vllm_target, tmp_
 
 def _greedy_body() -> dict:
     return {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True}
+
+
+def test_on_vllm_a_request_whose_engine_was_lost_is_generated_again_on_another(vllm_target):
+    """Several vLLM engines have no router: the client keeps a trajectory on one engine. When that engine
+    is lost (``--ray``: the supervisor takes it out of the rotation), the request it was serving fails
+    over to an engine left, as the same request from its start, and the trajectory's later turns go
+    there; an engine admitted again takes new trajectories."""
+    from slime_mt.engine.launch import free_port
+    from slime_mt.engine.vllm import VLLMClient
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: an engine whose process died
+    live = vllm_target.url
+
+    async def go():
+        async with VLLMClient(dead, [dead, live], max_retries=2, backoff=0.2) as client:
+            assert client._engine_for("t") == dead  # the least loaded, first: the trajectory's engine
+            turn = asyncio.ensure_future(client.generate(PROMPT, dict(GREEDY), route="t"))
+            await asyncio.sleep(0.1)  # the request is retrying against the lost engine
+            client.leave(dead)  # the supervisor's on_lost
+            answer = await turn
+            later = client._engine_for("t")
+            client.enter(dead)  # started again, with the current weights
+            rotation = list(client.rotation)
+            client.leave(live)
+            return answer, later, client._engine_for("new"), rotation
+
+    answer, later, fresh, rotation = run(go())
+
+    async def reference():
+        async with VLLMClient(live) as client:
+            return await client.generate(PROMPT, dict(GREEDY))
+
+    assert answer["output_ids"] == run(reference())["output_ids"]
+    assert later == live and rotation == [live, dead] and fresh == dead

@@ -16,7 +16,7 @@ from engine_helpers import LoopSide
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.server import LocalEngine, wait_healthy
-from slime_mt.engine.weight_sync import DistributedWeights, TensorWeights
+from slime_mt.engine.weight_sync import DistributedWeights, FolderWeights, TensorWeights
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 29, 101, 7, 64]
@@ -263,8 +263,10 @@ def test_on_vllm_versions_from_the_weight_group_serve_exactly_the_sent_weights(v
         meta = out["meta_info"]
         return out["output_ids"], [t[0] for t in meta["output_token_logprobs"]], meta["weight_version"]
 
-    cfg = EngineConfig(engine="vllm", weight_transport="distributed", update_weight_buffer_size=64 * 1024)
-    weights = transport_for(cfg, False, False, SimpleNamespace(local_engines=[]), side, tmp_path)
+    no_local = SimpleNamespace(local_engines=[])
+    cfg = EngineConfig(engine="vllm", update_weight_buffer_size=64 * 1024)
+    assert isinstance(transport_for(cfg, False, False, no_local, side, tmp_path), FolderWeights)  # auto, one node
+    weights = transport_for(cfg, True, False, no_local, side, tmp_path)  # auto on Ray: the weight group
     assert isinstance(weights, DistributedWeights)  # joined: vLLM counts one device for the group
     try:
         with LocalEngine(vllm_target.model_path) as reference:

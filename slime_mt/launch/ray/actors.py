@@ -112,7 +112,7 @@ class EngineActor:
 
     def start(self) -> str:
         """Start the engine on this actor's devices, bound to its node's address -> its URL."""
-        from slime_mt.engine.launch import SGLangServer
+        from slime_mt.engine.launch import SGLangServer, VLLMServer
         from slime_mt.engine.server import LocalEngine
 
         host, cfg = ray.util.get_node_ip_address(), self.engine_cfg
@@ -124,6 +124,16 @@ class EngineActor:
                 seed=self.seed,
                 cache_tokens=cfg.engine_cache_tokens,
             ).start()
+        elif cfg.engine == "vllm":
+            self.engine = VLLMServer(
+                self.model_path,
+                Path(self.log_dir),
+                tp_size=max(len(self.devices), 1),
+                extra_args=cfg.vllm_extra_args,
+                python=cfg.vllm_python,
+                seed=self.seed,
+                host=host,
+            )
         else:
             self.engine = SGLangServer(
                 self.model_path,

@@ -2,12 +2,12 @@
 
 The driver (the ``slime-mt train`` process, on the head node) connects to the cluster
 (``--ray-address``; none: starts a local one), reserves the run's placement group (``placement.py``),
-logs who runs where, starts one ``EngineActor`` per engine on its devices and, for several engines,
-the sglang-router on its own node in front of them, then one ``TrainerRank`` per Megatron rank. The
-ranks run the roles as under ``torchrun``; rank 0's rollout side reaches the engines by the URLs the
-driver hands it and sends them weights over the distributed path (``--weight-transport auto``). The
-driver waits for the ranks; when one fails it stops the others (they would wait in a collective),
-then the engines, the router and the placement group.
+logs who runs where, starts one ``EngineActor`` per engine on its devices and the sglang-router on
+its node in front of them (vLLM engines have none: their client routes), then one ``TrainerRank``
+per Megatron rank. The ranks run the roles as under ``torchrun``; rank 0's rollout side reaches the
+engines by the URLs the driver hands it and sends them weights over the distributed path
+(``--weight-transport auto``). The driver waits for the ranks; when one fails it stops the others
+(they would wait in a collective), then the engines, the router and the placement group.
 """
 
 from __future__ import annotations
@@ -105,11 +105,15 @@ def run(cfg: Config, run_dir: Path) -> None:
     try:
         placement = place(cfg)
         engines, urls = _start_engines(cfg, placement, run_dir)
-        # always a router: an engine that dies leaves its rotation until it is back with the weights
-        router = Router(run_dir / "logs", host=ray.util.get_node_ip_address(), policy=cfg.engine.sglang_router_policy)
-        for url in urls:
-            router.add_worker(url)
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=[router.url, *urls]))
+        if cfg.engine.engine == "vllm":  # no router: the vLLM client keeps its own rotation
+            engine_url = urls
+        else:  # always a router: an engine that dies leaves its rotation until it is back with the weights
+            host = ray.util.get_node_ip_address()
+            router = Router(run_dir / "logs", host=host, policy=cfg.engine.sglang_router_policy)
+            for url in urls:
+                router.add_worker(url)
+            engine_url = [router.url, *urls]
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=engine_url))
         ranks = trainer_actors(placement)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
