@@ -5,6 +5,7 @@ Each test launches ``slime-mt train`` as real processes (TP=1, or TP=2 under tor
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -965,16 +966,18 @@ async def slow_rm(args, sample):
 """
 
 
-def vllm_server_groups() -> list[int]:
-    """Process groups of the running vLLM servers (each server leads its own: API server, engine core)."""
-    found = []
+def vllm_server_group(port: str) -> int:
+    """The process group of the vLLM server on ``port`` (each server leads its own: API server, engine
+    core), among every vLLM server running (the session's shared one too)."""
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"vllm.entrypoints.openai.api_server" in (proc / "cmdline").read_bytes():
-                found.append(os.getpgid(int(proc.name)))
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile
-            pass
-    return sorted(set(found))
+            continue
+        if proc.name.isdigit() and b"vllm.entrypoints.openai.api_server" in cmdline:
+            if cmdline[cmdline.index(b"--port") + 1].decode() == port:
+                return os.getpgid(int(proc.name))
+    raise AssertionError(f"no vLLM server on port {port}")
 
 
 def test_on_vllm_an_engine_killed_mid_run_is_started_again_and_every_token_is_the_trainers(three_nodes, tmp_path):
@@ -988,7 +991,7 @@ def test_on_vllm_an_engine_killed_mid_run_is_started_again_and_every_token_is_th
 
     from slime_mt.assets import VLLM_TINY_KIND, tiny_model_dir
 
-    steps = 14
+    steps = 16
     data, run_dir = tmp_path / "data", tmp_path / "run"
     subprocess.run(
         [sys.executable, str(REPO / "examples/demo/make_data.py"), str(data)], check=True, capture_output=True, cwd=REPO
@@ -1006,8 +1009,9 @@ def test_on_vllm_an_engine_killed_mid_run_is_started_again_and_every_token_is_th
         while not (run_dir / "metrics.jsonl").is_file() and child.poll() is None:
             assert time.time() < deadline, "no step was logged"
             time.sleep(0.05)
-        assert len(vllm_server_groups()) == 2
-        os.killpg(vllm_server_groups()[0], signal.SIGKILL)
+        served = re.findall(r"placement: engine \d serves at http://[^:\s]+:(\d+)", out.read_text())
+        assert len(served) == 2, out.read_text()
+        os.killpg(vllm_server_group(served[0]), signal.SIGKILL)
         _, stderr = child.communicate(timeout=900)
     assert child.returncode == 0, stderr[-3000:]
     assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()

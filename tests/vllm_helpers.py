@@ -7,9 +7,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # vLLM's server for the tiny Qwen2 at head size 64: float32 as the other engines, a context for the
-# longest test request (3000 new tokens), eager (the CPU build's torch.compile warm-up is ~17 s of each
-# start and compiles nothing a GPU run would use)
-VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32 --enforce-eager"
+# longest test request (3000 new tokens)
+VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32"
 
 
 def vllm_python() -> str:
