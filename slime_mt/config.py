@@ -216,7 +216,7 @@ class EngineConfig:
         "safetensors folder per version, engines on this machine), distributed (broadcast from rank 0 over "
         "NCCL/gloo, engines on other nodes), tensor (passed by handle, engines on rank 0's node); auto: "
         "inprocess for engines this run starts in its process, under --ray distributed (tensor when "
-        "colocated on GPUs), disk otherwise and with --engine vllm (which takes disk or distributed).",
+        "colocated on GPUs), disk otherwise; --engine vllm takes disk or distributed.",
         choices=["auto", "inprocess", "disk", "distributed", "tensor"],
     )
     update_weight_buffer_size: int = _opt(

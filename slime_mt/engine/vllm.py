@@ -30,8 +30,8 @@ also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokeniz
   tensor it cannot load, so the folder is first checked against the checkpoint the engine serves
   (``checkpoint.check_compatible``): a bad folder is refused and nothing changes, as with SGLang.
 - Weights from a distributed group (``--weight-transport distributed``): vLLM's weight-transfer
-  endpoints (``/init_weight_transfer_engine``, then per bucket ``/start_weight_update``,
-  ``/update_weights``, ``/finish_weight_update`` with the version) with the backend ``slime_mt``
+  endpoints (``/init_weight_transfer_engine``, then per version ``/start_weight_update``, one
+  ``/update_weights`` per bucket, ``/finish_weight_update`` with the version) with the backend ``slime_mt``
   (``engine/vllm_worker.py``), which joins the same torch process group as SGLang's weight-group
   endpoints and receives the same broadcasts, so the trainer's side is one for every engine. vLLM's
   own NCCL and IPC backends would need vLLM in the trainer's process and a GPU. Each bucket is checked
@@ -60,7 +60,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -179,7 +179,7 @@ class VLLMClient(EngineClient):
         super().__init__(url, worker_urls, **kw)
         self._routes: OrderedDict[str, str] = OrderedDict()
         self.rotation = list(self.worker_urls)  # the engines new requests go to (--ray: the supervisor's)
-        self._load = dict.fromkeys(self.worker_urls, 0)
+        self._load: Counter[str] = Counter()  # requests in flight per engine
         self._served: dict[str, tuple[tuple[int, ...], str]] | None = None
         self._updating: list[str] | None = None  # a distributed update begun: the engines it paused
         self._warned_repack = False
@@ -196,7 +196,7 @@ class VLLMClient(EngineClient):
         if route is not None and self._routes.get(route) in self.rotation:
             self._routes.move_to_end(route)
             return self._routes[route]
-        url = min(self.rotation, key=lambda u: self._load.get(u, 0))
+        url = min(self.rotation, key=self._load.__getitem__)
         if route is not None:
             self._routes[route] = url
             if len(self._routes) > ROUTES_KEPT:
@@ -236,7 +236,7 @@ class VLLMClient(EngineClient):
             raise _refused("a request needs input_ids or text")
         while True:
             url = self._engine_for(route)
-            self._load[url] = self._load.get(url, 0) + 1
+            self._load[url] += 1
             try:
                 return await self._generate_on(url, input_ids, text, sampling_params, return_logprob, rid, timeout)
             except EngineError:

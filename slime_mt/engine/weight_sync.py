@@ -104,8 +104,6 @@ def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Pat
     from slime_mt.config import ConfigError
 
     mode = cfg.weight_transport
-    if mode == "auto" and cfg.engine == "vllm":
-        mode = "distributed" if on_ray else "disk"  # vLLM reloads from a folder or joins the group (engine/vllm.py)
     if mode == "auto":
         mode = "inprocess" if engines.local_engines else ("distributed" if on_ray else "disk")
         if mode == "distributed" and colocated and torch.cuda.is_available():
