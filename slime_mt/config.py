@@ -356,6 +356,40 @@ class CheckpointConfig:
     wandb_project: str | None = _opt(None, "W&B project.")
 
 
+@dataclass
+class GatewayConfig:
+    """The agent gateway (``slime_mt/gateway``) and the agent rollout (``rollouts.agent.generate``)."""
+
+    agent_function_path: str | None = _opt(
+        None,
+        "rollouts.agent.generate: async run_agent(base_url, sample, args) -> float | dict, run once per sample "
+        "against its own gateway session (module.fn or file.py:fn).",
+    )
+    agent_command: str | None = _opt(
+        None,
+        "rollouts.agent.generate: a harness program run once per sample (OPENAI_BASE_URL, OPENAI_API_KEY, "
+        "ANTHROPIC_BASE_URL in its environment, the sample as JSON on stdin, the reward as JSON on stdout).",
+    )
+    agent_timeout: float | None = _opt(None, "Seconds an agent may run for one sample before it is FAILED.")
+    gateway_host: str = _opt(
+        "127.0.0.1", "Where the gateway listens; anything but loopback requires an API key (--gateway-api-key)."
+    )
+    gateway_port: int = _opt(0, "The gateway's port (0: a free one).")
+    gateway_api_key: str | None = _opt(
+        None,
+        "The key harnesses must send (Authorization: Bearer, or x-api-key); unset beyond loopback: one is "
+        "generated and given to the agent (args.gateway_api_key, OPENAI_API_KEY).",
+    )
+    gateway_enforce_sampling: bool = _opt(
+        False, "Sample every gateway call at the rollout's temperature, top-p and top-k, whatever the harness asks."
+    )
+    tool_call_parser: str = _opt(
+        "qwen", "How the gateway reads tool calls in model output.", choices=["qwen", "llama3_json", "none"]
+    )
+    reasoning_parser: str = _opt("none", "How the gateway reads reasoning in model output.", choices=["qwen3", "none"])
+    gateway_session_concurrency: int = _opt(8, "Requests one gateway session may have in flight (more: HTTP 429).")
+
+
 GROUPS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
@@ -364,6 +398,7 @@ GROUPS: dict[str, type] = {
     "algo": AlgoConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "gateway": GatewayConfig,
 }
 
 
@@ -378,6 +413,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     custom: dict[str, Any] = field(default_factory=dict)
 
     def to_args(self) -> argparse.Namespace:

@@ -149,9 +149,11 @@ class ObservationEncoder:
 
     def encode_context(self, messages: list[dict], kept: dict[int, list[int]]) -> Encoded:
         """``messages`` rendered with the generation prompt, where ``messages[i]`` for ``i`` in ``kept``
-        (assistant messages) is ``kept[i]``, its generated ids, verbatim: those end the turn themselves
+        (assistant messages) is ``kept[i]``, its generated ids, verbatim (the message's tool calls and
+        reasoning are not rendered again: the ids hold them): those end the turn themselves
         when they end with the end-of-turn token; otherwise the template's end-of-turn follows."""
-        marked = [dict(m, content=_KEPT.format(i)) if i in kept else m for i, m in enumerate(messages)]
+        # a kept message is its ids alone: its tool calls and reasoning are inside them, not rendered again
+        marked = [{"role": m["role"], "content": _KEPT.format(i)} if i in kept else m for i, m in enumerate(messages)]
         text = self.render(marked, add_generation_prompt=True)
         images = image_parts(messages)
         image_text = getattr(self.processor, "image_token", None)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_mt.config import Config, DataConfig, RolloutConfig
+from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient, client_for, output_of
 from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
@@ -43,6 +43,9 @@ class RolloutContext:
     start_version: int = 0  # the weights the run started from (resumed runs: the checkpoint's step)
     env_workers: Any = None  # rollout.env_workers.EnvWorkerPool under --env-num-workers
     rollout_workers: Any = None  # rollout.rollout_workers.RolloutWorkerPool under --rollout-num-processes
+    gateway_config: GatewayConfig = field(default_factory=GatewayConfig)
+    gateway: Any = None  # gateway.server.Gateway, started by the first agent (``open_gateway``)
+    _gateway_lock: asyncio.Lock | None = None
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
@@ -61,7 +64,7 @@ class RolloutContext:
             from slime_mt.engine.vllm import IMAGES_REFUSED
 
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
-        ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args())
+        ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)
         ctx.args.rollout_context = ctx
         r = cfg.rollout
         if r.env_num_workers:
@@ -197,6 +200,17 @@ class RolloutContext:
             params["stop_token_ids"] = list(r.rollout_stop_token_ids)
         return params
 
+    async def open_gateway(self):
+        """The agent gateway of this process, started on the running loop the first time (then shared)."""
+        if self._gateway_lock is None:
+            self._gateway_lock = asyncio.Lock()
+        async with self._gateway_lock:
+            if self.gateway is None:
+                from slime_mt.gateway.server import Gateway  # only runs with agents load the server
+
+                self.gateway = await Gateway(self, self.gateway_config).start()
+        return self.gateway
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The run's event loop, on its own thread: the engine client's connections live on it, and
@@ -218,6 +232,9 @@ class RolloutContext:
         if self.compat is not None:
             self.compat.close()
         if self._loop is not None:
+            if self.gateway is not None:
+                self.run_sync(self.gateway.stop())
+                self.gateway = None
             self.run_sync(self.client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
