@@ -135,6 +135,9 @@ class Session:
     # ------------------------------------------------------------ rendering
 
     def _kept(self, messages: list[dict]) -> dict[int, list[int]]:
+        """Message index -> generated ids, for the assistant messages this session produced (an output
+        holding an image pad is never kept: the engine would read the pad as an image)."""
+        pad = getattr(self.ctx.processor, "image_token_id", None)
         kept = {}
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -142,7 +145,7 @@ class Session:
             key = (m.get("content") or "", _calls_key(m.get("tool_calls")))
             reasoning = m.get("reasoning_content")
             for p in reversed(self.produced):
-                if (p.content, p.tool_calls) != key:
+                if (p.content, p.tool_calls) != key or pad in p.ids:
                     continue
                 if reasoning == p.reasoning or (p.reasoning is None and not reasoning):
                     kept[i] = p.ids

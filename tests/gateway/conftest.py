@@ -67,7 +67,7 @@ class Harness:
         self.ctx.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scripted_engine(scripted_path):
     from slime_mt.engine.server import LocalEngine
 
@@ -76,8 +76,20 @@ def scripted_engine(scripted_path):
     engine.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def harness(scripted_path, scripted_engine):
     h = Harness(scripted_path, scripted_engine.url, ["--rollout-max-response-len", "64"])
     yield h
     h.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_harness(tiny_paths):
+    """The random tiny Qwen2 on an embedded engine (sampling with seeds), behind a gateway."""
+    from slime_mt.engine.server import LocalEngine
+
+    engine = LocalEngine(tiny_paths["qwen2"], max_batch_size=16).start()
+    h = Harness(tiny_paths["qwen2"], engine.url, ["--rollout-max-response-len", "64"])
+    yield h
+    h.stop()
+    engine.stop()
