@@ -160,7 +160,7 @@ def run_check_template(ns) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "megatron", "uvicorn"):  # one line per request / per layer otherwise
+    for noisy in ("httpx", "httpx2", "megatron", "uvicorn"):  # one line per request / per layer otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     user_errors = _user_errors()
     parser = build_cli()

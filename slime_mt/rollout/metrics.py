@@ -64,7 +64,22 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     for reason, count in collections.Counter(t.finish_reason for t in all_turns).items():
         out[f"rollout/finish_reason/{reason}"] = count
     out.update(env_info_metrics(all_turns))
+    out.update(agent_metrics(samples))
     return out
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Agents behind the gateway (``rollouts.agent``): ``gateway/<counter>`` summed over the step's
+    sessions (calls, kept_messages, rewritten_calls, tool_calls, malformed_tool_calls, ...) and
+    ``agent/<key>``, the mean of each number the agents returned beside their reward."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for sample in samples:
+        for key, value in (sample.metadata.get("gateway") or {}).items():
+            totals[f"gateway/{key}"] += value
+        for key, value in (sample.metadata.get("agent_metrics") or {}).items():
+            values[f"agent/{key}"].append(value)
+    return {**totals, **{key: statistics.fmean(v) for key, v in sorted(values.items())}}
 
 
 def env_info_metrics(turns) -> dict[str, float]:

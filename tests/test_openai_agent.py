@@ -1,0 +1,52 @@
+"""examples/openai_agent (an agent on the plain openai client, behind the gateway) trained for two steps
+with SmolLM2-135M-Instruct, as a function in the rollout process and as a separate program."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from train_helpers import TWO_SMALL_STEPS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def agent_data(tmp_path_factory):
+    data = tmp_path_factory.mktemp("agent_data")
+    subprocess.run([sys.executable, str(REPO / "examples/openai_agent/make_data.py"), str(data)], check=True, cwd=REPO)
+    return data / "train.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["function", "command"])
+def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, way):
+    run = tmp_path / "run"
+    extra = []
+    if way == "command":
+        extra = [
+            "--agent-function-path",
+            "",
+            "--agent-command",
+            f"{sys.executable} examples/openai_agent/command_agent.py",
+        ]
+    cmd = [
+        sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/openai_agent/config.yaml"),
+        "--hf-checkpoint", str(smollm2_path), "--prompt-data", str(agent_data), "--log-dir", str(run),
+        *TWO_SMALL_STEPS, *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert "rollout/status/failed" not in row, proc.stderr[-3000:]
+        calls = row["gateway/calls"]
+        assert calls == row["rollout/turns_mean"] * 4 and calls >= 4  # every call is a turn of its sample
+        assert row["train/sequences_before_merge"] == calls  # one step-wise sample per call
+        assert row["train/sequences_after_merge"] == 4  # the agent only appends: one sequence per session
+        assert row["gateway/kept_messages"] == calls - 4  # every answer went back as the model's own ids
+        assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "agent/good_tool_call" in row
+        assert row["train/loss"] == row["train/loss"]  # a number, not NaN
