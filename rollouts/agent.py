@@ -46,8 +46,8 @@ class AgentError(RuntimeError):
     """An agent that could not give a result; the message says what it did instead."""
 
 
-async def _expected_agent(base_url, sample, args):
-    """Contract of --agent-function-path."""
+def _expected_agent(base_url, sample, args):
+    """Contract of --agent-function-path (``async def``, or a plain ``def`` run in a thread)."""
 
 
 _agents: dict[str, object] = {}
@@ -122,9 +122,10 @@ async def _run_agent(ctx, base_url: str, sample: Sample, api_key: str | None):
     if cfg.agent_command:
         return await run_command(cfg.agent_command, base_url, api_key, sample)
     fn = _agent_function(cfg.agent_function_path)
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(base_url, sample, ctx.args)
-    return await asyncio.to_thread(fn, base_url, sample, ctx.args)
+    result = await asyncio.to_thread(fn, base_url, sample, ctx.args)
+    return await result if inspect.isawaitable(result) else result
 
 
 def _take_result(ctx, sample: Sample, result) -> None:
@@ -172,6 +173,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     if sample.status == Status.FAILED:
         return sample
     if not sample.turns:
+        sample.reward = None
         fail(sample, "agent made no model call", "the agent returned without calling the model; nothing to train on")
     elif session.termination is not None:
         sample.status, sample.metadata["termination"] = Status.TRUNCATED, session.termination
