@@ -188,8 +188,9 @@ class EngineConfig:
     sglang_router_policy: str = _opt(
         "cache_aware",
         "sglang-router policy in front of several launched engines; cache_aware sends the turns "
-        "of one trajectory to the worker holding its prefix.",
-        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        "of one trajectory to the worker holding its prefix; manual keeps every call of one trajectory "
+        "or agent-gateway session on one worker (by its routing key), whatever its history.",
+        choices=["cache_aware", "manual", "round_robin", "random", "power_of_two"],
     )
     engine_port: int | None = _opt(None, "First port for launched engines; none: free ports.")
     engine_max_batch_size: int = _opt(32, "Embedded engine: requests decoded together.")

@@ -78,6 +78,11 @@ CONTROL_CONNECTIONS = 32  # sockets counted per worker for control calls, which 
 DEFAULT_CONCURRENCY = 512  # /generate requests in flight per worker (slime's --sglang-server-concurrency)
 
 
+def _header_value(text: str) -> str:
+    """A routing name as a header value: printable ASCII only (others become ``_``)."""
+    return "".join(c if " " <= c <= "~" else "_" for c in text)
+
+
 def weight_group_joins(
     master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
 ) -> list[dict]:
@@ -168,8 +173,10 @@ class EngineClient:
         **extra: Any,
     ) -> dict:
         """POST /generate for one prompt -> SGLang's response dict (``text``, ``output_ids``, ``meta_info``).
-        ``route`` names the trajectory the request belongs to, for clients that pick the engine
-        themselves (vLLM's); behind sglang-router its policy decides (cache_aware follows the prefix)."""
+        ``route`` names the trajectory (or gateway session) the request belongs to: clients that pick
+        the engine themselves (vLLM's) keep it on one; behind sglang-router it is sent as
+        ``X-SMG-Routing-Key``, which the router's ``manual`` policy keeps on one worker (its other
+        policies ignore it; cache_aware follows the prefix)."""
         rid = rid or uuid.uuid4().hex
         body: dict[str, Any] = {"rid": rid, "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if input_ids is not None:
@@ -179,7 +186,8 @@ class EngineClient:
         if image_data:
             body["image_data"] = image_data
         body.update(extra)
-        return await self._generate(self.url + "/generate", body, [rid], timeout)
+        header = f"X-SMG-Routing-Key: {_header_value(route)}\r\n" if route else ""
+        return await self._generate(self.url + "/generate", body, [rid], timeout, header=header)
 
     async def generate_batch(
         self,
@@ -210,6 +218,7 @@ class EngineClient:
         rids: list[str],
         timeout: float | None,
         convert: Callable[[Any], Any] | None = None,
+        header: str = "",
     ) -> Any:
         """POST ``body`` to ``where`` through the pool and the update gate, with retries, within
         ``timeout`` (time spent waiting at a closed gate before the first attempt not counted) -> the
@@ -224,10 +233,10 @@ class EngineClient:
         async def send() -> Response:
             if self.gate is None:
                 async with self._slots:
-                    return await http.request("POST", where, payload)
+                    return await http.request("POST", where, payload, header)
             async with self.gate.sending(self._slots) as update_began:
                 try:
-                    return await http.request("POST", where, payload)
+                    return await http.request("POST", where, payload, header)
                 finally:
                     update["began"] = update_began()
 

@@ -261,10 +261,11 @@ class Pool:
         self._open.add(connection)
         return connection
 
-    async def request(self, method: str, path: str, body: bytes | None = None) -> Response:
+    async def request(self, method: str, path: str, body: bytes | None = None, header: str = "") -> Response:
+        """``header``: extra header lines, each ending with CRLF."""
         head = (
             f"{method} {path} HTTP/1.1\r\nHost: {self._host_header}\r\nUser-Agent: slime-mt\r\n"
-            f"Accept: application/json\r\nContent-Type: application/json\r\n"
+            f"Accept: application/json\r\nContent-Type: application/json\r\n{header}"
             f"Content-Length: {len(body) if body else 0}\r\n\r\n"
         ).encode("latin-1")
         data = head + body if body else head
@@ -313,9 +314,9 @@ class HTTPClient:
             target = self._paths[url] = (pool, path)
         return target
 
-    async def request(self, method: str, url: str, body: bytes | None = None) -> Response:
+    async def request(self, method: str, url: str, body: bytes | None = None, header: str = "") -> Response:
         pool, path = self._target(url)
-        return await pool.request(method, path, body)
+        return await pool.request(method, path, body, header)
 
     def close(self) -> None:
         for pool in self._pools.values():
