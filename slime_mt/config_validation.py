@@ -91,6 +91,33 @@ def _validate_vllm(cfg: Config) -> None:
         )
 
 
+AGENT_GENERATE = "rollouts.agent.generate"
+
+
+def _validate_gateway(cfg: Config) -> None:
+    """The agent flags belong to ``rollouts.agent.generate``, which needs exactly one of them."""
+    g, generate = cfg.gateway, cfg.rollout.custom_generate_function_path
+    given = [
+        flag
+        for flag, value in (("agent_function_path", g.agent_function_path), ("agent_command", g.agent_command))
+        if value
+    ]
+    if generate == AGENT_GENERATE:
+        _require(
+            len(given) == 1,
+            "custom_generate_function_path",
+            generate,
+            f"needs exactly one of --agent-function-path and --agent-command (given: {', '.join(given) or 'none'})",
+        )
+    elif given:
+        _require(False, given[0], getattr(g, given[0]), f"is run by --custom-generate-function-path {AGENT_GENERATE}")
+    _require(g.agent_timeout is None or g.agent_timeout > 0, "agent_timeout", g.agent_timeout, "must be > 0 seconds")
+    _require(
+        g.gateway_session_concurrency >= 1, "gateway_session_concurrency", g.gateway_session_concurrency, "must be >= 1"
+    )
+    _require(0 <= g.gateway_port < 65536, "gateway_port", g.gateway_port, "must be a port number (0: a free one)")
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the flag and value of the first impossible setting or combination."""
     r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
@@ -108,6 +135,7 @@ def validate(cfg: Config) -> None:
     for key in ("sglang_server_concurrency", "update_weight_buffer_size"):
         _require(getattr(cfg.engine, key) > 0, key, getattr(cfg.engine, key), "must be a positive integer")
     _validate_cluster(cfg)
+    _validate_gateway(cfg)
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):
