@@ -147,11 +147,15 @@ class ObservationEncoder:
         cut = eot_at if not model_ended_turn else eot_at + len(self.eot_text)
         return self._tokenize(full[cut:], image_parts(messages))
 
-    def encode_context(self, messages: list[dict], kept: dict[int, list[int]]) -> Encoded:
+    def encode_context(
+        self, messages: list[dict], kept: dict[int, list[int]], segment_cache: dict[str, list[int]] | None = None
+    ) -> Encoded:
         """``messages`` rendered with the generation prompt, where ``messages[i]`` for ``i`` in ``kept``
         (assistant messages) is ``kept[i]``, its generated ids, verbatim (the message's tool calls and
         reasoning are not rendered again: the ids hold them): those end the turn themselves
-        when they end with the end-of-turn token; otherwise the template's end-of-turn follows."""
+        when they end with the end-of-turn token; otherwise the template's end-of-turn follows.
+        ``segment_cache`` (text -> ids) keeps the tokenization of image-free text between kept
+        messages across calls of one conversation, where the same long prefix comes back every call."""
         # a kept message is its ids alone: its tool calls and reasoning are inside them, not rendered again
         marked = [{"role": m["role"], "content": _KEPT.format(i)} if i in kept else m for i, m in enumerate(messages)]
         text = self.render(marked, add_generation_prompt=True)
@@ -163,6 +167,11 @@ class ObservationEncoder:
         def add_text(segment: str) -> None:
             nonlocal used
             count = segment.count(image_text) if image_text else 0
+            if segment_cache is not None and not count:
+                if segment not in segment_cache:
+                    segment_cache[segment] = self._tokenize(segment, []).ids
+                pieces.append(Encoded(segment_cache[segment], [], {}, segment))
+                return
             pieces.append(self._tokenize(segment, images[used : used + count]))
             used += count
 

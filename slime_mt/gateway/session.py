@@ -128,6 +128,7 @@ class Session:
         self.closed = False
         self.termination: str | None = None  # set when a call was refused for the context budget
         self._record = asyncio.Lock()
+        self._segments: dict[str, list[int]] = {}  # text between kept messages -> its ids, reused by later calls
         sample.tokens, sample.response_length = [], 0  # the agent's calls define the prompt
         sample.loss_mask, sample.rollout_log_probs, sample.token_versions = [], [], []
         sample.turns, sample.weight_versions, sample.response = [], [], ""
@@ -163,7 +164,7 @@ class Session:
         shift = len(messages) - len(request.messages)  # a system message of tools put in front
         kept = {i + shift: ids for i, ids in self._kept(request.messages).items()}
         try:
-            encoded = encoder.encode_context(messages, kept)
+            encoded = encoder.encode_context(messages, kept, self._segments)
         except (EncodingError, ValueError, TypeError) as e:  # a template or processor that cannot render them
             raise bad("messages", f"the chat template cannot render them: {e}") from None
         pad = getattr(self.ctx.processor, "image_token_id", None)
