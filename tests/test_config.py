@@ -234,7 +234,10 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             ["--custom-generate-function-path", "rollouts.agent.generate"],
             r"needs exactly one of --agent-function-path and --agent-command \(given: none\)",
         ),
-        (["--agent-command", "python a.py"], r"--agent-command='python a.py': is run by --custom-generate-function-path"),
+        (
+            ["--agent-command", "python a.py"],
+            r"--agent-command='python a.py': is run by --custom-generate-function-path",
+        ),
         (["--agent-timeout", "0"], r"--agent-timeout=0.0: must be > 0 seconds"),
         (["--gateway-session-concurrency", "0"], r"--gateway-session-concurrency=0: must be >= 1"),
         (["--tool-call-parser", "xml"], r"invalid choice: 'xml'"),

@@ -21,7 +21,7 @@ def agent_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("way", ["function", "command"])
+@pytest.mark.parametrize("way", ["function", "command", "fully-async"])
 def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, way):
     run = tmp_path / "run"
     extra = []
@@ -50,3 +50,8 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
         assert row["gateway/kept_messages"] == calls - 4  # every answer went back as the model's own ids
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "agent/good_tool_call" in row
         assert row["train/loss"] == row["train/loss"]  # a number, not NaN
+    if way == "fully-async":
+        assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
+        trained = [g for r in rows for g in r["trained_groups"]]
+        assert len(trained) == len(set(trained)) == 2
+        assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
