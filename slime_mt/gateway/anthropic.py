@@ -20,12 +20,12 @@ from slime_mt.gateway.chat import (
     ChatRequest,
     Completion,
     bad,
-    boolean,
     content_pieces,
     image_ref,
     integer,
-    number,
-    stops,
+    sampling_fields,
+    text_only,
+    tool_call,
 )
 
 FIELDS = {
@@ -33,14 +33,6 @@ FIELDS = {
     "stop_sequences", "stream", "metadata", "thinking", "seed", "service_tier",
 }  # fmt: skip
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
-
-def _text_blocks(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise bad(where, "must be a string or a list of text blocks")
 
 
 def _image(block: dict, where: str, allow_paths: bool) -> str:
@@ -65,7 +57,7 @@ def _user(content, where: str, allow_paths: bool) -> tuple[list[dict], int]:
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}[{k}]"
         if kind == "tool_result":
-            text = _text_blocks(block.get("content", ""), f"{at}.content")
+            text = text_only(block.get("content", ""), f"{at}.content")
             tools.append({"role": "tool", "content": text, "tool_call_id": str(block.get("tool_use_id") or "")})
         elif kind == "text" and isinstance(block.get("text"), str):
             parts.append({"type": "text", "text": block["text"]})
@@ -99,13 +91,7 @@ def _assistant(content, where: str) -> dict:
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise bad(f"{at}.input", "must be an object")
-            calls.append(
-                {
-                    "id": str(block.get("id") or ""),
-                    "type": "function",
-                    "function": {"name": block["name"], "arguments": arguments},
-                }
-            )
+            calls.append(tool_call(block.get("id"), block["name"], arguments))
         else:
             raise bad(at, "an assistant message holds text, thinking and tool_use blocks")
     message["content"] = "".join(texts)
@@ -156,7 +142,7 @@ def parse_anthropic(body: dict, allow_paths: bool) -> ChatRequest:
     messages, images = [], 0
     system = body.get("system")
     if system is not None:
-        messages.append({"role": "system", "content": _text_blocks(system, "system")})
+        messages.append({"role": "system", "content": text_only(system, "system")})
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
@@ -176,14 +162,8 @@ def parse_anthropic(body: dict, allow_paths: bool) -> ChatRequest:
         messages=messages,
         tools=_tools(body.get("tools")),
         tool_choice=kind or "auto",
-        temperature=number(body, "temperature", 0.0, 2.0),
-        top_p=number(body, "top_p", 0.0, 1.0),
-        top_k=integer(body, "top_k", -1),
         max_tokens=max_tokens,
-        stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        seed=integer(body, "seed", -(2**63), 2**63 - 1),
-        stream=boolean(body, "stream"),
-        model=body.get("model") or "",
+        **sampling_fields(body, "stop_sequences"),
     )
 
 

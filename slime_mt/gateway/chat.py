@@ -168,6 +168,19 @@ def tool_schemas(value, key: str = "tools") -> list[dict] | None:
     return value or None
 
 
+def sampling_fields(body: dict, stop_key: str) -> dict:
+    """The ChatRequest fields both APIs spell alike (stop strings under ``stop_key``)."""
+    return {
+        "temperature": number(body, "temperature", 0.0, 2.0),
+        "top_p": number(body, "top_p", 0.0, 1.0),
+        "top_k": integer(body, "top_k", -1),
+        "stop": stops(body.get(stop_key), stop_key),
+        "seed": integer(body, "seed", -(2**63), 2**63 - 1),
+        "stream": boolean(body, "stream"),
+        "model": body.get("model") or "",
+    }
+
+
 # ---------------------------------------------------------------- OpenAI requests
 
 OPENAI_FIELDS = {
@@ -201,7 +214,8 @@ def _openai_content(content, where: str, allow_paths: bool) -> tuple[str | list[
     return parts, images
 
 
-def _text_only(content, where: str) -> str:
+def text_only(content, where: str) -> str:
+    """A string, or a list of text parts (the Anthropic API's text blocks too), as one string."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -225,14 +239,13 @@ def openai_tool_calls(value, where: str) -> list[dict]:
                 raise bad(f"{where}[{k}].function.arguments", "must be a JSON object encoded as a string") from None
         if not isinstance(arguments, dict):
             raise bad(f"{where}[{k}].function.arguments", "must encode a JSON object")
-        calls.append(
-            {
-                "id": str(call.get("id") or ""),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
-        )
+        calls.append(tool_call(call.get("id"), function["name"], arguments))
     return calls
+
+
+def tool_call(call_id, name: str, arguments: dict) -> dict:
+    """An assistant tool call as the chat template takes it (arguments an object)."""
+    return {"id": str(call_id or ""), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def openai_messages(value, allow_paths: bool) -> list[dict]:
@@ -256,7 +269,7 @@ def openai_messages(value, allow_paths: bool) -> list[dict]:
             out.append({"role": role, "content": content})
         elif role == "assistant":
             content = message.get("content")
-            text = "" if content is None else _text_only(content, f"{where}.content")
+            text = "" if content is None else text_only(content, f"{where}.content")
             entry: dict = {"role": "assistant", "content": text}
             if message.get("tool_calls"):
                 entry["tool_calls"] = openai_tool_calls(message["tool_calls"], f"{where}.tool_calls")
@@ -267,7 +280,7 @@ def openai_messages(value, allow_paths: bool) -> list[dict]:
                 entry["reasoning_content"] = reasoning
             out.append(entry)
         elif role == "tool":
-            content = _text_only(message.get("content", ""), f"{where}.content")
+            content = text_only(message.get("content", ""), f"{where}.content")
             out.append({"role": "tool", "content": content, "tool_call_id": str(message.get("tool_call_id") or "")})
         else:
             raise bad(
@@ -302,20 +315,14 @@ def parse_openai(body: dict, allow_paths: bool) -> ChatRequest:
         messages=openai_messages(body.get("messages"), allow_paths),
         tools=tool_schemas(body.get("tools")),
         tool_choice=choice or "auto",
-        temperature=number(body, "temperature", 0.0, 2.0),
-        top_p=number(body, "top_p", 0.0, 1.0),
-        top_k=integer(body, "top_k", -1),
         max_tokens=max_tokens,
-        stop=stops(body.get("stop"), "stop"),
-        seed=integer(body, "seed", -(2**63), 2**63 - 1),
         n=integer(body, "n", 1, MAX_CHOICES) or 1,
         logprobs=boolean(body, "logprobs"),
         return_token_ids=boolean(body, "return_token_ids"),
         skip_special_tokens=boolean(body, "skip_special_tokens", True),
-        stream=boolean(body, "stream"),
         include_usage=boolean(options or {}, "include_usage"),
         parallel_tool_calls=boolean(body, "parallel_tool_calls", True),
-        model=body.get("model") or "",
+        **sampling_fields(body, "stop"),
     )
 
 

@@ -1,6 +1,7 @@
 """Fixtures of the gateway tests: the scripted model on an embedded engine, and a rollout context
 with its gateway running on the context's loop (the test thread plays the harness)."""
 
+import contextlib
 import hashlib
 import sys
 from pathlib import Path
@@ -83,13 +84,22 @@ def harness(scripted_path, scripted_engine):
     h.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_harness(tiny_paths):
-    """The random tiny Qwen2 on an embedded engine (sampling with seeds), behind a gateway."""
+@contextlib.contextmanager
+def engine_harness(model_path: Path, flags: list[str], max_batch_size: int = 16):
+    """An embedded engine on ``model_path`` and a harness in front of it, for one module."""
     from slime_mt.engine.server import LocalEngine
 
-    engine = LocalEngine(tiny_paths["qwen2"], max_batch_size=16).start()
-    h = Harness(tiny_paths["qwen2"], engine.url, ["--rollout-max-response-len", "64"])
-    yield h
-    h.stop()
-    engine.stop()
+    engine = LocalEngine(model_path, max_batch_size=max_batch_size).start()
+    harness = Harness(model_path, engine.url, flags)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_harness(tiny_paths):
+    """The random tiny Qwen2 (sampling with seeds) behind a gateway."""
+    with engine_harness(tiny_paths["qwen2"], ["--rollout-max-response-len", "64"]) as harness:
+        yield harness

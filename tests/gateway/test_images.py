@@ -7,7 +7,7 @@ import io
 import openai
 import pytest
 import torch
-from conftest import Harness
+from conftest import engine_harness
 from PIL import Image
 
 from slime_mt.assets import IMAGE_PAD_ID
@@ -30,13 +30,8 @@ def _user(text: str, image: str | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def vl_harness(tiny_paths):
-    from slime_mt.engine.server import LocalEngine
-
-    engine = LocalEngine(tiny_paths["qwen2.5-vl"], max_batch_size=8).start()
-    h = Harness(tiny_paths["qwen2.5-vl"], engine.url, ["--rollout-max-response-len", "8"])
-    yield h
-    h.stop()
-    engine.stop()
+    with engine_harness(tiny_paths["qwen2.5-vl"], ["--rollout-max-response-len", "8"], max_batch_size=8) as harness:
+        yield harness
 
 
 def test_images_in_the_first_and_third_call(vl_harness, tiny_paths, monkeypatch):
