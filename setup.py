@@ -29,7 +29,16 @@ setup(
         "math-verify>=0.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "sglang-router>=0.2", "matplotlib", "ruff==0.17.6"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "pytest-timeout",
+            "sglang-router>=0.2",
+            "matplotlib",
+            "ruff==0.17.6",
+            "openai>=1.50",  # the agent gateway is tested through the real clients
+            "anthropic>=0.40",
+        ],
         "viz": ["matplotlib", "tensorboard"],
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
     },
