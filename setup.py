@@ -40,6 +40,7 @@ setup(
             "anthropic>=0.40",
         ],
         "viz": ["matplotlib", "tensorboard"],
+        "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
     },
     entry_points={"console_scripts": ["slime-mt=slime_mt.cli:main"]},
