@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Harness
+from gateway_helpers import Harness
 
 from rollouts.agent import generate, parse_result
 from slime_mt.types import Sample, Status

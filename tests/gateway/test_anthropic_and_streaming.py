@@ -4,7 +4,7 @@ import json
 
 import anthropic
 import openai
-from conftest import TOOLS
+from gateway_helpers import TOOLS
 
 ANTHROPIC_TOOLS = [
     {

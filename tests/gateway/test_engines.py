@@ -6,7 +6,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import Harness
+from gateway_helpers import Harness
 
 from slime_mt.rollout.finalize import finalize
 

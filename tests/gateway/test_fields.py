@@ -3,7 +3,7 @@ sampling, and the context budget."""
 
 import openai
 import pytest
-from conftest import ANS, TOOLS, WER
+from gateway_helpers import ANS, TOOLS, WER
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 

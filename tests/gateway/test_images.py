@@ -7,7 +7,7 @@ import io
 import openai
 import pytest
 import torch
-from conftest import engine_harness
+from gateway_helpers import engine_harness
 from PIL import Image
 
 from slime_mt.assets import IMAGE_PAD_ID

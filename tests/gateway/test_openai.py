@@ -5,7 +5,7 @@ import json
 
 import openai
 import pytest
-from conftest import ANS, ANSWER, TOOLS, WER
+from gateway_helpers import ANS, ANSWER, TOOLS, WER
 
 from slime_mt.rollout.finalize import finalize
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import TOOLS, Harness
+from gateway_helpers import TOOLS, Harness
 
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
