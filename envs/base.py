@@ -29,6 +29,11 @@ Contract of ``step``:
     URIs); ``format_observation`` turns it into one chat message or a list of them.
   * ``info`` may carry ``reward`` (used when no ``--custom-rm-path`` is given), any metrics (numbers,
     kept on the turn record), and ``retryable: True`` to ask for the step to be retried.
+  * an action that cannot be acted on (unparseable, an unknown tool) raises
+    ``InvalidActionError(feedback)`` or sets ``info["invalid_action"] = True``: the feedback is the
+    observation, the turn does not count toward ``--max-turns``, and past
+    ``--max-invalid-actions-per-turn`` such turns in a row the sample ends TRUNCATED
+    (``invalid_actions``). Invalid turns stay in the trajectory and are trained as generated.
   * a transient fault raises ``RetryableEnvError`` (or takes longer than ``--env-step-timeout``):
     the same step is retried up to ``--max-env-retries-per-turn`` times; past the budget, or on any
     other exception, the sample is FAILED with the error recorded and left out of training.
@@ -41,6 +46,14 @@ from typing import Any
 
 class RetryableEnvError(RuntimeError):
     """A transient environment fault (tool server busy, sandbox restart): retry the same step."""
+
+
+class InvalidActionError(ValueError):
+    """The model's output could not be acted on; ``feedback`` (text, or an observation dict) tells it why."""
+
+    def __init__(self, feedback: str | dict):
+        super().__init__(feedback if isinstance(feedback, str) else feedback.get("text", ""))
+        self.observation = {"text": feedback} if isinstance(feedback, str) else dict(feedback)
 
 
 class BaseInteractionEnv:

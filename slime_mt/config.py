@@ -151,6 +151,11 @@ class RolloutConfig:
         "tokens loss mask 0 (they stay as context) and train the rest.",
     )
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
+    max_invalid_actions_per_turn: int = _opt(
+        2,
+        "Turns in a row the env may reject as invalid actions (InvalidActionError, info['invalid_action']); "
+        "they do not count toward --max-turns; one more ends the sample TRUNCATED (invalid_actions).",
+    )
     max_failed_steps: int = _opt(
         1, "Stop the run after this many consecutive steps in which every sample failed (nothing to train)."
     )

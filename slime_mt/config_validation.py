@@ -165,6 +165,12 @@ def validate(cfg: Config) -> None:
         "process only (use 1 with --slime-compat)",
     )
     _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")
+    _require(
+        r.max_invalid_actions_per_turn >= 0,
+        "max_invalid_actions_per_turn",
+        r.max_invalid_actions_per_turn,
+        "must be >= 0",
+    )
     _require(r.max_failed_steps >= 1, "max_failed_steps", r.max_failed_steps, "must be >= 1")
     _require(
         r.env_step_timeout is None or r.env_step_timeout > 0,

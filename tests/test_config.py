@@ -239,6 +239,7 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             r"--agent-command='python a.py': is run by --custom-generate-function-path",
         ),
         (["--agent-timeout", "0"], r"--agent-timeout=0.0: must be > 0 seconds"),
+        (["--max-invalid-actions-per-turn", "-1"], r"--max-invalid-actions-per-turn=-1: must be >= 0"),
         (["--gateway-session-concurrency", "0"], r"--gateway-session-concurrency=0: must be >= 1"),
         (["--tool-call-parser", "xml"], r"invalid choice: 'xml'"),
         (["--engine", "vllm", "--weight-transport", "inprocess"], r"--weight-transport inprocess with --engine vllm"),

@@ -29,6 +29,7 @@ TRUNCATION_CAUSES = {
     "engine_length": "turn hit the length limit (--rollout-max-response-len, or what --rollout-max-context-len left)",
     "context_exhausted": "context full before the turn (--rollout-max-context-len)",
     "observation_cut": "observation cut to fit --rollout-max-context-len",
+    "invalid_actions": "the env rejected more actions in a row than --max-invalid-actions-per-turn allows",
 }
 
 

@@ -40,6 +40,8 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         "rollout/env_retries": sum(t.env_retries for t in all_turns),
         "rollout/env_failures": sum(1 for s in samples if s.status == Status.FAILED),
         "rollout/rewritten_context_turns": sum(t.context_ids is not None for t in all_turns),
+        "rollout/invalid_actions_per_turn": sum(s.metadata.get("invalid_actions", 0) for s in samples)
+        / max(len(all_turns), 1),
     }
     drifts = [s.metadata["retokenize_drift_tokens"] for s in samples if "retokenize_drift_tokens" in s.metadata]
     if drifts:

@@ -5,6 +5,8 @@ its output tokens are appended with their log-probs (loss mask 1); ``env.step(te
 observation is delta-encoded and appended (loss mask 0). Stops and resulting status:
 
   env done -> COMPLETED            max_turns reached -> COMPLETED (last output kept, no observation)
+  an invalid action (InvalidActionError, info["invalid_action"]): its feedback is the observation and
+  the turn does not count toward max_turns; more than --max-invalid-actions-per-turn in a row -> TRUNCATED
   engine "length" -> TRUNCATED     context budget exhausted, or an observation cut to fit -> TRUNCATED
   env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
   engine "abort": the call is made again (see ``generate_turn``); past the engine retry budget
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from envs.base import RetryableEnvError
+from envs.base import InvalidActionError, RetryableEnvError
 from slime_mt.engine.client import UPDATE_ABORT, EngineError, output_of
 from slime_mt.engine.http import within
 from slime_mt.engine.images import encode_image
@@ -98,6 +100,8 @@ async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, 
         except asyncio.TimeoutError:
             last = f"env step timed out after {timeout}s"
             continue
+        except InvalidActionError as e:  # the model's fault, not the env's: its feedback answers the turn
+            return e.observation, False, {"invalid_action": True}, attempt
         except Exception as e:
             raise EnvStepFailed(
                 f"env step raised {type(e).__name__}: {e}", attempt, f"env step raised {type(e).__name__}"
@@ -449,8 +453,13 @@ async def generate_turn(
 
 
 async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict, r, policy) -> None:
+    """Turns until a stop; a turn the env rejected as an invalid action does not count toward
+    ``max_turns`` (at most ``max_invalid_actions_per_turn`` of them in a row)."""
     sample = traj.sample
-    for turn_index in range(r.max_turns):
+    counted = invalid_in_a_row = 0
+    for turn_index in itertools.count():  # every engine call (its seed); ``counted``: the valid turns
+        if counted >= r.max_turns:
+            return
         engine_ids, image_data, context_ids, image_indices = await traj.context(policy, r.retokenize_chat_history)
         room = r.rollout_max_context_len - (len(sample.tokens) if context_ids is None else len(context_ids))
         if room <= 0:
@@ -484,7 +493,6 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         if finish["type"] == "length":
             sample.status, sample.metadata["termination"] = Status.TRUNCATED, "engine_length"
             return
-        last_turn = turn_index == r.max_turns - 1
         if env is None:
             sample.status, sample.metadata["termination"] = Status.COMPLETED, "no_env"
             return
@@ -494,6 +502,14 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
         if "reward" in info:
             sample.metadata["env_reward"] = info["reward"]
+        invalid = bool(info.get("invalid_action"))
+        invalid_in_a_row = invalid_in_a_row + 1 if invalid else 0
+        counted += not invalid
+        sample.metadata["invalid_actions"] = sample.metadata.get("invalid_actions", 0) + invalid
+        if invalid and invalid_in_a_row > r.max_invalid_actions_per_turn and not done:
+            sample.status, sample.metadata["termination"] = Status.TRUNCATED, "invalid_actions"
+            return
+        last_turn = counted >= r.max_turns
         if done or last_turn:
             sample.status = Status.COMPLETED
             sample.metadata["termination"] = "env_done" if done else "max_turns"

@@ -8,20 +8,25 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 
 from gateway_helpers import ANS, SCRIPT_TEXT, WER, Harness, engine_harness  # noqa: E402
-from scripted import build, segment  # noqa: E402
+from rollout_helpers import chain_model  # noqa: E402
+from scripted import segment  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def scripted_path(qwen_tokenizer):
+def scripted_path(qwen_tokenizer, tiny_paths):
+    """The tiny Qwen2 made a chain model: after the generation prompt it writes SCRIPT_TEXT, then eot."""
     from slime_mt.assets.cache import cached_dir
 
     start = qwen_tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"][-1]
     eot = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    script = [*segment(qwen_tokenizer, SCRIPT_TEXT, {start, eot}, {" answer": [ANS, WER]}), eot]
-    tag = hashlib.sha256(repr(script).encode()).hexdigest()[:12]
-    return cached_dir(f"scripted-qwen2-{tag}", lambda out: build(out, qwen_tokenizer, script))
+    chain = [start, *segment(qwen_tokenizer, SCRIPT_TEXT, {start, eot}, {" answer": [ANS, WER]}), eot]
+    tag = hashlib.sha256(repr(chain).encode()).hexdigest()[:12]
+    tiny = tiny_paths["qwen2"]
+    transitions = {a: [b] for a, b in zip(chain, chain[1:])}
+    return cached_dir(f"scripted-qwen2-{tag}", lambda out: chain_model(tiny, out, tiny, transitions))
 
 
 @pytest.fixture(scope="session")
