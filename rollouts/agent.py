@@ -50,15 +50,6 @@ def _expected_agent(base_url, sample, args):
     """Contract of --agent-function-path (``async def``, or a plain ``def`` run in a thread)."""
 
 
-_agents: dict[str, object] = {}
-
-
-def _agent_function(path: str):
-    if path not in _agents:
-        _agents[path] = load_function(path, _expected_agent, "--agent-function-path")
-    return _agents[path]
-
-
 def sample_json(sample: Sample) -> dict:
     """What an ``--agent-command`` reads on stdin."""
     return {
@@ -121,7 +112,7 @@ async def _run_agent(ctx, base_url: str, sample: Sample, api_key: str | None):
     cfg = ctx.gateway_config
     if cfg.agent_command:
         return await run_command(cfg.agent_command, base_url, api_key, sample)
-    fn = _agent_function(cfg.agent_function_path)
+    fn = load_function(cfg.agent_function_path, _expected_agent, "--agent-function-path")  # modules load once
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(base_url, sample, ctx.args)
     result = await asyncio.to_thread(fn, base_url, sample, ctx.args)

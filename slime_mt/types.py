@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -127,6 +128,20 @@ class Sample:
         self.rollout_log_probs.extend(float(x) for x in log_probs)
         self.response_length += len(ids)
         self.response += text
+
+    def append_model_runs(self, ids: list[int], log_probs: list[float], versions: list[int], text: str = "") -> None:
+        """Append generated tokens whose weight version may change along them (``versions``: one per
+        token, as a turn resumed across an update holds): one append per run of one version, the text
+        with the last."""
+        if len(versions) != len(ids):
+            raise SampleError(f"sample {self.index}: {len(ids)} generated tokens but {len(versions)} versions")
+        start = 0
+        for version, run in itertools.groupby(versions):
+            end = start + len(list(run))
+            self.append_model_tokens(ids[start:end], log_probs[start:end], text if end == len(ids) else "", version)
+            start = end
+        if not ids:
+            self.append_model_tokens([], [], text)
 
     def append_observation_tokens(self, ids: list[int], text: str = "") -> None:
         """Append tokens the framework encoded (env observation, template glue): mask 0, log-prob 0.0."""

@@ -218,31 +218,34 @@ class Gateway:
         finally:
             session.in_flight.discard(task)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def _serve(self, request: Request, parse, error) -> tuple | Response:
+        """A call through one API -> (its request, the completion), or the error answer in that API's
+        format (a bug answers 500 and the gateway goes on)."""
         try:
             session = self._session(request)
-            chat = parse_openai(await self._body(request), self.loopback)
-            completion = await self._complete(session, chat)
+            chat = parse(await self._body(request), self.loopback)
+            return chat, await self._complete(session, chat)
         except GatewayError as e:
-            return _openai_error(e)
-        except Exception as e:  # a bug must not take the gateway down with it
-            logger.exception("gateway chat completion failed")
-            return _openai_error(GatewayError(500, f"the gateway failed: {type(e).__name__}: {e}", "api_error"))
+            return error(e)
+        except Exception as e:
+            logger.exception("gateway %s failed", request.url.path)
+            return error(GatewayError(500, f"the gateway failed: {type(e).__name__}: {e}", "api_error"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        served = await self._serve(request, parse_openai, _openai_error)
+        if isinstance(served, Response):
+            return served
+        chat, completion = served
         if not chat.stream:
             return _json(openai_response(completion, chat))
         lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in openai_chunks(completion, chat)]
         return _stream([*lines, b"data: [DONE]\n\n"])
 
     async def messages(self, request: Request) -> Response:
-        try:
-            session = self._session(request)
-            chat = parse_anthropic(await self._body(request), self.loopback)
-            completion = await self._complete(session, chat)
-        except GatewayError as e:
-            return _anthropic_error(e)
-        except Exception as e:
-            logger.exception("gateway messages call failed")
-            return _anthropic_error(GatewayError(500, f"the gateway failed: {type(e).__name__}: {e}", "api_error"))
+        served = await self._serve(request, parse_anthropic, _anthropic_error)
+        if isinstance(served, Response):
+            return served
+        chat, completion = served
         if not chat.stream:
             return _json(anthropic_response(completion))
         events = [

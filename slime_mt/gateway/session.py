@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import json
 import secrets
 import time
@@ -36,7 +35,8 @@ from slime_mt.gateway.chat import ChatRequest, Choice, Completion, GatewayError,
 from slime_mt.gateway.parsers import ParsedOutput, parse_output
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.multi_turn import _version_name, generate_turn, turn_seed
+from slime_mt.rollout.finalize import image_rows
+from slime_mt.rollout.multi_turn import generate_turn, turn_seed, version_name
 from slime_mt.tokenization import EncodingError
 from slime_mt.types import Sample, Turn
 
@@ -191,8 +191,6 @@ class Session:
             ):
                 if value is not None:
                     params[key] = value
-        if params.get("temperature", 1.0) == 0.0:
-            params["temperature"] = 0.0
         limit = request.max_tokens or r.rollout_max_response_len
         params["max_new_tokens"] = min(limit, r.rollout_max_response_len, room)
         params["stop"] = list(request.stop) or params.get("stop") or []
@@ -264,7 +262,7 @@ class Session:
                 "top_k": params.get("top_k"),
                 "seed": seed,
             },
-            weight_version=_version_name(self.ctx, meta.get("weight_version")),
+            weight_version=version_name(self.ctx, meta.get("weight_version")),
             cached_tokens=int(meta.get("cached_tokens") or 0),
         )
 
@@ -319,11 +317,7 @@ class Session:
                 indices.append(len(known) + len(new))
                 new.append(k)
         if new:
-            grid = rendered.tensors["image_grid_thw"]  # [N, 3]
-            starts = list(itertools.accumulate([0, *grid.prod(dim=-1).tolist()]))
-            for k in new:
-                rows = rendered.tensors["pixel_values"][starts[k] : starts[k + 1]]
-                self.buffer.append({"pixel_values": rows, "image_grid_thw": grid[k : k + 1]}, [rendered.images[k]])
+            self.buffer.append(image_rows(rendered.tensors, new), [rendered.images[k] for k in new])
         return indices
 
     def _extends(self, rendered: Rendered) -> bool:
@@ -353,17 +347,13 @@ class Session:
         if append_only:
             self.token_images = list(indices)
         start = len(sample.tokens)
-        run_start = 0
-        for version, run in itertools.groupby(versions):
-            end = run_start + len(list(run))
-            sample.append_model_tokens(ids[run_start:end], logprobs[run_start:end], "", version)
-            run_start = end
+        sample.append_model_runs(ids, logprobs, versions)
         turn = Turn(
             output_start=start,
             output_end=len(sample.tokens),
             observation_end=len(sample.tokens),
             finish_reason=meta["finish_reason"]["type"],
-            weight_version=_version_name(self.ctx, meta.get("weight_version")),
+            weight_version=version_name(self.ctx, meta.get("weight_version")),
             engine_seconds=engine_seconds,
             num_images=len(indices),
             context_ids=None if append_only else list(rendered.ids),

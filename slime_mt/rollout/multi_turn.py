@@ -155,15 +155,7 @@ class Trajectory:
         self.image_refs.extend(image_parts(messages or []))
 
     def add_output(self, ids: list[int], logprobs: list[float], text: str, versions: list[int]) -> None:
-        start = 0
-        for version, run in itertools.groupby(versions):  # one append per run of one version
-            end = start + len(list(run))
-            self.sample.append_model_tokens(
-                ids[start:end], logprobs[start:end], text if end == len(ids) else "", version
-            )
-            start = end
-        if not ids:
-            self.sample.append_model_tokens([], [], text)
+        self.sample.append_model_runs(ids, logprobs, versions, text)
         self.engine_ids.extend(ids)
         if self.encoder is not None:
             body = ids[:-1] if ids and ids[-1] == self.encoder.eot_id else ids
@@ -361,7 +353,7 @@ def resumed_output(
     return long, stop_in(long)
 
 
-def _version_name(ctx: RolloutContext, engine_version):
+def version_name(ctx: RolloutContext, engine_version):
     """The version a turn records: the engine's name, ``"default"`` read as the run's starting version."""
     return str(ctx.start_version) if engine_version == "default" else engine_version
 
@@ -483,7 +475,7 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             output_end=len(sample.tokens),
             observation_end=len(sample.tokens),
             finish_reason=finish["type"],
-            weight_version=_version_name(ctx, meta.get("weight_version")),
+            weight_version=version_name(ctx, meta.get("weight_version")),
             engine_seconds=engine_seconds,
             num_images=traj.buffer.num_images,
             context_ids=context_ids,
