@@ -51,6 +51,29 @@ def tiny_paths():
     return {kind: tiny_model_dir(kind) for kind in TINY_KINDS}
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.module.__dict__["_slime_mt_failed"] = True
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_tmp_cleanup(request, tmp_path_factory):
+    """Removes the folders a module's fixtures made with ``tmp_path_factory`` once the module
+    ends, unless one of its tests failed (pytest removes only a test's own ``tmp_path``)."""
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.module.__dict__.get("_slime_mt_failed"):
+        return
+    for path in set(base.iterdir()) - before:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests run only where CUDA is available."""
     if torch.cuda.is_available():
