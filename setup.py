@@ -38,7 +38,9 @@ setup(
             "ruff==0.17.6",
             "openai>=1.50",  # the agent gateway is tested through the real clients
             "anthropic>=0.40",
+            "bm25s>=0.2",  # envs.search
         ],
+        "envs": ["bm25s>=0.2"],  # the built-in environments' own needs (envs.search)
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],

@@ -66,7 +66,7 @@ def calibrate(module, seconds: float) -> int:
 
 async def trajectories(ctx, open_env, count: int, steps: int, label: str) -> float:
     """``count`` trajectories at once -> seconds for all."""
-    from slime_mt.rollout.multi_turn import call_env, step_with_retries
+    from slime_mt.rollout.env_steps import call_env, step_with_retries
     from slime_mt.types import Sample
 
     async def one(i: int) -> None:
@@ -83,7 +83,7 @@ async def trajectories(ctx, open_env, count: int, steps: int, label: str) -> flo
 
 async def step_latency(ctx, open_env, calls: int) -> float:
     """Median seconds of one ``step`` of an environment that does nothing."""
-    from slime_mt.rollout.multi_turn import step_with_retries
+    from slime_mt.rollout.env_steps import step_with_retries
     from slime_mt.types import Sample
 
     env = await open_env(Sample(index=0, prompt="p", label="0"))

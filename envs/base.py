@@ -27,16 +27,26 @@ Contract of ``step``:
   * returns ``(observation: dict, done: bool, info: dict)``; may be ``async def``.
   * ``observation`` holds ``text`` and optionally ``images`` (PIL images, file paths, base64 or data
     URIs); ``format_observation`` turns it into one chat message or a list of them.
-  * ``info`` may carry ``reward`` (used when no ``--custom-rm-path`` is given), any metrics (numbers,
-    kept on the turn record), and ``retryable: True`` to ask for the step to be retried.
+  * ``info`` may carry ``reward``: kept on the turn (``Turn.reward``, which reward functions read);
+    the last one reported is the trajectory's reward when no ``--custom-rm-path`` is given (a reward
+    function may combine the turns', e.g. ``slime_mt.rollout.rewards.turn_rewards_sum``). Any other
+    numbers are metrics, kept on the turn record; ``retryable: True`` asks for the step to be retried.
   * an action that cannot be acted on (unparseable, an unknown tool) raises
     ``InvalidActionError(feedback)`` or sets ``info["invalid_action"] = True``: the feedback is the
     observation, the turn does not count toward ``--max-turns``, and past
     ``--max-invalid-actions-per-turn`` such turns in a row the sample ends TRUNCATED
     (``invalid_actions``). Invalid turns stay in the trajectory and are trained as generated.
   * a transient fault raises ``RetryableEnvError`` (or takes longer than ``--env-step-timeout``):
-    the same step is retried up to ``--max-env-retries-per-turn`` times; past the budget, or on any
-    other exception, the sample is FAILED with the error recorded and left out of training.
+    the same step is retried up to ``--max-env-retries-per-turn`` times;
+  * a fault that loses the env's state (a sandbox or server restarted) raises
+    ``RecoverableEnvError``: the env is ``reset()`` and the episode's actions so far are replayed
+    (``replayable = False``, or a replay that answers otherwise than before: the episode restarts from
+    its prompt), within ``--max-env-resets`` per sample; a failing ``reset()`` is retried the same way;
+  * past a budget, or on any other exception, the sample is FAILED with its cause recorded and left
+    out of training and of its group's statistics (never scored as a 0).
+
+An env may declare ``tools`` (OpenAI function schemas) for its sample: they go into the chat template
+of the prompt, in place of the row's ``tools``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,10 @@ from typing import Any
 
 class RetryableEnvError(RuntimeError):
     """A transient environment fault (tool server busy, sandbox restart): retry the same step."""
+
+
+class RecoverableEnvError(RuntimeError):
+    """The env lost its state (its sandbox, server or simulator restarted): reset it and replay."""
 
 
 class InvalidActionError(ValueError):
@@ -61,6 +75,10 @@ class BaseInteractionEnv:
 
     #: role of observation messages; "tool" renders as <tool_response> in Qwen templates.
     observation_role: str = "user"
+    #: OpenAI function schemas for the prompt's chat template (None: the row's ``tools``, if any).
+    tools: list[dict] | None = None
+    #: whether ``reset()`` then the same actions bring the env back to the same state (see above).
+    replayable: bool = True
 
     def reset(self) -> None:
         """Prepare a fresh episode (called once before the first turn)."""

@@ -65,6 +65,17 @@ class RolloutConfig:
         "f1, gpqa, random, remote_rm, each also as boxed_<name>; a row's metadata['rm_type'] overrides it.",
     )
     rm_url: str | None = _opt(None, "--rm-type remote_rm: the URL that grades {prompt, response, label}.")
+    overlong_buffer_len: int = _opt(
+        0,
+        "DAPO's soft over-long punishment: a sample whose generated tokens L exceed Lmax - this buffer gets "
+        "min(-(L - (Lmax - buffer)) / buffer * factor, 0), at least -factor, added to its reward (0: off).",
+    )
+    overlong_penalty_factor: float = _opt(1.0, "The largest over-long penalty (--overlong-buffer-len).")
+    overlong_max_len: int | None = _opt(
+        None,
+        "Lmax of the over-long penalty, in generated tokens of the whole trajectory (default: "
+        "--rollout-max-response-len; set it for multi-turn episodes).",
+    )
     slime_compat: bool = _opt(
         False,
         "Run plug-ins written against slime's API: 'import slime...' resolves to slime_mt.compat, samples "
@@ -155,6 +166,11 @@ class RolloutConfig:
         2,
         "Turns in a row the env may reject as invalid actions (InvalidActionError, info['invalid_action']); "
         "they do not count toward --max-turns; one more ends the sample TRUNCATED (invalid_actions).",
+    )
+    max_env_resets: int = _opt(
+        2,
+        "Resets of the env per sample after RecoverableEnvError or a failing reset() (each replays the episode's "
+        "actions); one more fails the sample.",
     )
     max_failed_steps: int = _opt(
         1, "Stop the run after this many consecutive steps in which every sample failed (nothing to train)."

@@ -69,6 +69,7 @@ class Turn:
     num_images: int = 0
     context_ids: list[int] | None = None
     image_indices: list[int] | None = None  # images of a rewritten context (default: the first num_images)
+    reward: float | None = None  # the env's info["reward"] for this turn, when it gave one
 
     @property
     def context_end(self) -> int:
@@ -108,6 +109,21 @@ class Sample:
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the model generated: its turns' outputs, or the loss mask of a sample a generate
+        function built without ``Turn`` records."""
+        if self.turns or not self.loss_mask:
+            return sum(t.output_tokens for t in self.turns)
+        return sum(self.loss_mask)
+
+    def clear_response(self) -> None:
+        """Drop every response token and turn record: the trajectory starts again from its prompt."""
+        del self.tokens[self.prompt_length :]
+        self.response, self.response_length = "", 0
+        self.loss_mask, self.turns, self.weight_versions = [], [], []
+        self.rollout_log_probs, self.token_versions = [], []
 
     def set_prompt_tokens(self, ids: list[int]) -> None:
         """Start the trajectory from its encoded prompt; only allowed before any response token."""

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from slime_mt.config import RolloutConfig
+from slime_mt.rollout.env_steps import EnvStepFailed, step_with_retries
 from slime_mt.rollout.env_workers import EnvWorkerPool
-from slime_mt.rollout.multi_turn import EnvStepFailed, step_with_retries
 from slime_mt.types import Sample
 
 ENVS = '''

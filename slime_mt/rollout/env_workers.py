@@ -80,10 +80,11 @@ class EnvWorker:
         except KeyError:
             raise EpisodeLost(f"worker {self.incarnation[:8]} holds no environment for episode {key}") from None
 
-    async def build(self, key: str, sample) -> str:
-        """Build the episode's environment -> this worker's incarnation (new after every restart)."""
-        self.envs[key] = await self._call(self.module.build_env, sample=sample, args=self.args)
-        return self.incarnation
+    async def build(self, key: str, sample) -> tuple[str, list | None, bool]:
+        """Build the episode's environment -> (this worker's incarnation, new after every restart; the
+        env's ``tools``; whether it is ``replayable``)."""
+        env = self.envs[key] = await self._call(self.module.build_env, sample=sample, args=self.args)
+        return self.incarnation, getattr(env, "tools", None), getattr(env, "replayable", True)
 
     async def reset(self, key: str) -> None:
         await self._call(self._env(key).reset)
@@ -201,6 +202,8 @@ class RemoteEnv:
         self.index = pool.assign()  # never None: no worker is excluded
         self.key = uuid.uuid4().hex
         self.history: list[tuple[str, Any]] = []  # (text, observation text) of every step that answered
+        self.tools: list | None = None  # the environment's, as its build reported them
+        self.replayable = True
         self.was_reset = False
         self.lost = False
         self.closed = False
@@ -225,7 +228,8 @@ class RemoteEnv:
 
     async def build(self) -> None:
         self.lost = True  # until the build answers
-        self.pool.saw(self.index, await self._remote("build", self.sample_ref))
+        incarnation, self.tools, self.replayable = await self._remote("build", self.sample_ref)
+        self.pool.saw(self.index, incarnation)
         self.lost = False
 
     async def _restore(self) -> None:
@@ -248,8 +252,10 @@ class RemoteEnv:
             await self._restore()
 
     async def reset(self) -> None:
+        """Reset the environment: the episode's steps begin again (a restore replays those after it)."""
         await self.retrying(self._reset_once)
         self.was_reset = True
+        self.history = []
 
     async def _reset_once(self) -> None:
         await self._ensure()

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
-from slime_mt.rollout.rewards import rule_based_rm
+from slime_mt.rollout.rewards import overlong_penalty, rule_based_rm
 from slime_mt.types import Sample, Status
 
 MAX_OVERSAMPLING_ROUNDS = 16
@@ -145,7 +145,7 @@ async def run_group(
             if ctx.compat is not None:
                 ctx.compat.adopt(s)
             settle_status(s)
-            await _assign_reward(ctx, s, rm)
+            await _assign_reward(ctx, s, rm, shape=not evaluation)
         if bar is not None:
             bar.update(1)
         return results
@@ -186,10 +186,11 @@ def settle_status(sample: Sample) -> None:
         sample.status = Status.COMPLETED
 
 
-async def _assign_reward(ctx, sample: Sample, rm) -> None:
+async def _assign_reward(ctx, sample: Sample, rm, shape: bool = True) -> None:
     """The reward function's value; without one, the reward the generate function set, else the env's
     ``info["reward"]``, else 0 (``--slime-compat``: slime's order, a reward already set is kept and the
-    reward function runs only without one). FAILED samples get 0."""
+    reward function runs only without one). FAILED samples get 0. ``shape`` (training, not evaluation):
+    add the over-long penalty (``--overlong-buffer-len``), kept in ``metadata["overlong_penalty"]``."""
     if sample.status == Status.FAILED:
         sample.reward = 0.0
         return
@@ -207,6 +208,14 @@ async def _assign_reward(ctx, sample: Sample, rm) -> None:
             sample.metadata["reward_dict"] = value
             value = value[key]
         sample.reward = float(value)
+        r = ctx.rollout
+        if shape and r.overlong_buffer_len:
+            max_len = r.overlong_max_len if r.overlong_max_len is not None else r.rollout_max_response_len
+            penalty = overlong_penalty(
+                sample.generated_tokens, max_len, r.overlong_buffer_len, r.overlong_penalty_factor
+            )
+            sample.metadata["overlong_penalty"] = penalty
+            sample.reward += penalty
     except RolloutError:
         raise
     except Exception as e:

@@ -20,7 +20,7 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     live = [s for s in samples if s.status != Status.FAILED]
     rewards = [float(s.reward or 0.0) for s in live]
     turns = [len(s.turns) for s in samples]
-    generated = sum(_generated_tokens(s) for s in samples)
+    generated = sum(s.generated_tokens for s in samples)
     observed = sum(t.observation_tokens for s in samples for t in s.turns)
     all_turns = [t for s in samples for t in s.turns]
     out: dict[str, float] = {
@@ -56,6 +56,7 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         out["rollout/samples_with_rebuilt_turns"] = rebuilt
     for n, count in sorted(collections.Counter(turns).items()):
         out[f"rollout/turns_hist/{n}"] = count
+    out.update(env_fault_metrics(samples))
     without_turns = sum(1 for s in samples if s.response_length and not s.turns)
     if without_turns:
         out["rollout/samples_without_turns"] = without_turns
@@ -67,6 +68,31 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         out[f"rollout/finish_reason/{reason}"] = count
     out.update(env_info_metrics(all_turns))
     out.update(agent_metrics(samples))
+    return out
+
+
+def env_fault_metrics(samples: list[Sample]) -> dict[str, float]:
+    """The env's turn control and faults: ``rollout/valid_turns_mean`` and ``valid_turns_hist/<n>``
+    (the turns that count toward --max-turns: invalid actions aside), ``env_resets`` and
+    ``env_resets_by/<exception>``, ``env_retries_by/<exception>``, ``episode_restarts``, and the mean
+    over-long penalty where one was applied."""
+    valid = [len(s.turns) - s.metadata.get("invalid_actions", 0) for s in samples]
+    out: dict[str, float] = {
+        "rollout/valid_turns_mean": statistics.fmean(valid),
+        "rollout/env_resets": sum(s.metadata.get("env_resets", 0) for s in samples),
+        "rollout/episode_restarts": sum(s.metadata.get("episode_restarts", 0) for s in samples),
+    }
+    for n, count in sorted(collections.Counter(valid).items()):
+        out[f"rollout/valid_turns_hist/{n}"] = count
+    for key, name in (("env_reset_causes", "env_resets_by"), ("env_retry_causes", "env_retries_by")):
+        causes: collections.Counter = collections.Counter()
+        for s in samples:
+            causes.update(s.metadata.get(key) or {})
+        out.update({f"rollout/{name}/{cause}": n for cause, n in sorted(causes.items())})
+    penalties = [s.metadata["overlong_penalty"] for s in samples if "overlong_penalty" in s.metadata]
+    if penalties:
+        out["rollout/overlong_penalty_mean"] = statistics.fmean(penalties)
+        out["rollout/overlong_penalized"] = sum(p < 0 for p in penalties)
     return out
 
 
@@ -93,14 +119,6 @@ def env_info_metrics(turns) -> dict[str, float]:
             if key != "retryable" and isinstance(value, (int, float)) and value == value:  # not NaN
                 values[key].append(float(value))
     return {f"env/{key}": statistics.fmean(v) for key, v in sorted(values.items())}
-
-
-def _generated_tokens(sample: Sample) -> int:
-    """Model tokens: the turns' outputs, or the loss mask of a sample a generate function built
-    without ``Turn`` records."""
-    if sample.turns or not sample.loss_mask:
-        return sum(t.output_tokens for t in sample.turns)
-    return sum(sample.loss_mask)
 
 
 def _termination(sample: Sample) -> str:

@@ -9,6 +9,8 @@ observation is delta-encoded and appended (loss mask 0). Stops and resulting sta
   the turn does not count toward max_turns; more than --max-invalid-actions-per-turn in a row -> TRUNCATED
   engine "length" -> TRUNCATED     context budget exhausted, or an observation cut to fit -> TRUNCATED
   env fault beyond the retry budget, any other env exception, engine failure -> FAILED (error kept)
+  RecoverableEnvError: reset and replay, or the episode restarts from its prompt (``env_steps.py``);
+  past --max-env-resets -> FAILED
   engine "abort": the call is made again (see ``generate_turn``); past the engine retry budget
   (aborts no weight update caused) -> FAILED, never trained as if the model had ended the turn
 
@@ -36,23 +38,19 @@ and what is left. The env is always closed.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import itertools
 import logging
 import time
-from typing import Any
 
 import torch
 
-from envs.base import InvalidActionError, RetryableEnvError
 from slime_mt.engine.client import UPDATE_ABORT, EngineError, output_of
-from slime_mt.engine.http import within
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
+from slime_mt.rollout.env_steps import EnvStepFailed, EpisodeEnv, EpisodeRestart, call_env
 from slime_mt.rollout.failures import fail
 from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
@@ -65,68 +63,6 @@ def turn_seed(run_seed: int, rollout_id: int, sample_index: int, turn_index: int
     """A stable 31-bit sampling seed for one engine call."""
     value = (run_seed * 1_000_003 + rollout_id) * 1_000_033 + sample_index
     return (value * 1_009 + turn_index) % (2**31 - 1)
-
-
-class EnvStepFailed(RuntimeError):
-    """The env failed past its retry budget (or with a non-retryable error); ``cause`` groups like
-    failures in the step's report."""
-
-    def __init__(self, message: str, retries: int, cause: str):
-        super().__init__(message)
-        self.retries = retries
-        self.cause = cause
-
-
-async def call_env(ctx: RolloutContext, fn, *args) -> Any:
-    """Call a sync or async env method; sync ones run on the env thread pool, off the event loop."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    result = await asyncio.get_running_loop().run_in_executor(ctx.env_executor, fn, *args)
-    return await result if inspect.isawaitable(result) else result
-
-
-async def step_with_retries(ctx: RolloutContext, env, text: str) -> tuple[dict, bool, dict, int]:
-    """``env.step(text)`` retried on RetryableEnvError, timeouts and ``info["retryable"]``
-    -> (observation, done, info, retries). Raises EnvStepFailed past the budget or on other errors."""
-    budget = ctx.rollout.max_env_retries_per_turn
-    timeout = ctx.rollout.env_step_timeout
-    last = ""
-    for attempt in range(budget + 1):
-        try:
-            result = await within(call_env(ctx, env.step, text), timeout)
-        except RetryableEnvError as e:
-            last = f"RetryableEnvError: {e}"
-            continue
-        except asyncio.TimeoutError:
-            last = f"env step timed out after {timeout}s"
-            continue
-        except InvalidActionError as e:  # the model's fault, not the env's: its feedback answers the turn
-            return e.observation, False, {"invalid_action": True}, attempt
-        except Exception as e:
-            raise EnvStepFailed(
-                f"env step raised {type(e).__name__}: {e}", attempt, f"env step raised {type(e).__name__}"
-            ) from e
-        if not (
-            isinstance(result, tuple)
-            and len(result) == 3
-            and isinstance(result[0], dict)
-            and isinstance(result[2], dict)
-        ):
-            raise EnvStepFailed(
-                f"env step must return (observation: dict, done: bool, info: dict), got {result!r:.200}",
-                attempt,
-                "bad env return",
-            )
-        observation, done, info = result
-        if info.get("retryable"):
-            last = f"env marked the step retryable: {info.get('error', info)}"
-            continue
-        return observation, bool(done), info, attempt
-    raise EnvStepFailed(
-        f"env step failed {budget + 1} times (--max-env-retries-per-turn {budget}); last: {last}",
-        budget,
-        "env step failed past its retries",
-    )
 
 
 class Trajectory:
@@ -149,7 +85,7 @@ class Trajectory:
 
     def start(self, encoded, messages: list[dict] | None = None) -> None:
         self.sample.set_prompt_tokens(encoded.ids)
-        self.engine_ids = self._engine_view(encoded.ids)
+        self.engine_ids = list(self._engine_view(encoded.ids))  # its own list: it grows with the turns
         self.buffer.append(encoded.tensors, encoded.images)
         self.prompt_messages = messages
         self.image_refs.extend(image_parts(messages or []))
@@ -269,33 +205,57 @@ def fit_observation(encoded, room: int, image_token_id: int | None):
 
 async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict | None = None, env=None) -> Sample:
     """Run one trajectory to its end; always returns the sample with a final status. ``env``: an
-    environment to use (default: ``build_env`` of the context's env module); it is closed at the end."""
+    environment to use (default: ``build_env`` of the context's env module); it is closed at the end.
+    An env that declares ``tools`` has its prompt encoded with them (in place of the row's); an
+    episode whose env cannot be brought back after a reset (``EpisodeRestart``) starts again from
+    its prompt."""
     r = ctx.rollout
     sampling_params = dict(sampling_params or ctx.sampling_params())
-    tools = (sample.metadata or {}).get("tools")
-    encoder = ctx.encoder(tools)
+    encoder = ctx.encoder((sample.metadata or {}).get("tools"))
     policy = ctx.context_policy()
     keeps_messages = policy is not None or r.retokenize_chat_history
-    traj = Trajectory(ctx, sample, encoder if keeps_messages else None)
     as_messages = ctx.data.apply_chat_template or not isinstance(sample.prompt, str)
     messages = (
         ([{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt))
         if as_messages
         else None
     )
-    traj.start(ctx.take_prompt_encoding(sample) or encoder.encode_prompt(sample.prompt, as_messages), messages)
+    prompt = ctx.take_prompt_encoding(sample) or encoder.encode_prompt(sample.prompt, as_messages)
+
+    def begin() -> Trajectory:
+        traj = Trajectory(ctx, sample, encoder if keeps_messages else None)
+        sample.clear_response()
+        traj.start(prompt, messages)
+        return traj
+
+    traj = begin()
+    episode = None
     stage = "env build"
     try:
         if env is None:
             env = await ctx.open_env(sample)
-        stage = "env reset"
         if env is not None:
-            await call_env(ctx, env.reset)
+            episode = EpisodeEnv(ctx, env, sample)
+            if episode.tools and as_messages:  # the env's tools replace the row's in the template
+                sample.metadata["tools"] = episode.tools
+                encoder = ctx.encoder(episode.tools)
+                prompt = encoder.encode_prompt(sample.prompt, as_messages)
+                traj = begin()
+            stage = "env reset"
+            await episode.reset()
         stage = "rollout"
-        await _turn_loop(ctx, traj, encoder, env, sampling_params, r, policy)
+        while True:
+            try:
+                await _turn_loop(ctx, traj, encoder, episode, sampling_params, r, policy)
+                break
+            except EpisodeRestart as e:  # the env was reset and cannot replay: the episode begins again
+                logger.info("sample %s: the episode restarts: %s", sample.index, e)
+                sample.metadata["invalid_actions"] = 0
+                sample.status = Status.PENDING
+                traj = begin()
     except EnvStepFailed as e:
         fail(sample, e.cause, str(e), e.__cause__ or e)
-        sample.metadata["error_turn"] = len(sample.turns) - 1  # the turn whose output the env was given
+        sample.metadata["error_turn"] = max(len(sample.turns) - 1, 0)  # the turn whose output the env was given
         if sample.turns:
             sample.turns[-1].env_retries = e.retries
     except EngineError as e:
@@ -489,11 +449,13 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             sample.status, sample.metadata["termination"] = Status.COMPLETED, "no_env"
             return
         started = time.perf_counter()
-        observation, done, info, retries = await step_with_retries(ctx, env, text)
+        observation, done, info, retries = await env.step(text)
         turn.env_seconds, turn.env_retries = time.perf_counter() - started, retries
         turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
         if "reward" in info:
             sample.metadata["env_reward"] = info["reward"]
+            if isinstance(info["reward"], (int, float)):
+                turn.reward = float(info["reward"])
         invalid = bool(info.get("invalid_action"))
         invalid_in_a_row = invalid_in_a_row + 1 if invalid else 0
         counted += not invalid

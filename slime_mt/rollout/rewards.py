@@ -116,6 +116,13 @@ def _squad_tokens(text: str) -> list[str]:
     return re.sub(r"\b(a|an|the)\b", " ", text).split()
 
 
+def exact_match(response: str, label: Any) -> float:
+    """SQuAD's exact match: 1.0 when the normalized response (lower case, no punctuation or articles,
+    single spaces) equals a normalized label (any of a list), else 0.0."""
+    predicted = _squad_tokens(response)
+    return float(any(predicted == _squad_tokens(gold) for gold in _labels(label)))
+
+
 def f1_reward(response: str, label: Any, metadata: dict) -> float:
     predicted = _squad_tokens(response)
     best = 0.0
@@ -219,3 +226,19 @@ async def remote_rm(args, sample) -> Any:
             if attempt + 1 < REMOTE_RM_RETRIES:
                 await asyncio.sleep(min(2**attempt * 0.1, 2.0))
     raise RewardError(f"--rm-url {url}: no answer after {REMOTE_RM_RETRIES} attempts: {error}")
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft over-long punishment of a response of ``length`` generated tokens: 0 up to
+    ``max_len - buffer_len``, then falling linearly to ``-factor`` at ``max_len`` (and no lower past
+    it): ``max(min(-(length - (max_len - buffer_len)) / buffer_len * factor, 0), -factor)``."""
+    if buffer_len <= 0:
+        return 0.0
+    exceed = length - (max_len - buffer_len)
+    return max(min(-exceed / buffer_len * factor, 0.0), -factor)
+
+
+async def turn_rewards_sum(args, sample) -> float:
+    """A reward function (``--custom-rm-path slime_mt.rollout.rewards.turn_rewards_sum``): the sum of
+    the per-turn rewards the environment reported (``info["reward"]`` of each step, ``Turn.reward``)."""
+    return float(sum(t.reward for t in sample.turns if t.reward is not None))

@@ -1,0 +1,308 @@
+"""Sandboxed Python: model-written code in a separate process, limited and isolated, never blocking
+the rollout's event loop; and an environment that grades code by hidden tests.
+
+``await run_python(code, limits)`` -> ``SandboxResult``. What is enforced:
+
+  CPU time, memory (address space), file size,   always: resource limits set before the code runs
+  open files, no core files                      (RLIMIT_CPU, AS, FSIZE, NOFILE, CORE)
+  wall time                                      always: the run is killed at ``wall_seconds`` (with
+                                                 its whole process tree where namespaces are used)
+  an empty temporary working directory,          always: a fresh folder, removed after the run; under
+  a cleared environment, output truncated        isolation a tmpfs of ``workdir_mb`` (a 1 GB write
+                                                 fails there); only PATH, HOME and LANG are set
+  no network                                     isolation: an empty network namespace (no interface
+                                                 but a loopback that is down)
+  nothing of the host's files but the            isolation: a mount namespace whose root is the tmpfs,
+  interpreter and system libraries               with only the interpreter's and the system's library
+                                                 folders bound read-only (pivot_root; old root detached)
+  processes                                      RLIMIT_NPROC (enforced for a user other than root);
+                                                 under isolation also the PID namespace's ``pid_max``
+                                                 (kernels 6.14+; at least 301 by the kernel's floor)
+  no privilege                                   isolation: a user namespace, every capability
+                                                 dropped, no_new_privs
+
+Isolation uses ``unshare`` (util-linux) to make user, mount, network and PID namespaces; where the
+kernel refuses unprivileged user namespaces the run still has the resource limits, the wall time,
+the fresh folder and the cleared environment, and ``sandbox_mode()`` says that network and file
+isolation are missing (logged once as a warning).
+
+``PythonSandboxEnv``: the model writes code in a fenced ```python block; each turn the code runs and
+its output is the observation; ``<answer>`` or a final code block graded by the row's hidden tests
+(``metadata["tests"]``: Python asserts run after the code) ends the episode with reward 1 / 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from envs.base import BaseInteractionEnv, InvalidActionError
+
+logger = logging.getLogger(__name__)
+
+INIT = Path(__file__).with_name("_sandbox_init.py")
+MAX_CODE_BYTES = 64 * 1024
+KILL_GRACE_SECONDS = 5.0
+WORKDIR = "/sandbox"  # the code's working folder under isolation (the tmpfs root's only writable place)
+SYSTEM_READ_ONLY = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    cpu_seconds: int = 5
+    wall_seconds: float = 10.0
+    memory_mb: int = 512
+    processes: int = 32
+    file_mb: int = 16
+    workdir_mb: int = 64
+    output_bytes: int = 4096
+    open_files: int = 64
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None: killed at the wall time
+    timed_out: bool
+    truncated: bool  # stdout or stderr was cut at output_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def describe(self) -> str:
+        """What the model sees: the output, then why the run ended when it did not end well."""
+        parts = [self.stdout]
+        if self.stderr:
+            parts.append(self.stderr)
+        if self.truncated:
+            parts.append("[output truncated]")
+        if self.timed_out:
+            parts.append("[killed: the wall-time limit was reached]")
+        elif self.exit_code not in (0, None):
+            if self.exit_code < 0:
+                name = signal.Signals(-self.exit_code).name
+                why = {"SIGXCPU": "the CPU-time limit was reached", "SIGKILL": "killed"}.get(name, name)
+                parts.append(f"[terminated by {name}: {why}]")
+            else:
+                parts.append(f"[exit code {self.exit_code}]")
+        return "\n".join(p for p in parts if p).strip()
+
+
+@functools.lru_cache(maxsize=1)
+def sandbox_mode() -> str:
+    """``isolated`` when unshare can make user, mount, network and PID namespaces here, else
+    ``limits-only`` (resource limits, wall time, fresh folder, cleared environment)."""
+    unshare = shutil.which("unshare")
+    if unshare is not None:
+        command = [unshare, *_UNSHARE_FLAGS, "true"]
+        if subprocess.run(command, capture_output=True, timeout=30).returncode == 0:
+            return "isolated"
+    logger.warning(
+        "python sandbox: no unprivileged user namespaces here (unshare %s), so code runs with resource "
+        "limits, a wall time, a fresh folder and a cleared environment, but WITHOUT network or file "
+        "isolation",
+        "missing" if unshare is None else "refused",
+    )
+    return "limits-only"
+
+
+_UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child"]
+
+
+def _rlimits(limits: SandboxLimits) -> dict[str, int]:
+    return {
+        "RLIMIT_CPU": limits.cpu_seconds,
+        "RLIMIT_AS": limits.memory_mb * 2**20,
+        "RLIMIT_FSIZE": limits.file_mb * 2**20,
+        "RLIMIT_NOFILE": limits.open_files,
+        "RLIMIT_CORE": 0,
+        # counted per user, all of the user's processes: room for ``processes`` more (root is exempt)
+        "RLIMIT_NPROC": limits.processes + _own_processes() if os.getuid() != 0 else limits.processes,
+    }
+
+
+def _own_processes() -> int:
+    """How many processes this user runs now (RLIMIT_NPROC counts them all, not the sandbox's alone)."""
+    uid = str(os.getuid())
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as fh:
+                    count += any(line.startswith("Uid:") and line.split()[1] == uid for line in fh)
+            except OSError:
+                continue
+    return count
+
+
+async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """Everything ``stream`` gives, keeping the first ``limit`` bytes (the rest is read and dropped,
+    so the writer never blocks on a full pipe)."""
+    kept, dropped = bytearray(), False
+    while chunk := await stream.read(65536):
+        room = limit - len(kept)
+        kept += chunk[: max(room, 0)]
+        dropped = dropped or len(chunk) > room
+    return bytes(kept), dropped
+
+
+async def run_python(
+    code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None, stdin: str = ""
+) -> SandboxResult:
+    """Run ``code`` (and ``files`` beside it, by name) in a sandbox -> its output and how it ended."""
+    if len(code.encode()) > MAX_CODE_BYTES:
+        return SandboxResult("", f"[refused: the code is over {MAX_CODE_BYTES} bytes]", 1, False, False)
+    for name in files or {}:
+        if "/" in name or name in ("", ".", "..", "main.py"):
+            raise ValueError(f"sandbox file name {name!r}: a plain name other than main.py")
+    isolate = sandbox_mode() == "isolated"
+    root = tempfile.mkdtemp(prefix="slime-mt-sandbox-")
+    prefixes = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
+    read_only = [*SYSTEM_READ_ONLY, *prefixes]
+    if isolate and any(p == WORKDIR or p.startswith(WORKDIR + "/") for p in read_only):
+        raise RuntimeError(f"python sandbox: the interpreter lives under {WORKDIR}, the sandbox's working folder")
+    status_read, status_write = os.pipe()
+    config = {
+        "isolate": isolate,
+        "root": root,
+        "code": code,
+        "files": dict(files or {}),
+        "python": sys.executable,
+        "read_only": read_only,
+        "workdir": WORKDIR,
+        "status_fd": status_write,
+        "workdir_bytes": limits.workdir_mb * 2**20,
+        "pid_max": max(limits.processes, 301) if isolate else 0,
+        "rlimits": _rlimits(limits),
+    }
+    command = [sys.executable, "-I", "-S", str(INIT), json.dumps(config)]
+    if isolate:
+        command = [shutil.which("unshare"), *_UNSHARE_FLAGS, *command]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        start_new_session=True,  # its own process group: the wall-time kill takes all of it
+        pass_fds=(status_write,),
+    )
+    os.close(status_write)
+    timed_out = False
+    try:
+        reading = asyncio.ensure_future(
+            asyncio.gather(
+                _read_capped(process.stdout, limits.output_bytes),
+                _read_capped(process.stderr, limits.output_bytes),
+                _feed(process, stdin),
+            )
+        )
+        done, _ = await asyncio.wait({reading}, timeout=limits.wall_seconds)
+        if not done:
+            timed_out = True
+            _kill(process)
+        # a killed run's pipes close with its processes; one that escaped the group cannot hold us
+        (out, out_cut), (err, err_cut), _ = await asyncio.wait_for(reading, KILL_GRACE_SECONDS)
+        await asyncio.wait_for(process.wait(), KILL_GRACE_SECONDS)
+    except BaseException:
+        _kill(process)
+        raise
+    finally:
+        status = _read_status(status_read)
+        await asyncio.to_thread(shutil.rmtree, root, True)
+    if status is None and not timed_out:  # the sandbox itself failed before the code ran
+        return SandboxResult(out.decode(errors="replace"), err.decode(errors="replace"), 127, False, False)
+    return SandboxResult(
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        None if timed_out else os.waitstatus_to_exitcode(status),
+        timed_out,
+        out_cut or err_cut,
+    )
+
+
+def _read_status(fd: int) -> int | None:
+    """The code's wait status the sandbox's init reported (None: it reported none), closing ``fd``."""
+    try:
+        os.set_blocking(fd, False)
+        text = os.read(fd, 64).decode().strip()
+        return int(text) if text else None
+    except (BlockingIOError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+async def _feed(process, stdin: str) -> None:
+    try:
+        if stdin:
+            process.stdin.write(stdin.encode())
+            await process.stdin.drain()
+        process.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def _kill(process) -> None:
+    """SIGKILL the run's process group (under isolation, the PID namespace's first process dies with
+    it, and the kernel kills everything else in the namespace)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_CODE = "```python"
+
+
+def code_block(text: str) -> str | None:
+    """The last fenced ```python block of ``text``, or None."""
+    start = text.rfind(_CODE)
+    if start < 0:
+        return None
+    end = text.find("```", start + len(_CODE))
+    return text[start + len(_CODE) : end if end >= 0 else None].strip("\n")
+
+
+class PythonSandboxEnv(BaseInteractionEnv):
+    """Each turn: the model's last ```python block runs in the sandbox and its output is the
+    observation. A turn with ``<submit>`` (or the last turn) is graded: the code, then the row's
+    hidden tests (asserts), must run cleanly -> reward 1, else 0 (``info["passed"]``)."""
+
+    observation_role = "tool"
+
+    def __init__(self, tests: str, limits: SandboxLimits = SandboxLimits()) -> None:
+        self.tests, self.limits = tests, limits
+        self.runs = 0
+
+    async def step(self, response_text: str) -> tuple[dict, bool, dict]:
+        code = code_block(response_text)
+        if code is None:
+            raise InvalidActionError("Write your code in a ```python block (add <submit> when it is final).")
+        if "<submit>" in response_text:
+            result = await run_python(code + "\n\n" + self.tests, self.limits)
+            passed = float(result.ok)
+            return {"text": result.describe()}, True, {"reward": passed, "passed": passed, "runs": self.runs}
+        self.runs += 1
+        result = await run_python(code, self.limits)
+        info = {"timed_out": float(result.timed_out), "exit_code": result.exit_code if result.exit_code else 0}
+        return {"text": result.describe() or "[no output]"}, False, info
+
+
+def build_env(sample=None, args=None, **kw) -> PythonSandboxEnv:
+    metadata = (sample.metadata if sample is not None else None) or {}
+    if not isinstance(metadata.get("tests"), str):
+        raise ValueError("envs.python_sandbox: the row needs metadata['tests'] (Python asserts, as text)")
+    return PythonSandboxEnv(metadata["tests"])

@@ -1,0 +1,163 @@
+"""The Python sandbox (envs/python_sandbox.py): each attack stopped or refused within its limit with a
+clear message to the model, no process or file left behind, the event loop never stalled, and the
+code environment graded by hidden tests."""
+
+import asyncio
+import glob
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+
+from envs.base import InvalidActionError
+from envs.python_sandbox import PythonSandboxEnv, SandboxLimits, build_env, code_block, run_python, sandbox_mode
+from slime_mt.types import Sample
+
+LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=5, memory_mb=256, file_mb=8, workdir_mb=32, output_bytes=2048)
+ISOLATED = sandbox_mode() == "isolated"
+needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no unprivileged user namespaces on this machine")
+
+
+def run(code: str, limits: SandboxLimits = LIMITS, **kw):
+    started = time.perf_counter()
+    result = asyncio.run(run_python(code, limits, **kw))
+    return result, time.perf_counter() - started
+
+
+def sandbox_processes() -> list[str]:
+    """Processes still running that the sandbox started (its launcher, or code it ran)."""
+    found = []
+    for entry in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(entry, "rb") as fh:
+                line = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "_sandbox_init.py" in line or "main.py" in line.split(" ")[-2:]:
+            found.append(line)
+    return found
+
+
+def test_clean_code_runs_in_an_empty_folder_with_a_cleared_environment():
+    result, _ = run("import os\nprint(sorted(os.listdir('.')), sorted(os.environ))\nprint(input())", stdin="in\n")
+    assert result.ok and result.stdout == "['main.py'] ['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE']\nin\n"
+    result, _ = run("print(open('data.txt').read())", files={"data.txt": "given"})
+    assert result.stdout == "given\n"
+
+
+def test_an_infinite_loop_stops_at_the_cpu_limit():
+    result, seconds = run("while True: pass")
+    assert result.exit_code == -24 and seconds < LIMITS.cpu_seconds + 2
+    assert "SIGXCPU: the CPU-time limit was reached" in result.describe()
+
+
+def test_a_sleeper_stops_at_the_wall_time():
+    result, seconds = run("import time\ntime.sleep(60)", SandboxLimits(wall_seconds=1.5))
+    assert result.timed_out and result.exit_code is None and 1.5 <= seconds < 4
+    assert result.describe() == "[killed: the wall-time limit was reached]"
+
+
+def test_a_memory_bomb_gets_a_memory_error():
+    result, _ = run("x = bytearray(2**30)")
+    assert result.exit_code == 1 and "MemoryError" in result.stderr
+
+
+def test_a_fork_bomb_is_refused_and_leaves_no_process():
+    bomb = (
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
+        "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused after', n, e.errno)\n"
+    )
+    result, seconds = run(bomb)
+    if ISOLATED:
+        refused = int(result.stdout.split()[2])
+        assert result.ok and refused < 400 and result.stdout.endswith(" 11\n")  # EAGAIN: the namespace's pid_max
+    assert seconds < LIMITS.wall_seconds + 2
+    assert sandbox_processes() == []  # the sleepers died with the namespace (or the process group)
+
+
+def test_a_1_gb_write_fails_at_the_file_size_limit():
+    result, _ = run("f = open('big', 'wb')\nfor _ in range(1024):\n    f.write(b'x' * 2**20)")
+    assert result.exit_code == 1 and "File too large" in result.stderr
+
+
+@needs_isolation
+def test_a_network_connection_is_refused():
+    with socket.socket() as server:  # a real listener on the host's loopback
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        result, _ = run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+    assert result.exit_code == 1 and "Network is unreachable" in result.stderr
+
+
+@needs_isolation
+def test_a_read_outside_the_working_folder_finds_nothing_of_the_host(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    for path in (str(secret), "/etc/passwd", __file__):
+        result, _ = run(f"print(open({path!r}).read())")
+        assert result.exit_code == 1 and "No such file or directory" in result.stderr, path
+    result, _ = run("import os\nos.makedirs('/usr/evil')")  # the interpreter's folders are read-only
+    assert result.exit_code == 1 and "Read-only file system" in result.stderr
+
+
+def test_output_is_truncated():
+    result, _ = run("print('x' * 100000)")
+    assert result.truncated and len(result.stdout) == LIMITS.output_bytes
+    assert result.describe().endswith("[output truncated]")
+
+
+def test_200_runs_in_a_row_leave_no_process_and_no_temporary_file():
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "slime-mt-sandbox-*")))
+
+    async def many():
+        return [await run_python(f"print({k} * 2)", LIMITS) for k in range(200)]
+
+    results = asyncio.run(many())
+    assert [r.stdout for r in results] == [f"{k * 2}\n" for k in range(200)]
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "slime-mt-sandbox-*"))) == before
+    assert sandbox_processes() == []
+
+
+def test_16_concurrent_runs_do_not_stall_the_event_loop():
+    async def scenario():
+        ticks, gaps = [], []
+
+        async def heartbeat():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                ticks.append(now)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        results = await asyncio.gather(
+            *(run_python("import time\ntime.sleep(0.5)\nprint('ok')", LIMITS) for _ in range(16))
+        )
+        beat.cancel()
+        return results, gaps
+
+    results, gaps = asyncio.run(scenario())
+    assert all(r.stdout == "ok\n" for r in results)
+    assert len(gaps) > 30 and max(gaps) < 0.5  # the loop kept ticking while 16 sandboxes ran
+
+
+def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
+    env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0"}))
+    assert isinstance(env, PythonSandboxEnv)
+    observation, done, info = asyncio.run(env.step("Try:\n```python\nprint(1 + 1)\n```"))
+    assert observation == {"text": "2"} and not done and info["exit_code"] == 0
+    observation, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a - b\n```<submit>"))
+    assert done and info["reward"] == 0.0 and "AssertionError" in observation["text"]
+    env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
+    _, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```\n<submit>"))
+    assert done and info["reward"] == 1.0
+    with pytest.raises(InvalidActionError, match="python block"):
+        asyncio.run(env.step("no code here"))
+    assert code_block("a\n```python\nx = 1\n```\nb\n```python\ny = 2\n```") == "y = 2"
+    with pytest.raises(ValueError, match="metadata\\['tests'\\]"):
+        build_env(Sample(metadata={}))
