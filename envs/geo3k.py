@@ -3,14 +3,16 @@
 The model may call ``<tool_call>{"name": "calc_score", "arguments": {"answer": "..."}}</tool_call>``;
 the tool's verdict comes back as the next observation (role ``tool``), up to ``--max-turns``. The
 episode ends when the model gives a final answer in ``\\boxed{...}``. The training reward is the
-grade of that final boxed answer (numeric, fraction, sqrt/pi-expression equivalence); the tool's
-feedback is not the reward unless the custom setting ``geo3k_tool_reward: true`` is given.
+grade of that final boxed answer (``math-verify``'s equivalence, or equal values within geo3k's
+rounding); the tool's feedback is not the reward unless the custom setting ``geo3k_tool_reward: true``
+is given.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import operator
 import re
@@ -34,6 +36,8 @@ SYSTEM_PROMPT = (
     "Solve the geometry problem about the diagram. You may check a candidate answer with the "
     "calc_score tool. Give your final answer as \\boxed{answer}."
 )
+
+logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the env step's applies
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -104,11 +108,46 @@ def to_number(answer: str) -> float | None:
         return None
 
 
+def _parsed(answer: str) -> list:
+    from math_verify import parse
+
+    text = str(answer).strip()
+    return parse(text if text.startswith("$") else f"${text}$", parsing_timeout=None)
+
+
+def _numeric(parsed: list) -> float | None:
+    """The value of a math-verify parse (``x = 8`` -> 8), or None when it is not one real number."""
+    import sympy
+
+    for value in parsed:
+        if isinstance(value, sympy.Equality):
+            value = value.rhs
+        if isinstance(value, sympy.Expr) and not value.free_symbols:
+            try:
+                number = complex(value.evalf())
+            except (TypeError, ValueError):
+                continue
+            if number.imag == 0 and math.isfinite(number.real):
+                return number.real
+    return None
+
+
 def grade(candidate: str | None, reference: str, rel_tol: float = 1e-3) -> float:
-    """1.0 when the candidate equals the reference as a number (within 0.1% or 0.01), else 0.0;
-    non-numeric answers compare as normalised strings."""
+    """1.0 when the candidate equals the reference, else 0.0. Both are read by ``math-verify``: equal
+    when it verifies them (symbolically: ``\\sqrt[3]{27}`` = 3, ``8 \\text{ cm}`` = 8), else when their
+    values agree within 0.1% or 0.01 (geo3k's labels are rounded: ``3\\sqrt{2}`` = 4.24); what it
+    cannot read is evaluated by ``to_number``, and non-numeric answers compare as normalised strings."""
+    from math_verify import verify
+
     if candidate is None:
         return 0.0
+    gold, predicted = _parsed(reference), _parsed(candidate)
+    if gold and predicted:
+        if verify(gold, predicted, timeout_seconds=None):
+            return 1.0
+        a, b = _numeric(predicted), _numeric(gold)
+        if a is not None and b is not None:
+            return float(math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-2))
     a, b = to_number(candidate), to_number(reference)
     if a is not None and b is not None:
         return float(math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-2))
