@@ -412,6 +412,33 @@ class GatewayConfig:
     gateway_session_concurrency: int = _opt(8, "Requests one gateway session may have in flight (more: HTTP 429).")
 
 
+@dataclass
+class JudgeConfig:
+    """The LLM judge (``envs/llm_judge.py``): where it runs, its rubric, its limits."""
+
+    judge_model_path: str | None = _opt(
+        None,
+        "The judge model: its tokenizer and chat template render the rubric; alone, an embedded engine serving "
+        "it is started in the rollout process.",
+    )
+    judge_engine_url: str | None = _opt(None, "A running SGLang-protocol engine serving --judge-model-path.")
+    judge_use_policy: bool = _opt(False, "Judge with the policy's own engines (and tokenizer).")
+    judge_template: str | None = _opt(
+        None, "A file holding the rubric: a str.format template over {prompt}, {response} and {label}."
+    )
+    judge_timeout: float = _opt(60.0, "Seconds one judge call may take before it is tried again.")
+    judge_retries: int = _opt(2, "Judge calls tried again after a timeout, an engine error or an unparseable answer.")
+    judge_concurrency: int = _opt(8, "Judge calls in flight at once.")
+    judge_max_new_tokens: int = _opt(256, "Tokens the judge may write per call.")
+    judge_max_score: float = _opt(10.0, "The top of the judge's scale (rewards are the score over it).")
+    judge_failure_reward: float | None = _opt(
+        None, "The reward of a sample the judge could not score (default: the sample fails, out of its group)."
+    )
+    judge_pass_score: float | None = _opt(
+        None, "envs.llm_judge episodes end when the judge's score reaches this (default: --judge-max-score)."
+    )
+
+
 GROUPS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
@@ -421,6 +448,7 @@ GROUPS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "gateway": GatewayConfig,
+    "judge": JudgeConfig,
 }
 
 
@@ -436,6 +464,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     custom: dict[str, Any] = field(default_factory=dict)
 
     def to_args(self) -> argparse.Namespace:

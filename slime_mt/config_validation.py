@@ -118,6 +118,26 @@ def _validate_gateway(cfg: Config) -> None:
     _require(0 <= g.gateway_port < 65536, "gateway_port", g.gateway_port, "must be a port number (0: a free one)")
 
 
+def _validate_judge(cfg: Config) -> None:
+    """One place for the judge to run; positive limits."""
+    j = cfg.judge
+    _require(
+        not (j.judge_use_policy and (j.judge_model_path or j.judge_engine_url)),
+        "judge_use_policy",
+        j.judge_use_policy,
+        "judges with the policy's engines; leave --judge-model-path and --judge-engine-url unset",
+    )
+    _require(
+        j.judge_engine_url is None or j.judge_model_path is not None,
+        "judge_engine_url",
+        j.judge_engine_url,
+        "needs --judge-model-path (the judge's tokenizer and chat template)",
+    )
+    for key in ("judge_timeout", "judge_concurrency", "judge_max_new_tokens", "judge_max_score"):
+        _require(getattr(j, key) > 0, key, getattr(j, key), "must be > 0")
+    _require(j.judge_retries >= 0, "judge_retries", j.judge_retries, "must be >= 0")
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the flag and value of the first impossible setting or combination."""
     r, a, t, c = cfg.rollout, cfg.algo, cfg.train, cfg.checkpoint
@@ -136,6 +156,7 @@ def validate(cfg: Config) -> None:
         _require(getattr(cfg.engine, key) > 0, key, getattr(cfg.engine, key), "must be a positive integer")
     _validate_cluster(cfg)
     _validate_gateway(cfg)
+    _validate_judge(cfg)
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):

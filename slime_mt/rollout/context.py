@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import inspect
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ class RolloutContext:
     gateway_config: GatewayConfig = field(default_factory=GatewayConfig)
     gateway: Any = None  # gateway.server.Gateway, started by the first agent (``open_gateway``)
     _gateway_lock: asyncio.Lock | None = None
+    judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
 
     @classmethod
     def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
@@ -182,7 +184,8 @@ class RolloutContext:
         ``--env-num-workers`` (a ``RemoteEnv`` with the same interface). None without an env module."""
         if self.env_workers is not None:
             return await self.env_workers.open_env(sample)
-        return self.build_env(sample)
+        env = self.build_env(sample)
+        return await env if inspect.isawaitable(env) else env  # build_env may be ``async def``
 
     def sampling_params(self) -> dict:
         """Per-run sampling params from the rollout config (``max_new_tokens`` is set per turn)."""
@@ -235,6 +238,9 @@ class RolloutContext:
             if self.gateway is not None:
                 self.run_sync(self.gateway.stop())
                 self.gateway = None
+            if self.judge is not None:
+                self.run_sync(self.judge.close())
+                self.judge = None
             self.run_sync(self.client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None

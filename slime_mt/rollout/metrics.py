@@ -68,6 +68,7 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         out[f"rollout/finish_reason/{reason}"] = count
     out.update(env_info_metrics(all_turns))
     out.update(agent_metrics(samples))
+    out.update(judge_metrics(samples))
     return out
 
 
@@ -108,6 +109,22 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         for key, value in (sample.metadata.get("agent_metrics") or {}).items():
             values[f"agent/{key}"].append(value)
     return {**totals, **{key: statistics.fmean(v) for key, v in sorted(values.items())}}
+
+
+def judge_metrics(samples: list[Sample]) -> dict[str, float]:
+    """The LLM judge (``envs/llm_judge.py``): ``judge/calls``, ``cache_hits``, ``retries`` and
+    ``failures`` summed over the step's samples, ``cache_hit_rate``, and ``seconds_per_call`` (per call
+    that reached the engine)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for sample in samples:
+        for key, value in (sample.metadata.get("judge") or {}).items():
+            totals[key] += value
+    if not totals.get("calls"):
+        return {}
+    out = {f"judge/{key}": value for key, value in totals.items() if key != "seconds"}
+    out["judge/cache_hit_rate"] = totals["cache_hits"] / totals["calls"]
+    out["judge/seconds_per_call"] = totals["seconds"] / max(totals["calls"] - totals["cache_hits"], 1)
+    return out
 
 
 def env_info_metrics(turns) -> dict[str, float]:
