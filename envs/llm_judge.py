@@ -170,6 +170,16 @@ class Judge:
             self.on_close()
 
 
+def _context(args):
+    ctx = getattr(args, "rollout_context", None)
+    if ctx is None:
+        raise JudgeError(
+            "the judge runs in the rollout process (args.rollout_context); envs.llm_judge does not run on "
+            "environment workers (--env-num-workers)"
+        )
+    return ctx
+
+
 async def judge_of(ctx) -> Judge:
     """The run's judge (built from the ``--judge-*`` flags on first use, then shared)."""
     if getattr(ctx, "judge", None) is not None:
@@ -230,7 +240,7 @@ async def judge_reward(args, sample) -> float:
     """A reward function (``--custom-rm-path envs.llm_judge.judge_reward``): the judge's score of the
     sample's response over ``--judge-max-score`` (in [0, 1]). A judge failure fails the sample unless
     ``--judge-failure-reward`` gives the reward to use (``metadata["judge_failed"]`` marks it)."""
-    judge = await judge_of(args.rollout_context)
+    judge = await judge_of(_context(args))
     stats = sample.metadata.setdefault("judge", {})
     result = await judge.grade(
         sample.metadata.get("rollout_id"),
@@ -275,5 +285,5 @@ class JudgeFeedbackEnv(BaseInteractionEnv):
 
 
 async def build_env(sample=None, args=None, **kw) -> JudgeFeedbackEnv:
-    judge = await judge_of(args.rollout_context)
+    judge = await judge_of(_context(args))
     return JudgeFeedbackEnv(judge, sample, args.judge_pass_score)

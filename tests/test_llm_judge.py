@@ -194,7 +194,7 @@ def judge_args(**given):
 
 
 def test_the_judge_flags_start_an_embedded_judge_or_use_the_policy(farm, tiny_paths, smollm2_path, tmp_path):
-    from envs.llm_judge import judge_of
+    from envs.llm_judge import build_env, judge_of
 
     policy = farm.target("q2judge-direct", tiny_paths["qwen2"])
     template = tmp_path / "rubric.txt"
@@ -221,6 +221,8 @@ def test_the_judge_flags_start_an_embedded_judge_or_use_the_policy(farm, tiny_pa
     judge = ctx.run_sync(judge_of(ctx))
     assert judge.client is ctx.client and judge.on_close is None
     ctx.close()
+    with pytest.raises(JudgeError, match="does not run on environment workers"):  # args without the context
+        asyncio.run(build_env(Sample(index=0), argparse.Namespace(**judge_args())))
     ctx = make_ctx(policy.url, policy.model_path)
     vars(ctx.args).update(judge_args(judge_model_path=str(smollm2_path), judge_template=str(tmp_path / "none.txt")))
     with pytest.raises(JudgeError, match="--judge-template .*none.txt: no such file"):
