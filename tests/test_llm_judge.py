@@ -64,7 +64,7 @@ def judge_engine(smollm2_path):
 
 def make_judge(url, smollm2_path, **kw) -> Judge:
     tokenizer = tokenizer_of(load_tokenizer_or_processor(str(smollm2_path)))
-    kw.setdefault("max_new_tokens", 24)
+    kw.setdefault("max_new_tokens", 8)
     kw.setdefault("timeout", 30.0)
     return Judge(client_for("local", url, max_retries=0), tokenizer, **kw)
 

@@ -21,7 +21,10 @@ def agent_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("way", ["function", "command", "fully-async"])
+# The ways in (a function, a program) and the modes (sync, fully-async) pairwise: the program in sync
+# training, the function in fully-async training (a function agent in a sync rollout is covered,
+# without training, by tests/gateway/test_agent_rollout.py); a third run would cost a minute of CI
+@pytest.mark.parametrize("way", ["command", "fully-async"])
 def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, way):
     run = tmp_path / "run"
     extra = []
@@ -32,6 +35,8 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
             "--agent-command",
             f"{sys.executable} examples/openai_agent/command_agent.py",
         ]
+    if way == "fully-async":
+        extra = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
     cmd = [
         sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/openai_agent/config.yaml"),
         "--hf-checkpoint", str(smollm2_path), "--prompt-data", str(agent_data), "--log-dir", str(run),
@@ -50,6 +55,7 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
         assert row["gateway/kept_messages"] == calls - 4  # every answer went back as the model's own ids
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "agent/good_tool_call" in row
         assert row["train/loss"] == row["train/loss"]  # a number, not NaN
+    assert all(("async/dropped_groups" in r) == (way == "fully-async") for r in rows)  # the mode that ran
     if way == "fully-async":
         assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
         trained = [g for r in rows for g in r["trained_groups"]]
