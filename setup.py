@@ -39,8 +39,9 @@ setup(
             "openai>=1.50",  # the agent gateway is tested through the real clients
             "anthropic>=0.40",
             "bm25s>=0.2",  # envs.search
+            "reasoning-gym>=0.1.20",  # envs.reasoning_tasks
         ],
-        "envs": ["bm25s>=0.2"],  # the built-in environments' own needs (envs.search)
+        "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20"],  # the built-in environments' own needs
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],

@@ -1,0 +1,121 @@
+"""reasoning-gym's procedural tasks (offline: generated, each family with its own verifier) as a ready
+dataset, a reward function and an environment.
+
+Data: ``python -m envs.reasoning_tasks OUT --tasks basic_arithmetic,chain_sum --size 64 --seed 1``
+writes ``OUT/train.jsonl``: per row a chat prompt (a system prompt asking for ``<answer>...</answer>``
+and the task's question), the reference answer as ``label``, and in ``metadata`` the task family and
+the generated entry its verifier needs.
+
+Reward: the family's own verifier (``reasoning_gym.get_score_answer_fn``) on the text inside the
+response's last ``<answer>...</answer>`` (the whole response when there is none), in [0, 1]:
+``--custom-rm-path envs.reasoning_tasks.reward`` for single-turn runs. The environment
+(``--rollout-interaction-env-path envs.reasoning_tasks``) grades each answer the same way; a wrong one
+gets "incorrect, try again" as the next observation, up to ``--max-turns``; its reward is the last
+answer's score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from envs.base import BaseInteractionEnv
+
+SYSTEM_PROMPT = "Solve the task. Think briefly, then give only the final answer as <answer>...</answer>."
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _gym():
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("envs.reasoning_tasks needs reasoning-gym: pip install 'slime_mt[envs]'") from e
+    return reasoning_gym
+
+
+def make_rows(tasks: list[str], size: int, seed: int) -> list[dict]:
+    """``size`` generated entries of each task family -> dataset rows (interleaved by family)."""
+    gym = _gym()
+    unknown = sorted(set(tasks) - set(gym.factory.DATASETS))
+    if unknown:
+        raise ValueError(f"--tasks: unknown reasoning-gym families {unknown}; see reasoning_gym.factory.DATASETS")
+    per_task = [list(gym.create_dataset(task, size=size, seed=seed)) for task in tasks]
+    rows = []
+    for k in range(size):
+        for task, entries in zip(tasks, per_task):
+            entry = entries[k]
+            rows.append(
+                {
+                    "prompt": [
+                        {"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": entry["question"]},
+                    ],
+                    "label": str(entry["answer"]),
+                    "metadata": {"task": task, "entry": _plain(entry)},
+                }
+            )
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    """An entry as JSON keeps it (the verifiers read only plain fields)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def extract_answer(response: str) -> str:
+    found = _ANSWER.findall(response or "")
+    return (found[-1] if found else response or "").strip()
+
+
+def score(response: str, metadata: dict) -> float:
+    """The family's verifier on the response's answer -> [0, 1]; a row without its task is an error naming the key."""
+    if not isinstance(metadata, dict) or "task" not in metadata or "entry" not in metadata:
+        raise KeyError("envs.reasoning_tasks: the row needs metadata['task'] and metadata['entry']")
+    verify = _gym().get_score_answer_fn(metadata["task"])
+    value = verify(extract_answer(response), metadata["entry"])
+    return float(value or 0.0)
+
+
+async def reward(args, sample) -> float:
+    """A reward function: the family's verifier on the sample's response."""
+    return score(sample.response, sample.metadata)
+
+
+class ReasoningTaskEnv(BaseInteractionEnv):
+    """Each answer graded by the family's verifier; a wrong one is told so, until --max-turns."""
+
+    def __init__(self, metadata: dict) -> None:
+        self.metadata = metadata
+
+    def step(self, response_text: str) -> tuple[dict, bool, dict]:
+        value = score(response_text, self.metadata)
+        if value >= 1.0:
+            return {"text": ""}, True, {"reward": value}
+        return {"text": "That answer is incorrect. Try again."}, False, {"reward": value}
+
+
+def build_env(sample=None, args=None, **kw) -> ReasoningTaskEnv:
+    return ReasoningTaskEnv((sample.metadata if sample is not None else None) or {})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write reasoning-gym tasks as a slime_mt dataset (train.jsonl).")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tasks", default="basic_arithmetic,chain_sum", help="comma-separated task families")
+    parser.add_argument("--size", type=int, default=64, help="entries per family")
+    parser.add_argument("--seed", type=int, default=1)
+    given = parser.parse_args(argv)
+    rows = make_rows([t.strip() for t in given.tasks.split(",") if t.strip()], given.size, given.seed)
+    given.out.mkdir(parents=True, exist_ok=True)
+    path = given.out / "train.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)  # never a half-written file
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()
