@@ -101,7 +101,10 @@ class Judge:
         max_score: float = 10.0,
         on_close: Callable[[], None] | None = None,
     ) -> None:
+        from slime_mt.tokenization import ObservationEncoder
+
         self.client, self.tokenizer, self.template = client, tokenizer, template
+        self.encoder = ObservationEncoder(tokenizer)  # the rubric as one user message, with the generation prompt
         self.max_score = max_score
         self.parse = parse or (lambda text: parse_score(text, 0.0, max_score))
         self.timeout, self.retries, self.max_new_tokens = timeout, retries, max_new_tokens
@@ -115,10 +118,7 @@ class Judge:
             text = self.template.format(**{k: "" if v is None else v for k, v in fields.items()})
         except (KeyError, IndexError) as e:
             raise JudgeError(f"the judge template needs the field {e} (it has: {', '.join(fields)})") from None
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return self.encoder.encode_prompt(text).ids
 
     async def grade(self, step: Any = None, stats: dict | None = None, **fields: Any) -> JudgeResult:
         """The judge's verdict on ``fields`` (the template's); ``step``: identical calls within one step

@@ -27,8 +27,8 @@ the fresh folder and the cleared environment, and ``sandbox_mode()`` says that n
 isolation are missing (logged once as a warning).
 
 ``PythonSandboxEnv``: the model writes code in a fenced ```python block; each turn the code runs and
-its output is the observation; ``<answer>`` or a final code block graded by the row's hidden tests
-(``metadata["tests"]``: Python asserts run after the code) ends the episode with reward 1 / 0.
+its output is the observation; a turn with ``<submit>`` runs its code and then the row's hidden tests
+(``metadata["tests"]``: Python asserts) and ends the episode with reward 1 / 0.
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ class SandboxResult:
         return "\n".join(p for p in parts if p).strip()
 
 
+_UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child"]
+
+
 @functools.lru_cache(maxsize=1)
 def sandbox_mode() -> str:
     """``isolated`` when unshare can make user, mount, network and PID namespaces here, else
@@ -116,9 +119,6 @@ def sandbox_mode() -> str:
         "missing" if unshare is None else "refused",
     )
     return "limits-only"
-
-
-_UNSHARE_FLAGS = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child"]
 
 
 def _rlimits(limits: SandboxLimits) -> dict[str, int]:

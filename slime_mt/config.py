@@ -76,6 +76,12 @@ class RolloutConfig:
         "Lmax of the over-long penalty, in generated tokens of the whole trajectory (default: "
         "--rollout-max-response-len; set it for multi-turn episodes).",
     )
+
+    @property
+    def overlong_lmax(self) -> int:
+        """Lmax of the over-long penalty: ``--overlong-max-len``, else ``--rollout-max-response-len``."""
+        return self.overlong_max_len if self.overlong_max_len is not None else self.rollout_max_response_len
+
     slime_compat: bool = _opt(
         False,
         "Run plug-ins written against slime's API: 'import slime...' resolves to slime_mt.compat, samples "

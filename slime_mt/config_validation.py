@@ -195,12 +195,11 @@ def validate(cfg: Config) -> None:
     _require(r.max_env_resets >= 0, "max_env_resets", r.max_env_resets, "must be >= 0")
     _require(r.overlong_buffer_len >= 0, "overlong_buffer_len", r.overlong_buffer_len, "must be >= 0")
     _require(r.overlong_penalty_factor >= 0, "overlong_penalty_factor", r.overlong_penalty_factor, "must be >= 0")
-    overlong_max = r.overlong_max_len if r.overlong_max_len is not None else r.rollout_max_response_len
     _require(
-        r.overlong_buffer_len < overlong_max or not r.overlong_buffer_len,
+        r.overlong_buffer_len < r.overlong_lmax or not r.overlong_buffer_len,
         "overlong_buffer_len",
         r.overlong_buffer_len,
-        f"must be below the over-long Lmax ({overlong_max}: --overlong-max-len, else --rollout-max-response-len)",
+        f"must be below the over-long Lmax ({r.overlong_lmax}: --overlong-max-len, else --rollout-max-response-len)",
     )
     _require(r.max_failed_steps >= 1, "max_failed_steps", r.max_failed_steps, "must be >= 1")
     _require(

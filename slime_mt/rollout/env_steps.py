@@ -130,9 +130,6 @@ class EpisodeEnv:
     def format_observation(self, observation: dict):
         return self.env.format_observation(observation)
 
-    async def close(self) -> None:
-        await call_env(self.ctx, self.env.close)
-
     async def reset(self) -> None:
         """``env.reset()``; a failure (any exception) is tried again within ``--max-env-resets``."""
         while True:
@@ -173,7 +170,7 @@ class EpisodeEnv:
 
     async def _recover(self, error: BaseException, where: str) -> None:
         """Reset and bring the env back to the episode's state, within the reset budget."""
-        actions, self.actions = self.actions, []
+        actions = self.actions
         while True:
             self._spend_reset(error, where)
             self.actions = []

@@ -210,9 +210,8 @@ async def _assign_reward(ctx, sample: Sample, rm, shape: bool = True) -> None:
         sample.reward = float(value)
         r = ctx.rollout
         if shape and r.overlong_buffer_len:
-            max_len = r.overlong_max_len if r.overlong_max_len is not None else r.rollout_max_response_len
             penalty = overlong_penalty(
-                sample.generated_tokens, max_len, r.overlong_buffer_len, r.overlong_penalty_factor
+                sample.generated_tokens, r.overlong_lmax, r.overlong_buffer_len, r.overlong_penalty_factor
             )
             sample.metadata["overlong_penalty"] = penalty
             sample.reward += penalty
