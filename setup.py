@@ -40,8 +40,9 @@ setup(
             "anthropic>=0.40",
             "bm25s>=0.2",  # envs.search
             "reasoning-gym>=0.1.20",  # envs.reasoning_tasks
+            "websockets>=13",  # envs.openenv
         ],
-        "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20"],  # the built-in environments' own needs
+        "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20", "websockets>=13"],  # the built-in environments' own needs
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],

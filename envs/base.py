@@ -1,7 +1,9 @@
 """The interaction-environment API (``--rollout-interaction-env-path``).
 
 An environment module defines ``build_env(sample=None, args=None, **kw) -> BaseInteractionEnv``; the
-rollout builds one env per trajectory, calls ``reset()`` once, then after every model turn calls
+rollout builds one env per trajectory, calls ``reset()`` once (an observation it returns, a dict like
+``step``'s or a string, follows the row's prompt as part of the prompt: a game's board, a task the env
+draws), then after every model turn calls
 ``step(response_text)`` and appends ``format_observation(observation)`` to the conversation (its tokens
 get loss mask 0: the model is never trained on them). ``close()`` is always called, also after errors.
 
@@ -80,8 +82,9 @@ class BaseInteractionEnv:
     #: whether ``reset()`` then the same actions bring the env back to the same state (see above).
     replayable: bool = True
 
-    def reset(self) -> None:
-        """Prepare a fresh episode (called once before the first turn)."""
+    def reset(self) -> dict | str | None:
+        """Prepare a fresh episode (called once before the first turn) -> None, or the observation that
+        opens it (after the row's prompt). May be ``async def``."""
 
     def step(self, response_text: str) -> tuple[dict, bool, dict]:
         """React to the model's turn -> (observation, done, info). May be ``async def``."""

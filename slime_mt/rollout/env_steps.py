@@ -122,6 +122,7 @@ class EpisodeEnv:
         self.sample = sample
         self.actions: list[tuple[str, Any, bool]] = []  # (text, observation text, invalid) since the last reset
         self.resets = 0
+        self.first_observation: dict | None = None  # what the last reset() returned (it opens the episode)
 
     @property
     def tools(self) -> list[dict] | None:
@@ -130,15 +131,18 @@ class EpisodeEnv:
     def format_observation(self, observation: dict):
         return self.env.format_observation(observation)
 
-    async def reset(self) -> None:
-        """``env.reset()``; a failure (any exception) is tried again within ``--max-env-resets``."""
+    async def reset(self) -> dict | None:
+        """``env.reset()`` -> the observation that opens the episode (None: the row's prompt alone);
+        a failure (any exception) is tried again within ``--max-env-resets``."""
         while True:
             try:
-                await call_env(self.ctx, self.env.reset)
-                self.actions = []
-                return
+                returned = await call_env(self.ctx, self.env.reset)
             except Exception as e:
                 self._spend_reset(e, "env reset")
+                continue
+            self.first_observation = _first_observation(returned)
+            self.actions = []
+            return self.first_observation
 
     def _spend_reset(self, error: BaseException, where: str) -> None:
         """Count one reset for ``error``; past the budget the sample fails with it as the cause."""
@@ -175,13 +179,22 @@ class EpisodeEnv:
             self._spend_reset(error, where)
             self.actions = []
             try:
-                await call_env(self.ctx, self.env.reset)
+                seen_first, self.first_observation = (
+                    self.first_observation,
+                    _first_observation(await call_env(self.ctx, self.env.reset)),
+                )
                 if not getattr(self.env, "replayable", True):
                     raise EpisodeRestart(f"{type(self.env).__name__} cannot replay its episode after a reset")
+                if _text(self.first_observation) != _text(seen_first):
+                    raise EpisodeRestart(
+                        f"after a reset the env opens with another observation than the model saw: "
+                        f"{_text(self.first_observation)!r:.120} != {_text(seen_first)!r:.120}"
+                    )
                 for k, (text, seen, invalid) in enumerate(actions):
                     observation, _, info, _ = await step_with_retries(self.ctx, self.env, text, self.sample.metadata)
                     if observation.get("text") != seen or bool(info.get("invalid_action")) != invalid:
-                        await call_env(self.ctx, self.env.reset)  # the replay moved it: the new episode starts fresh
+                        # the replay moved it: the new episode starts fresh
+                        self.first_observation = _first_observation(await call_env(self.ctx, self.env.reset))
                         raise EpisodeRestart(
                             f"replaying action {k} after a reset gave another observation than the model "
                             f"saw: {observation.get('text')!r:.120} != {seen!r:.120}"
@@ -198,3 +211,18 @@ class EpisodeEnv:
                 raise
             except Exception as e:  # the reset itself failed
                 error, where = e, "env reset"
+
+
+def _first_observation(returned: Any) -> dict | None:
+    """What ``reset()`` returned -> the observation that opens the episode (None: nothing)."""
+    if returned is None:
+        return None
+    if isinstance(returned, str):
+        return {"text": returned}
+    if not isinstance(returned, dict):
+        raise TypeError(f"env.reset() must return None, an observation dict or a string; got {type(returned).__name__}")
+    return returned if (returned.get("text") or returned.get("images")) else None
+
+
+def _text(observation: dict | None) -> str | None:
+    return None if observation is None else observation.get("text")

@@ -86,8 +86,13 @@ class EnvWorker:
         env = self.envs[key] = await self._call(self.module.build_env, sample=sample, args=self.args)
         return self.incarnation, getattr(env, "tools", None), getattr(env, "replayable", True)
 
-    async def reset(self, key: str) -> None:
-        await self._call(self._env(key).reset)
+    async def reset(self, key: str) -> tuple[Any, tuple[bool, Any]]:
+        """``env.reset()`` -> (what it returned, formatted as ``step`` formats: an observation that
+        opens the episode is formatted here)."""
+        env = self._env(key)
+        returned = await self._call(env.reset)
+        returned = {"text": returned} if isinstance(returned, str) else returned
+        return returned, self._format(env, returned if isinstance(returned, dict) and returned else None)
 
     async def step(self, key: str, text: str) -> tuple[Any, tuple[bool, Any]]:
         """``env.step(text)`` -> (its result, (True, the observation formatted as chat messages) or
@@ -95,13 +100,17 @@ class EnvWorker:
         ``format_observation`` (and its images) where the env is."""
         env = self._env(key)
         result = await self._call(env.step, text)
-        formatted: tuple[bool, Any] = (True, None)
-        if isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict) and not result[1]:
-            try:
-                formatted = (True, env.format_observation(result[0]))
-            except Exception as e:  # raised where the rollout formats it, as in-process
-                formatted = (False, e)
-        return result, formatted
+        ok = isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict) and not result[1]
+        return result, self._format(env, result[0] if ok else None)
+
+    @staticmethod
+    def _format(env, observation: dict | None) -> tuple[bool, Any]:
+        if observation is None:
+            return True, None
+        try:
+            return True, env.format_observation(observation)
+        except Exception as e:  # raised where the rollout formats it, as in-process
+            return False, e
 
     async def close(self, key: str) -> None:
         env = self.envs.pop(key, None)
@@ -205,6 +214,7 @@ class RemoteEnv:
         self.tools: list | None = None  # the environment's, as its build reported them
         self.replayable = True
         self.was_reset = False
+        self.opened_with: Any = None  # what the last reset returned (the episode's opening observation)
         self.lost = False
         self.closed = False
         self._formatted: tuple[int, tuple[bool, Any]] | None = None
@@ -237,7 +247,13 @@ class RemoteEnv:
         await self.build()
         self.lost = True  # until the replay is done
         if self.was_reset:
-            await self._remote("reset")
+            (returned, _) = await self._remote("reset")
+            now, seen = _text_of(returned), _text_of(self.opened_with)
+            if now != seen:
+                raise EnvReplayDiverged(
+                    f"the restarted environment worker {self.index} opens the episode with another "
+                    f"observation than the model saw: {now!r:.120} != {seen!r:.120}"
+                )
         for k, (text, seen) in enumerate(self.history):
             (observation, _, _), _ = await self._remote("step", text)
             if observation.get("text") != seen:
@@ -251,15 +267,21 @@ class RemoteEnv:
         if self.lost:
             await self._restore()
 
-    async def reset(self) -> None:
-        """Reset the environment: the episode's steps begin again (a restore replays those after it)."""
-        await self.retrying(self._reset_once)
+    async def reset(self) -> Any:
+        """Reset the environment -> what its ``reset()`` returned: the episode's steps begin again (a
+        restore replays those after it)."""
+        returned = await self.retrying(self._reset_once)
         self.was_reset = True
         self.history = []
+        self.opened_with = returned
+        return returned
 
-    async def _reset_once(self) -> None:
+    async def _reset_once(self) -> Any:
         await self._ensure()
-        await self._remote("reset")
+        returned, formatted = await self._remote("reset")
+        if isinstance(returned, dict):
+            self._formatted = (id(returned), formatted)
+        return returned
 
     async def retrying(self, once) -> None:
         """``once()`` again while the worker dies under it: a build or a reset has no step retry around
@@ -281,9 +303,10 @@ class RemoteEnv:
         return result
 
     def format_observation(self, observation: dict):
-        """The observation as the environment formatted it in its worker, with the step that returned it."""
+        """The observation as the environment formatted it in its worker, with the step (or reset) that
+        returned it."""
         if self._formatted is None or self._formatted[0] != id(observation):
-            raise RuntimeError("a remote environment formats the observation its last step returned, no other")
+            raise RuntimeError("a remote environment formats the observation its last step or reset returned, no other")
         ok, value = self._formatted[1]
         if not ok:
             raise value
@@ -305,3 +328,7 @@ class RemoteEnv:
     def release(self) -> None:
         self.closed = True
         self.pool.unassign(self.index)
+
+
+def _text_of(opening: Any) -> Any:
+    return opening.get("text") if isinstance(opening, dict) else opening

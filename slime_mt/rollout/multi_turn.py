@@ -207,8 +207,8 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
     """Run one trajectory to its end; always returns the sample with a final status. ``env``: an
     environment to use (default: ``build_env`` of the context's env module); it is closed at the end.
     An env that declares ``tools`` has its prompt encoded with them (in place of the row's); an
-    episode whose env cannot be brought back after a reset (``EpisodeRestart``) starts again from
-    its prompt."""
+    observation its ``reset()`` returns follows the row's prompt (part of the prompt); an episode
+    whose env cannot be brought back after a reset (``EpisodeRestart``) starts again from its prompt."""
     r = ctx.rollout
     sampling_params = dict(sampling_params or ctx.sampling_params())
     encoder = ctx.encoder((sample.metadata or {}).get("tools"))
@@ -221,6 +221,23 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
         else None
     )
     prompt = ctx.take_prompt_encoding(sample) or encoder.encode_prompt(sample.prompt, as_messages)
+    row_messages = messages
+
+    def open_with(first: dict | None) -> None:
+        """The observation the env's reset() returned follows the row's prompt, as part of the prompt."""
+        nonlocal prompt, messages
+        if first is None:
+            if sample.metadata.pop("first_observation", None) is not None:  # a restart that opens without one
+                messages = row_messages
+                prompt = encoder.encode_prompt(sample.prompt, as_messages)
+            return
+        sample.metadata["first_observation"] = first.get("text", "")
+        if as_messages:
+            opening = episode.format_observation(first)
+            messages = row_messages + ([opening] if isinstance(opening, dict) else list(opening))
+            prompt = encoder.encode_prompt(messages, True)
+        else:
+            prompt = encoder.encode_prompt(f"{sample.prompt}{first.get('text', '')}", False)
 
     def begin() -> Trajectory:
         traj = Trajectory(ctx, sample, encoder if keeps_messages else None)
@@ -242,7 +259,9 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
                 prompt = encoder.encode_prompt(sample.prompt, as_messages)
                 traj = begin()
             stage = "env reset"
-            await episode.reset()
+            if (first := await episode.reset()) is not None:
+                open_with(first)
+                traj = begin()
         stage = "rollout"
         while True:
             try:
@@ -252,6 +271,7 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
                 logger.info("sample %s: the episode restarts: %s", sample.index, e)
                 sample.metadata["invalid_actions"] = 0
                 sample.status = Status.PENDING
+                open_with(episode.first_observation)
                 traj = begin()
     except EnvStepFailed as e:
         fail(sample, e.cause, str(e), e.__cause__ or e)

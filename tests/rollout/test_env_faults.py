@@ -140,6 +140,31 @@ def test_faults_past_the_reset_budget_fail_the_sample(target):
     assert sample.metadata["env_resets"] == 3
 
 
+class Opening(Counter):
+    """Opens each episode with its board (``board <state>``): a reset's observation."""
+
+    def reset(self):
+        super().reset()
+        return {"text": f"board {self.state}"}
+
+
+@pytest.mark.parametrize("noisy", [False, True], ids=["same_opening", "new_opening"])
+def test_the_resets_observation_follows_the_prompt_and_a_new_one_restarts_the_episode(target, noisy):
+    env = Opening(lose_at={2}, noisy=noisy)
+    sample, ctx = episode(target, env, max_turns=3)
+    assert (sample.status, len(sample.turns)) == (Status.COMPLETED, 3)
+    board = "board 100" if noisy else "board 0"  # after the reset, the noisy env opens with another board
+    opened = [*PROMPT, {"role": "user", "content": board}]
+    assert sample.tokens[: sample.prompt_length] == ctx.encoder().encode_prompt(opened, True).ids
+    assert sample.metadata["first_observation"] == board
+    states = [o.split("state ")[1].split("<")[0] for o in observations(sample, ctx.tokenizer)[:2]]
+    if noisy:  # the episode began again from the new board, never replayed onto it
+        assert sample.metadata["episode_restarts"] == 1 and states == ["101", "102"]
+    else:  # the same board: the first action replayed, the episode went on
+        assert "episode_restarts" not in sample.metadata and states == ["1", "2"]
+    assert sample.metadata["env_resets"] == 1
+
+
 class Tooled(Counter):
     def __init__(self):
         super().__init__(rewards=True)
