@@ -9,9 +9,10 @@ in the rollout process on first use and stopped with the run).
 The rubric is a ``str.format`` template (``--judge-template``, a file; default ``DEFAULT_TEMPLATE``)
 over ``{prompt}``, ``{response}`` and ``{label}``, sent as one user message. The judge's answer is read
 by ``parse_score`` (the last ``Score: N`` or ``N/10``, else the last JSON object with a ``score``),
-or by a user parser (``Judge(parse=...)``). Every call has a timeout; a call that times out, fails or
-cannot be parsed is tried again (``--judge-retries``), then the result is a recorded failure
-(``JudgeResult.error``) and its user decides: ``judge_reward`` fails the sample (left out of its
+or by a user parser (``--judge-parser-path``, ``Judge(parse=...)``). Every call has a timeout; a call
+that times out, fails or cannot be parsed is tried again (``--judge-retries``; the first call is
+greedy, a retry samples), then the result is a recorded failure (``JudgeResult.error``) and its user
+decides: ``judge_reward`` fails the sample (left out of its
 group's statistics) unless ``--judge-failure-reward`` gives a value. At most ``--judge-concurrency``
 calls are in flight; identical prompts within one step share one call (the cache is per step).
 Each sample counts its judge calls in ``metadata["judge"]`` (calls, cache_hits, retries, failures,
@@ -37,6 +38,7 @@ DEFAULT_TEMPLATE = (
     "(wrong) to 10 (fully correct). First give a short critique, then end with 'Score: N'.\n\n"
     "Task:\n{prompt}\n\nReference:\n{label}\n\nAnswer (between the markers):\n<<<\n{response}\n>>>"
 )
+RETRY_TEMPERATURE = 0.7
 _NUMBER = r"(-?\d+(?:\.\d+)?)(?![\d.eE])"  # a whole number: "1e400" or "7.5.1" is none
 _SCORE = re.compile(rf"score\**\s*[:=]\s*\**\s*{_NUMBER}(?:\s*/\s*{_NUMBER})?", re.IGNORECASE)
 _FRACTION = re.compile(rf"{_NUMBER}\s*/\s*10\b")
@@ -147,8 +149,11 @@ class Judge:
     async def _call(self, ids: list[int]) -> JudgeResult:
         started = time.perf_counter()
         text, error = "", ""
-        params = {"temperature": 0.0, "max_new_tokens": self.max_new_tokens}
         for attempt in range(1, self.retries + 2):
+            # greedy first; a retry samples (a greedy retry would write the same unparseable answer again)
+            params = {"temperature": 0.0, "max_new_tokens": self.max_new_tokens}
+            if attempt > 1:  # seeded: the same answer is retried the same way
+                params.update(temperature=RETRY_TEMPERATURE, sampling_seed=attempt)
             try:
                 async with self.semaphore:
                     response = await asyncio.wait_for(
@@ -168,6 +173,10 @@ class Judge:
     async def close(self) -> None:
         if self.on_close is not None:
             self.on_close()
+
+
+def _expected_parser(text: str) -> float | None:
+    """Prototype of ``--judge-parser-path``: the judge's answer -> its score, or None (unparseable)."""
 
 
 def _context(args):
@@ -210,10 +219,16 @@ async def judge_of(ctx) -> Judge:
             engine = await asyncio.to_thread(lambda: LocalEngine(args.judge_model_path, max_batch_size=16).start())
             url, on_close = engine.url, engine.stop
         client = client_for("local", url, timeout=args.judge_timeout, max_retries=1)
+    parse = None
+    if args.judge_parser_path:
+        from slime_mt.plugins import load_function
+
+        parse = load_function(args.judge_parser_path, _expected_parser, "--judge-parser-path")
     ctx.judge = Judge(
         client,
         tokenizer,
         template,
+        parse=parse,
         timeout=args.judge_timeout,
         retries=args.judge_retries,
         concurrency=args.judge_concurrency,

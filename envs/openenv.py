@@ -54,6 +54,15 @@ _JSON_ACTION = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```|<action>\s*(\{.*?\})\
 _SCHEMAS: dict[str, dict] = {}  # base URL -> the server's /schema (asked once per process)
 
 
+def _websockets():
+    try:
+        import websockets.asyncio.client
+        import websockets.exceptions
+    except ImportError as e:
+        raise ImportError("envs.openenv needs websockets: pip install 'slime_mt[envs]'") from e
+    return websockets
+
+
 class OpenEnvError(RuntimeError):
     """The OpenEnv server answered with an error that no reset helps (its environment raised)."""
 
@@ -149,13 +158,12 @@ class OpenEnvEnv(BaseInteractionEnv):
 
     # ------------------------------------------------------------------ the session
     async def _open(self) -> None:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import InvalidHandshake
-
+        ws = _websockets()
         await self._drop()
         try:
+            connect = ws.asyncio.client.connect
             self._ws = await connect(self.ws_url, max_size=MAX_MESSAGE_BYTES, open_timeout=self.timeout)
-        except (OSError, TimeoutError, InvalidHandshake) as e:
+        except (OSError, TimeoutError, ws.exceptions.InvalidHandshake) as e:
             raise RecoverableEnvError(f"OpenEnv server {self.ws_url} unreachable: {type(e).__name__}: {e}") from e
 
     async def _drop(self) -> None:
@@ -168,14 +176,12 @@ class OpenEnvEnv(BaseInteractionEnv):
 
     async def _request(self, message: dict) -> dict:
         """Send one message and read its answer -> the answer's ``data``; a lost session is recoverable."""
-        from websockets.exceptions import ConnectionClosed
-
         if self._ws is None:
             raise RecoverableEnvError(f"OpenEnv session to {self.ws_url} is not open (the last one was lost)")
         try:
             await self._ws.send(json.dumps(message))
             answer = json.loads(await asyncio.wait_for(self._ws.recv(), timeout=self.timeout))
-        except (ConnectionClosed, OSError) as e:
+        except (_websockets().exceptions.ConnectionClosed, OSError) as e:
             await self._drop()
             raise RecoverableEnvError(f"OpenEnv session to {self.ws_url} lost during {message['type']}: {e}") from e
         except TimeoutError as e:
@@ -247,6 +253,7 @@ def _setting(metadata: dict, args, key: str, default=None):
 
 
 def build_env(sample=None, args=None, **kw) -> OpenEnvEnv:
+    _websockets()  # a missing client library is named when the env is built
     metadata = (sample.metadata if sample is not None else None) or {}
     url = _setting(metadata, args, "openenv_url")
     if not url:

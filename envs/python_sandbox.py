@@ -27,8 +27,9 @@ the fresh folder and the cleared environment, and ``sandbox_mode()`` says that n
 isolation are missing (logged once as a warning).
 
 ``PythonSandboxEnv``: the model writes code in a fenced ```python block; each turn the code runs and
-its output is the observation; a turn with ``<submit>`` runs its code and then the row's hidden tests
-(``metadata["tests"]``: Python asserts) and ends the episode with reward 1 / 0.
+its output is the observation; a turn with ``<submit>``, or the last valid turn of ``--max-turns``,
+runs its code and then the row's hidden tests (``metadata["tests"]``: Python asserts) and ends the
+episode with reward 1 / 0.
 """
 
 from __future__ import annotations
@@ -283,15 +284,16 @@ class PythonSandboxEnv(BaseInteractionEnv):
 
     observation_role = "tool"
 
-    def __init__(self, tests: str, limits: SandboxLimits = SandboxLimits()) -> None:
-        self.tests, self.limits = tests, limits
+    def __init__(self, tests: str, limits: SandboxLimits = SandboxLimits(), max_turns: int | None = None) -> None:
+        self.tests, self.limits, self.max_turns = tests, limits, max_turns
         self.runs = 0
 
     async def step(self, response_text: str) -> tuple[dict, bool, dict]:
         code = code_block(response_text)
         if code is None:
             raise InvalidActionError("Write your code in a ```python block (add <submit> when it is final).")
-        if "<submit>" in response_text:
+        last = self.max_turns is not None and self.runs + 1 >= self.max_turns  # the episode's last valid turn
+        if "<submit>" in response_text or last:
             result = await run_python(code + "\n\n" + self.tests, self.limits)
             passed = float(result.ok)
             return {"text": result.describe()}, True, {"reward": passed, "passed": passed, "runs": self.runs}
@@ -305,4 +307,5 @@ def build_env(sample=None, args=None, **kw) -> PythonSandboxEnv:
     metadata = (sample.metadata if sample is not None else None) or {}
     if not isinstance(metadata.get("tests"), str):
         raise ValueError("envs.python_sandbox: the row needs metadata['tests'] (Python asserts, as text)")
-    return PythonSandboxEnv(metadata["tests"])
+    max_turns = getattr(args, "max_turns", None)
+    return PythonSandboxEnv(metadata["tests"], max_turns=int(max_turns) if max_turns else None)

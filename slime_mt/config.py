@@ -432,6 +432,11 @@ class JudgeConfig:
     judge_template: str | None = _opt(
         None, "A file holding the rubric: a str.format template over {prompt}, {response} and {label}."
     )
+    judge_parser_path: str | None = _opt(
+        None,
+        "file.py:fn or module.fn reading the judge's answer: fn(text) -> a score, or None when it holds none "
+        "(default: the last 'Score: N', 'N/10' or JSON score).",
+    )
     judge_timeout: float = _opt(60.0, "Seconds one judge call may take before it is tried again.")
     judge_retries: int = _opt(2, "Judge calls tried again after a timeout, an engine error or an unparseable answer.")
     judge_concurrency: int = _opt(8, "Judge calls in flight at once.")

@@ -102,6 +102,10 @@ def check_plugins(cfg: Config):
     load_plugins(r)
     if r.context_policy_path:
         load_function(r.context_policy_path, what="--context-policy-path")
+    if cfg.judge.judge_parser_path:
+        from envs.llm_judge import _expected_parser
+
+        load_function(cfg.judge.judge_parser_path, _expected_parser, "--judge-parser-path")
     if not r.rollout_interaction_env_path:
         return None
     module = load_module(r.rollout_interaction_env_path)

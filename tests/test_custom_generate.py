@@ -1,5 +1,5 @@
 """examples/custom_generate (the demo's game as one generate function that sets ``sample.reward``)
-trained for two steps with SmolLM2-135M-Instruct in every sample format: the reward the function set
+trained for two steps with SmolLM2-135M-Instruct, concat and step-wise: the reward the function set
 is the reward trained and reported, its turns count, and step-wise training sees every turn."""
 
 import json
@@ -39,12 +39,10 @@ def demo_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "sample_format", [["--sample-format", "concat"], ["--sample-format", "step_wise"], ["--merge-step-wise"]]
-)
+# concat and step_wise; a custom generate function trained step-wise with --merge-step-wise is
+# tests/test_openai_agent.py (rollouts.agent.generate is one, its merged sequences counted there)
+@pytest.mark.parametrize("sample_format", [["--sample-format", "concat"], ["--sample-format", "step_wise"]])
 def test_a_custom_generate_function_trains_with_the_reward_it_set(tmp_path, demo_data, smollm2_path, sample_format):
-    if sample_format == ["--merge-step-wise"]:
-        sample_format = ["--sample-format", "step_wise", "--merge-step-wise"]
     run = tmp_path / "run"
     cmd = demo_train_cmd(
         smollm2_path,
@@ -67,10 +65,7 @@ def test_a_custom_generate_function_trains_with_the_reward_it_set(tmp_path, demo
         assert row["rollout/turns_mean"] == pytest.approx(sum(x["turns"] for x in mine) / 4, abs=1e-12)
         assert row["rollout/generated_tokens"] > 0 and "rollout/samples_without_turns" not in row
         assert "rollout/status/failed" not in row and "rollout/termination/error" not in row
-        if "--merge-step-wise" in sample_format:
-            assert row["train/sequences_before_merge"] == sum(x["turns"] for x in mine)
-            assert row["train/sequences_after_merge"] == 4  # each trajectory's turns in one sequence
-        elif "step_wise" in sample_format:
+        if "step_wise" in sample_format:
             assert row["train/sequences_before_merge"] == sum(x["turns"] for x in mine)
     rewards = {x["reward"] for x in returned}
     assert len(rewards) > 1 and any(r["train/grad_norm"] > 0 for r in rows)  # the rewards it set taught

@@ -97,11 +97,17 @@ def test_smollm2_judges_through_the_engine_with_retries_cache_and_metrics(judge_
 
 
 def test_an_unparseable_judge_is_retried_then_a_recorded_failure(judge_engine, smollm2_path):
-    judge = make_judge(judge_engine.url, smollm2_path, retries=2, parse=lambda text: None)
+    answers = []
+    judge = make_judge(judge_engine.url, smollm2_path, retries=2, parse=lambda text: answers.append(text))
     stats = {}
     result = asyncio.run(judge.grade(0, stats, prompt="p", response="r", label="l"))
     assert result.score is None and result.attempts == 3 and "no score in the judge's answer" in result.error
     assert stats == {**stats, "calls": 1, "retries": 2, "failures": 1}
+    assert len(set(answers)) == 3  # greedy first, then each retry sampled (seeded): not the same answer again
+    again = []
+    judge = make_judge(judge_engine.url, smollm2_path, retries=2, parse=lambda text: again.append(text))
+    asyncio.run(judge.grade(0, {}, prompt="p", response="r", label="l"))
+    assert again == answers  # the seeds make the retries reproducible
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from train_helpers import TWO_SMALL_STEPS
 
 REPO = Path(__file__).resolve().parents[1]
+SESSIONS = 2  # agent sessions a step: one prompt's group
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
     cmd = [
         sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/openai_agent/config.yaml"),
         "--hf-checkpoint", str(smollm2_path), "--prompt-data", str(agent_data), "--log-dir", str(run),
-        *TWO_SMALL_STEPS, *extra,
+        *TWO_SMALL_STEPS, "--n-samples-per-prompt", str(SESSIONS), "--global-batch-size", str(SESSIONS),
+        "--micro-batch-size", str(SESSIONS), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,10 +51,10 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
     for row in rows:
         assert "rollout/status/failed" not in row, proc.stderr[-3000:]
         calls = row["gateway/calls"]
-        assert calls == row["rollout/turns_mean"] * 4 and calls >= 4  # every call is a turn of its sample
+        assert calls == row["rollout/turns_mean"] * SESSIONS and calls >= SESSIONS  # every call is a turn of its sample
         assert row["train/sequences_before_merge"] == calls  # one step-wise sample per call
-        assert row["train/sequences_after_merge"] == 4  # the agent only appends: one sequence per session
-        assert row["gateway/kept_messages"] == calls - 4  # every answer went back as the model's own ids
+        assert row["train/sequences_after_merge"] == SESSIONS  # the agent only appends: one sequence per session
+        assert row["gateway/kept_messages"] == calls - SESSIONS  # every answer went back as the model's own ids
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "agent/good_tool_call" in row
         assert row["train/loss"] == row["train/loss"]  # a number, not NaN
     assert all(("async/dropped_groups" in r) == (way == "fully-async") for r in rows)  # the mode that ran

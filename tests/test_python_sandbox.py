@@ -2,6 +2,7 @@
 clear message to the model, no process or file left behind, the event loop never stalled, and the
 code environment graded by hidden tests."""
 
+import argparse
 import asyncio
 import glob
 import os
@@ -178,3 +179,8 @@ def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
     assert code_block("a\n```python\nx = 1\n```\nb\n```python\ny = 2\n```") == "y = 2"
     with pytest.raises(ValueError, match="metadata\\['tests'\\]"):
         build_env(Sample(metadata={}))
+    # with --max-turns 2 the second valid turn is the last: it is graded without <submit>
+    env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}), argparse.Namespace(max_turns=2))
+    assert asyncio.run(env.step("```python\nprint(7)\n```"))[1:] == (False, {"timed_out": 0.0, "exit_code": 0})
+    observation, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```"))
+    assert done and info["reward"] == 1.0 and info["passed"] == 1.0
