@@ -2,8 +2,8 @@
 
 An environment module defines ``build_env(sample=None, args=None, **kw) -> BaseInteractionEnv``; the
 rollout builds one env per trajectory, calls ``reset()`` once (an observation it returns, a dict like
-``step``'s or a string, follows the row's prompt as part of the prompt: a game's board, a task the env
-draws), then after every model turn calls
+``step``'s, a string, or slime's ``(observation, reset_info)``, follows the row's prompt as part of the
+prompt: a game's board, a task the env draws; an empty one is none), then after every model turn calls
 ``step(response_text)`` and appends ``format_observation(observation)`` to the conversation (its tokens
 get loss mask 0: the model is never trained on them). ``close()`` is always called, also after errors.
 

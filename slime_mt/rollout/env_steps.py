@@ -215,13 +215,23 @@ class EpisodeEnv:
 
 def _first_observation(returned: Any) -> dict | None:
     """What ``reset()`` returned -> the observation that opens the episode (None: nothing)."""
+    returned = opening_of(returned)
     if returned is None:
         return None
-    if isinstance(returned, str):
-        return {"text": returned}
     if not isinstance(returned, dict):
-        raise TypeError(f"env.reset() must return None, an observation dict or a string; got {type(returned).__name__}")
+        raise TypeError(
+            "env.reset() must return None, an observation dict, a string or slime's (observation, info); "
+            f"got {type(returned).__name__}"
+        )
     return returned if (returned.get("text") or returned.get("images")) else None
+
+
+def opening_of(returned: Any) -> Any:
+    """``reset()``'s return in its accepted forms -> the observation alone: slime's envs return
+    ``(observation, reset_info)`` (an empty observation: none), a string is the observation's text."""
+    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], (dict, type(None))):
+        returned = returned[0]
+    return {"text": returned} if isinstance(returned, str) else returned
 
 
 def _text(observation: dict | None) -> str | None:

@@ -32,6 +32,7 @@ from typing import Any
 
 from envs.base import RetryableEnvError
 from slime_mt.launch.ray.pool import ActorPool
+from slime_mt.rollout.env_steps import opening_of
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,7 @@ class EnvWorker:
         """``env.reset()`` -> (what it returned, formatted as ``step`` formats: an observation that
         opens the episode is formatted here)."""
         env = self._env(key)
-        returned = await self._call(env.reset)
-        returned = {"text": returned} if isinstance(returned, str) else returned
+        returned = opening_of(await self._call(env.reset))
         return returned, self._format(env, returned if isinstance(returned, dict) and returned else None)
 
     async def step(self, key: str, text: str) -> tuple[Any, tuple[bool, Any]]:

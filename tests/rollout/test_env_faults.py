@@ -141,11 +141,12 @@ def test_faults_past_the_reset_budget_fail_the_sample(target):
 
 
 class Opening(Counter):
-    """Opens each episode with its board (``board <state>``): a reset's observation."""
+    """Opens each episode with its board (``board <state>``): a reset's observation, in slime's form
+    ``(observation, reset_info)``."""
 
     def reset(self):
         super().reset()
-        return {"text": f"board {self.state}"}
+        return {"text": f"board {self.state}"}, {"seed": 0}
 
 
 @pytest.mark.parametrize("noisy", [False, True], ids=["same_opening", "new_opening"])
