@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import BaseInteractionEnv
+from slime_mt.data import write_jsonl
 
 SYSTEM_PROMPT = "Solve the task. Think briefly, then give only the final answer as <answer>...</answer>."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -109,11 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     given = parser.parse_args(argv)
     rows = make_rows([t.strip() for t in given.tasks.split(",") if t.strip()], given.size, given.seed)
-    given.out.mkdir(parents=True, exist_ok=True)
-    path = given.out / "train.jsonl"
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)  # never a half-written file
+    path = write_jsonl(given.out / "train.jsonl", rows)  # never a half-written file
     print(f"wrote {len(rows)} rows to {path}")
 
 

@@ -44,6 +44,17 @@ class PromptRow:
     images: list[Any] = field(default_factory=list)
 
 
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """Write ``rows`` as jsonl, whole or not at all (a temporary file renamed into place); makes the
+    folder -> the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+    return path
+
+
 def read_records(path: str | Path) -> list[dict]:
     """Rows of a .jsonl or .parquet file as dicts."""
     path = Path(path)

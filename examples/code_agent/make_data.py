@@ -4,9 +4,10 @@ generated inputs, ``metadata["tests"]``) grade the submitted code in envs.python
 seed gives the same file."""
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from slime_mt.data import write_jsonl
 
 SYSTEM_PROMPT = (
     "You write Python. Put your code in a ```python block: it runs and you see its output. When the "
@@ -85,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     given = parser.parse_args(argv)
-    given.out.mkdir(parents=True, exist_ok=True)
-    path = given.out / "train.jsonl"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in make(given.rows, given.seed)))
-    tmp.replace(path)  # never a half-written file
+    path = write_jsonl(given.out / "train.jsonl", make(given.rows, given.seed))
     print(f"wrote {given.rows} tasks to {path}")
 
 

@@ -3,9 +3,10 @@
 ``label``: the reference the judge compares with). The same seed gives the same order."""
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from slime_mt.data import write_jsonl
 
 SYSTEM_PROMPT = (
     "Answer in one short sentence. A grader reviews each answer; if it finds a problem, improve your answer."
@@ -41,11 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}], "label": a}
         for q, a in facts
     ]
-    given.out.mkdir(parents=True, exist_ok=True)
-    path = given.out / "train.jsonl"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)  # never a half-written file
+    path = write_jsonl(given.out / "train.jsonl", rows)
     print(f"wrote {len(rows)} questions to {path}")
 
 

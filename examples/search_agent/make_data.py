@@ -11,7 +11,6 @@ The names are invented, so no model knows them: the answers are found only by se
 seed gives the same files."""
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from envs.search import SYSTEM_PROMPT  # noqa: E402
+from slime_mt.data import write_jsonl  # noqa: E402
 
 SYLLABLES = ["zor", "va", "nia", "quel", "mar", "o", "tes", "sin", "bre", "lan", "du", "ka", "ri", "fen", "tho", "pel"]
 GOODS = ["salt", "wool", "copper", "tea", "amber", "glass", "timber", "silk", "rice", "tin"]
@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     given = parser.parse_args(argv)
     passages, questions = make(given.countries, given.seed)
-    given.out.mkdir(parents=True, exist_ok=True)
     corpus = (given.out / "corpus.jsonl").resolve()
     rows = [
         {
@@ -72,10 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         for q in questions
     ]
-    for path, lines in ((corpus, passages), (given.out / "train.jsonl", rows)):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        tmp.replace(path)  # never a half-written file
+    write_jsonl(corpus, passages)
+    write_jsonl(given.out / "train.jsonl", rows)
     print(f"wrote {len(passages)} passages to {corpus} and {len(rows)} questions to {given.out / 'train.jsonl'}")
 
 
