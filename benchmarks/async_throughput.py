@@ -75,7 +75,7 @@ def run_mode(folder: Path, name: str, flags: list[str], steps: int, batch: int, 
     run_dir = folder / name
     model = str(tiny_model_dir("qwen2"))
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     engine = subprocess.Popen(
         [
             sys.executable,

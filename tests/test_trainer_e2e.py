@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from train_helpers import TWO_SMALL_STEPS, demo_train_cmd
+from train_helpers import TWO_SMALL_STEPS, demo_train_cmd, repo_env
 
 from slime_mt.engine.launch import free_port
 
@@ -131,7 +131,7 @@ def train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int = 2) 
 
 
 def run(cmd, timeout=600, **kw):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, **kw)
 
 
@@ -144,7 +144,7 @@ def kill_after_two_steps(cmd, run_dir: Path) -> None:
     child = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=repo_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -320,7 +320,7 @@ def test_cpu_recipe_runs(tmp_path):
         text=True,
         timeout=900,
         cwd=REPO,
-        env=dict(os.environ, RUN_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(REPO)),
+        env=repo_env(RUN_DIR=str(tmp_path), PYTHON=sys.executable),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
@@ -682,7 +682,7 @@ def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, 
         cmd = ray_cmd(geo3k, tmp_path, cluster, *DETERMINISTIC, "--rollout-num-gpus", "1")
         out, err = tmp_path / "driver.out", tmp_path / "driver.err"
         with out.open("w") as stdout, err.open("w") as stderr:
-            env = dict(os.environ, PYTHONPATH=str(REPO))
+            env = repo_env()
             child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
             try:
                 deadline = time.time() + 300
@@ -725,7 +725,7 @@ def test_ctrl_c_finishes_the_step_saves_and_stops(geo3k, tmp_path, launcher, req
         cmd = ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "1", steps=20)
     else:
         cmd = train_cmd(geo3k, tmp_path, *flags, steps=20)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -770,7 +770,7 @@ def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_wit
         cmd = ray_cmd(geo3k, tmp_path, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "2", steps=6)
         out = tmp_path / "driver.out"
         with out.open("w") as stdout:
-            env = dict(os.environ, PYTHONPATH=str(REPO))
+            env = repo_env()
             child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
             deadline = time.time() + 300
             while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:

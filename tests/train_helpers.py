@@ -1,5 +1,6 @@
 """Commands the end-to-end tests share."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -35,3 +36,10 @@ def demo_train_cmd(model: Path, prompt_data: Path, run_dir: Path, *extra: str) -
         str(run_dir),
         *extra,
     ]
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child run from the repo: the repo first on ``PYTHONPATH``,
+    whatever was there kept (packages installed on PYTHONPATH, as on a GPU machine), ``extra`` set."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)

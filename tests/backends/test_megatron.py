@@ -7,7 +7,6 @@ The checks run in spawned processes (``megatron_worker.py``); the launches are s
 of this module, so megatron is imported once per launch, not per test."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_worker import FAMILIES, REFUSED_ROPE, ROPE_CASES
+from train_helpers import repo_env
 
 from slime_mt.backends.megatron.convert import load_hf_state
 
@@ -40,7 +40,7 @@ def launch(tp: int, world: int, checks: str, out: Path) -> dict:
             str(free_port()),
             str(WORKER),
         ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     proc = subprocess.run(
         cmd + ["--tp", str(tp), "--checks", checks, "--out", str(out)],
         capture_output=True,

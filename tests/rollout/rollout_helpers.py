@@ -5,13 +5,13 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+from train_helpers import repo_env
 
 from envs.base import BaseInteractionEnv, RetryableEnvError
 from slime_mt.config import DataConfig, RolloutConfig
@@ -131,7 +131,7 @@ def train_in_megatron(tmp_path, payload: dict) -> dict:
         capture_output=True,
         text=True,
         timeout=900,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=repo_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
