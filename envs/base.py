@@ -106,6 +106,14 @@ class BaseInteractionEnv:
         """Release resources (sandboxes, connections); always called."""
 
 
+def opening_of(returned: Any) -> Any:
+    """What ``reset()`` returned, in its accepted forms -> the observation alone: slime's envs return
+    ``(observation, reset_info)`` (an empty observation: none), a string is the observation's text."""
+    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], (dict, type(None))):
+        returned = returned[0]
+    return {"text": returned} if isinstance(returned, str) else returned
+
+
 def build_env(sample=None, args=None, **kw) -> BaseInteractionEnv:
     """Prototype of the module-level factory every environment module defines."""
     raise NotImplementedError("an environment module must define build_env(sample=None, args=None, **kw)")

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 from typing import Any
 
-from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError
+from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of
 from slime_mt.engine.http import within
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.types import Sample
@@ -224,14 +224,6 @@ def _first_observation(returned: Any) -> dict | None:
             f"got {type(returned).__name__}"
         )
     return returned if (returned.get("text") or returned.get("images")) else None
-
-
-def opening_of(returned: Any) -> Any:
-    """``reset()``'s return in its accepted forms -> the observation alone: slime's envs return
-    ``(observation, reset_info)`` (an empty observation: none), a string is the observation's text."""
-    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], (dict, type(None))):
-        returned = returned[0]
-    return {"text": returned} if isinstance(returned, str) else returned
 
 
 def _text(observation: dict | None) -> str | None:

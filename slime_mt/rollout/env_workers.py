@@ -30,9 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from envs.base import RetryableEnvError
+from envs.base import RetryableEnvError, opening_of
 from slime_mt.launch.ray.pool import ActorPool
-from slime_mt.rollout.env_steps import opening_of
 
 logger = logging.getLogger(__name__)
 
