@@ -6,9 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
+# .venv-vllm (the real vLLM server the engine tests also run against, --engine vllm) and .venv-openenv
+# (a real OpenEnv server for the envs/openenv.py tests) are made beside .venv, at the same time
+ensure_vllm_venv &
+vllm_setup=$!
+ensure_openenv_venv &
+openenv_setup=$!
 ensure_venv "test"
-ensure_vllm_venv  # .venv-vllm: the real vLLM server the engine tests also run against (--engine vllm)
-ensure_openenv_venv  # .venv-openenv: a real OpenEnv server for the envs/openenv.py tests
+wait "$vllm_setup"  # a failed install stops the run here (set -e)
+wait "$openenv_setup"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[checks] ruff check, ruff format --check"
 .venv/bin/ruff check .

@@ -46,9 +46,13 @@ def train_example(name: str, model: Path, tmp_path: Path, *extra: str) -> list[d
     return rows
 
 
+# one prompt's group of two samples a step (the recipe's sizes, set small for CI's time)
+SMALL = ["--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size", "2"]
+
+
 @pytest.mark.slow
 def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
-    rows = train_example("search_agent", smollm2_path, tmp_path, "--max-turns", "3")
+    rows = train_example("search_agent", smollm2_path, tmp_path, "--max-turns", "3")  # four samples a step
     # searches were answered: turns that counted (valid actions) and their passages as observations
     assert sum(r["rollout/valid_turns_mean"] for r in rows) > 0
     assert all(r["rollout/observation_tokens"] > 0 for r in rows)
@@ -57,15 +61,14 @@ def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
 
 @pytest.mark.slow
 def test_the_code_agent_example_trains_two_steps(tmp_path, smollm2_path):
-    small = ["--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size", "2", "--max-turns", "2"]
-    rows = train_example("code_agent", smollm2_path, tmp_path, *small)
+    rows = train_example("code_agent", smollm2_path, tmp_path, *SMALL, "--max-turns", "2")
     assert any("env/exit_code" in r for r in rows)  # the model's code ran in the sandbox
     assert all(r["rollout/finish_reason/stop"] > 0 for r in rows)  # turns ended at the code's closing fence
 
 
 @pytest.mark.slow
 def test_the_judge_feedback_example_trains_two_steps(tmp_path, smollm2_path):
-    rows = train_example("judge_feedback", smollm2_path, tmp_path)
+    rows = train_example("judge_feedback", smollm2_path, tmp_path, *SMALL)
     judged = [r for r in rows if "judge/calls" in r]  # a step whose turns all hit the length limit asks none
     assert judged and all(r["judge/calls"] > 0 and "judge/cache_hit_rate" in r for r in judged)
     scored = [r for r in rows if "env/judge_score" in r]
