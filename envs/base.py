@@ -114,6 +114,11 @@ def opening_of(returned: Any) -> Any:
     return {"text": returned} if isinstance(returned, str) else returned
 
 
+def opening_text(opening: Any) -> Any:
+    """An opening observation's text (what replays compare): the dict's ``text``, else the value itself."""
+    return opening.get("text") if isinstance(opening, dict) else opening
+
+
 def build_env(sample=None, args=None, **kw) -> BaseInteractionEnv:
     """Prototype of the module-level factory every environment module defines."""
     raise NotImplementedError("an environment module must define build_env(sample=None, args=None, **kw)")

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 from typing import Any
 
-from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of
+from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of, opening_text
 from slime_mt.engine.http import within
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.types import Sample
@@ -185,10 +185,10 @@ class EpisodeEnv:
                 )
                 if not getattr(self.env, "replayable", True):
                     raise EpisodeRestart(f"{type(self.env).__name__} cannot replay its episode after a reset")
-                if _text(self.first_observation) != _text(seen_first):
+                if opening_text(self.first_observation) != opening_text(seen_first):
                     raise EpisodeRestart(
                         f"after a reset the env opens with another observation than the model saw: "
-                        f"{_text(self.first_observation)!r:.120} != {_text(seen_first)!r:.120}"
+                        f"{opening_text(self.first_observation)!r:.120} != {opening_text(seen_first)!r:.120}"
                     )
                 for k, (text, seen, invalid) in enumerate(actions):
                     observation, _, info, _ = await step_with_retries(self.ctx, self.env, text, self.sample.metadata)
@@ -224,7 +224,3 @@ def _first_observation(returned: Any) -> dict | None:
             f"got {type(returned).__name__}"
         )
     return returned if (returned.get("text") or returned.get("images")) else None
-
-
-def _text(observation: dict | None) -> str | None:
-    return None if observation is None else observation.get("text")

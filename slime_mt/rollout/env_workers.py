@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from envs.base import RetryableEnvError, opening_of
+from envs.base import RetryableEnvError, opening_of, opening_text
 from slime_mt.launch.ray.pool import ActorPool
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class RemoteEnv:
         self.lost = True  # until the replay is done
         if self.was_reset:
             (returned, _) = await self._remote("reset")
-            now, seen = _text_of(returned), _text_of(self.opened_with)
+            now, seen = opening_text(returned), opening_text(self.opened_with)
             if now != seen:
                 raise EnvReplayDiverged(
                     f"the restarted environment worker {self.index} opens the episode with another "
@@ -282,7 +282,7 @@ class RemoteEnv:
             self._formatted = (id(returned), formatted)
         return returned
 
-    async def retrying(self, once) -> None:
+    async def retrying(self, once) -> Any:
         """``once()`` again while the worker dies under it: a build or a reset has no step retry around
         it, so it gets the same budget here."""
         for attempt in range(self.pool.retries + 1):
@@ -327,7 +327,3 @@ class RemoteEnv:
     def release(self) -> None:
         self.closed = True
         self.pool.unassign(self.index)
-
-
-def _text_of(opening: Any) -> Any:
-    return opening.get("text") if isinstance(opening, dict) else opening
