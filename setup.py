@@ -41,11 +41,13 @@ setup(
             "bm25s>=0.2",  # envs.search
             "reasoning-gym>=0.1.20",  # envs.reasoning_tasks
             "websockets>=13",  # envs.openenv
+            "playwright>=1.45",  # drives the OS's Chromium in the viewer's browser tests (no browser download)
         ],
         "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20", "websockets>=13"],  # the built-in environments' own needs
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
         "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
     },
+    package_data={"slime_mt.inspection": ["viewer.html"]},
     entry_points={"console_scripts": ["slime-mt=slime_mt.cli:main"]},
 )

@@ -16,6 +16,8 @@ COMMANDS = {
     "serve": "Serve a HF model folder with the embedded engine (SGLang's HTTP API) on 127.0.0.1.",
     "plot": "Write PNG curves (reward, turns, lengths, timings) of a run directory's metrics.",
     "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
+    "inspect": "A run folder as one self-contained HTML page (curves, every dumped trajectory token by token), "
+    "or a terminal summary (--text).",
     "check-template": "Which tokenization path (append, strip_thinking, step-wise, retokenize) is exact for a "
     "model's chat template.",
 }
@@ -57,6 +59,14 @@ def build_cli() -> argparse.ArgumentParser:
     check.add_argument("--hf-checkpoint", required=True, help="Model folder holding the tokenizer (and processor).")
     check.add_argument("--chat-template", help="A Jinja chat template file to check instead of the folder's.")
     check.add_argument("--tools", help="A JSON file with a list of tool schemas for the tool scenarios.")
+    inspect = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"])
+    inspect.add_argument("run_dir", help="Run directory (metrics.jsonl, config.yaml, the rollout dumps).")
+    inspect.add_argument("--step", type=int, help="Only this step's dump (default: every dumped step).")
+    inspect.add_argument("-o", "--output", help="Where the page goes (default RUN_DIR/report.html).")
+    inspect.add_argument("--text", action="store_true", help="Print a summary instead of writing the page.")
+    inspect.add_argument(
+        "--dumps", help="The dumps' path with '{rollout_id}' (default: the run's --save-debug-rollout-data)."
+    )
     parser.subcommands = sub.choices  # name -> its parser
     parser.epilog = (
         "Commands:\n"
@@ -83,6 +93,7 @@ def _user_errors() -> tuple[type, ...]:
     from slime_mt.backends.megatron.models import ModelConfigError
     from slime_mt.data import DatasetError
     from slime_mt.engine.launch import LaunchError
+    from slime_mt.inspection.dumps import DumpError
     from slime_mt.plugins import PluginError
     from slime_mt.trainer import TrainSetupError
 
@@ -95,6 +106,7 @@ def _user_errors() -> tuple[type, ...]:
         TrainSetupError,
         AssetError,
         CheckpointError,
+        DumpError,
     )
 
 
@@ -104,9 +116,13 @@ def run_train(cfg, user_errors: tuple[type, ...]) -> int:
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
     from slime_mt.rollout.failures import RolloutFailedError
     from slime_mt.run_dir import LOG_FILE, run_dir_of, tee_output, write_config
-    from slime_mt.trainer import preflight, train
+    from slime_mt.trainer import preflight, rollout_only, train
 
     preflight(cfg)
+    if cfg.debug.debug_rollout_only:
+        train = rollout_only  # no model, no trainer ranks: this process rolls out
+        if os.environ.get("RANK", "0") != "0":
+            return 0
     run_dir = run_dir_of(cfg)
     stops: tuple[type, ...] = (RolloutFailedError,)  # a run that stops on its way: one line, exit 1
     if cfg.cluster.ray:
@@ -158,6 +174,22 @@ def run_check_template(ns) -> int:
     return 0
 
 
+def run_inspect(ns) -> int:
+    """``slime-mt inspect``: the page's path (or the summary) on stdout; exit 2 naming what is missing."""
+    from slime_mt.inspection.dumps import DumpError
+    from slime_mt.inspection.report import InspectError, text_summary, write_report
+
+    try:
+        if ns.text:
+            print(text_summary(ns.run_dir, ns.step, ns.dumps))
+        else:
+            print(write_report(ns.run_dir, ns.output, ns.step, ns.dumps))
+    except (InspectError, DumpError, OSError) as e:
+        print(f"slime-mt inspect: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "megatron", "uvicorn"):  # one line per request / per layer otherwise
@@ -199,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.command == "check-template":
         return run_check_template(ns)
+    if ns.command == "inspect":
+        return run_inspect(ns)
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:

@@ -450,6 +450,39 @@ class JudgeConfig:
     )
 
 
+@dataclass
+class DebugConfig:
+    """Inspecting a run (README): rollout dumps, rollout-only and train-only runs, turn records, the timeline."""
+
+    save_debug_rollout_data: str | None = _opt(
+        None,
+        "Write each step's rollout (trajectories, turns, images, what was trained) to this path; "
+        "'{rollout_id}' in it is the step (slime's flag), e.g. RUN/dumps/rollout_{rollout_id}.pt.",
+    )
+    load_debug_rollout_data: str | None = _opt(
+        None,
+        "Train on the dumps of --save-debug-rollout-data (the same path, with '{rollout_id}') instead of "
+        "generating: no engine starts (implies --debug-train-only). Use the flags of the run that wrote them.",
+    )
+    debug_rollout_only: bool = _opt(
+        False, "Roll out (metrics, dumps, turn records) without building the Megatron model or training."
+    )
+    debug_train_only: bool = _opt(False, "Train without engines, on --load-debug-rollout-data.")
+    turn_records: str = _opt(
+        "all", "RUN_DIR/turns.jsonl, one line per turn: all, off, or N (the turns of at most N samples a step)."
+    )
+    trace: str = _opt(
+        "all",
+        "RUN_DIR/trace.json, the run's timeline: all, steps (without the per-trajectory spans), off.",
+        choices=["all", "steps", "off"],
+    )
+
+    @property
+    def train_only(self) -> bool:
+        """No engines: training on saved rollouts (slime: loading them implies --debug-train-only)."""
+        return self.debug_train_only or self.load_debug_rollout_data is not None
+
+
 GROUPS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
@@ -460,6 +493,7 @@ GROUPS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "gateway": GatewayConfig,
     "judge": JudgeConfig,
+    "debug": DebugConfig,
 }
 
 
@@ -476,6 +510,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     custom: dict[str, Any] = field(default_factory=dict)
 
     def to_args(self) -> argparse.Namespace:

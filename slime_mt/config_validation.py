@@ -118,6 +118,49 @@ def _validate_gateway(cfg: Config) -> None:
     _require(0 <= g.gateway_port < 65536, "gateway_port", g.gateway_port, "must be a port number (0: a free one)")
 
 
+def _validate_debug(cfg: Config) -> None:
+    """Rollout-only and train-only exclude each other; dump paths hold only ``{rollout_id}``."""
+    from slime_mt.inspection.dumps import DumpError, dump_path
+    from slime_mt.inspection.turn_records import TurnRecordsError, parse_setting
+
+    d = cfg.debug
+    _require(
+        not d.debug_train_only or d.load_debug_rollout_data,
+        "debug_train_only",
+        True,
+        "trains on saved rollouts: give them with --load-debug-rollout-data",
+    )
+    _require(
+        not (d.debug_rollout_only and d.load_debug_rollout_data),
+        "debug_rollout_only",
+        True,
+        "rolls out without training, and --load-debug-rollout-data trains without rolling out: choose one",
+    )
+    _require(
+        not (d.debug_rollout_only and cfg.cluster.ray),
+        "debug_rollout_only",
+        True,
+        "runs in the launching process; without --ray it starts the engines itself",
+    )
+    _require(
+        not (d.debug_rollout_only and cfg.cluster.colocate),
+        "debug_rollout_only",
+        True,
+        "builds no trainer for --colocate to share the devices with",
+    )
+    for key in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        template = getattr(d, key)
+        if template is not None:
+            try:
+                dump_path(template, 0)
+            except DumpError as e:
+                raise ConfigError(str(e)) from None
+    try:
+        parse_setting(d.turn_records)
+    except TurnRecordsError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _validate_judge(cfg: Config) -> None:
     """One place for the judge to run; positive limits."""
     j = cfg.judge
@@ -157,6 +200,7 @@ def validate(cfg: Config) -> None:
     _validate_cluster(cfg)
     _validate_gateway(cfg)
     _validate_judge(cfg)
+    _validate_debug(cfg)
     for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     for key in ("max_tokens_per_micro_batch",):

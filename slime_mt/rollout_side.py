@@ -16,16 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slime_mt.algo.advantages import compute_advantages
+from slime_mt.batches import next_batch_for
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
 from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.engine.weight_sync import transport_for
+from slime_mt.inspection.records import RunRecords
 from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_output
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.staleness import mask_stale, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
+from slime_mt.timeline import maybe_span
 from slime_mt.types import Status
 
 
@@ -58,6 +61,7 @@ class RolloutSide:
     data_state_before_prefetch: dict | None = None
     failed_steps: int = 0  # consecutive steps in which every sample failed
     asleep: bool = False  # --colocate: the engines' memory is released while the trainer trains
+    records: RunRecords | None = None  # the dumps, turn records and trace (inspection/records.py)
     supervisor: object = None  # --ray: launch/ray/supervisor.py, starts again an engine that dies
     weights_to: list | None = None  # the engines the weight transport was made for (with a supervisor)
 
@@ -100,6 +104,7 @@ class RolloutSide:
                 engines.stop()
                 raise
             ctx.client.gate.followers = ctx.rollout_workers
+            ctx.rollout_workers.timeline = ctx.timeline
         for pool in (ctx.env_workers, ctx.rollout_workers):
             for line in pool.describe() if pool is not None else []:
                 print(f"placement: {line}", flush=True)
@@ -119,6 +124,7 @@ class RolloutSide:
             engines.stop()
             raise
         side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
+        side.records = RunRecords(cfg, run_dir)
         if engine_actors:
             from slime_mt.engine.launch import add_worker, remove_worker
             from slime_mt.launch.ray.supervisor import EngineSupervisor
@@ -143,13 +149,20 @@ class RolloutSide:
     def resume(self, data_state: dict, step: int) -> None:
         self.data.load_state_dict(data_state)
         self.metrics.truncate_after(step)
+        self.records.resume(step)
+
+    def begin(self, start: int):
+        """The run starts at step ``start`` -> the mode's batch source (``batches.py``)."""
+        self.ctx.start_version = start
+        return next_batch_for(self.cfg.rollout, self, start)
 
     def timed_rollout(self, step: int):
         """The rollout function for ``step`` -> (groups, wall-clock start, seconds, perf_counter end)."""
         self.data_state_before_prefetch = self.data.state_dict()
         started = time.time()
         began = time.perf_counter()
-        groups = self.rollout_fn(self.ctx.args, step, self.data)
+        with maybe_span(self.ctx.timeline, "rollout", "step", lane="rollout", step=step):
+            groups = self.rollout_fn(self.ctx.args, step, self.data)
         finished = time.perf_counter()
         return groups, started, finished - began, finished
 
@@ -157,7 +170,12 @@ class RolloutSide:
         """The step's batch from ``batches``, ready to train -> a TrainBatch, or the error that stops
         the run (every sample failed ``--max-failed-steps`` steps in a row)."""
         r = self.cfg.rollout
-        batch = batches.take(step)
+        with maybe_span(self.ctx.timeline, "take batch", "step", lane="steps", step=step):
+            batch = batches.take(step)
+        with maybe_span(self.ctx.timeline, "prepare batch", "step", lane="steps", step=step):
+            return self._collected(step, batch, batches, r)
+
+    def _collected(self, step: int, batch, batches, r) -> TrainBatch | RolloutFailedError:
         groups, returned_metrics = rollout_output(batch.groups)
         extra = {**batch.metrics, **returned_metrics}
         if self.ctx.compat is not None:
@@ -181,7 +199,7 @@ class RolloutSide:
         batches.prefetch(step, extra)
         if self.cfg.cluster.colocate:
             extra.update(self.sleep_engines())
-        return TrainBatch(
+        train_batch = TrainBatch(
             samples,
             advantages,
             merge_metrics,
@@ -192,6 +210,8 @@ class RolloutSide:
             sorted(int(g[0].group_index) for g in groups if g),
             report.line(),
         )
+        self.records.step(step, groups, train_batch)
+        return train_batch
 
     def _prepare(self, groups) -> tuple[list, list[float], dict]:
         cfg = self.cfg
@@ -225,6 +245,10 @@ class RolloutSide:
         or broadcast); the client's update gate pauses and empties the engines only around the update.
         Engines asleep (``--colocate``) take their weights back first, then the update; their KV cache
         follows in ``wake_engines``."""
+        with maybe_span(self.ctx.timeline, "weight update", "weights", lane="weights", version=version):
+            self._push_weights(stream, version)
+
+    def _push_weights(self, stream: Iterator, version: int) -> None:
         ready = {}
         if self.supervisor is not None:
             self.supervisor.check()  # an engine lost since the last look leaves the update
@@ -278,11 +302,12 @@ class RolloutSide:
         if client.gate is None:
             yield
             return
-        self.ctx.run_sync(client.gate.close(client))
-        try:
-            yield
-        finally:
-            self.ctx.run_sync(client.gate.open(client))
+        with maybe_span(self.ctx.timeline, "gate paused", "gate", lane="update gate"):
+            self.ctx.run_sync(client.gate.close(client))
+            try:
+                yield
+            finally:
+                self.ctx.run_sync(client.gate.open(client))
 
     def log_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
         """The step's metrics (with the evaluation when one is due) to metrics.jsonl and the loggers."""
@@ -290,6 +315,13 @@ class RolloutSide:
         if checkpoint.eval_interval and (step + 1) % checkpoint.eval_interval == 0 and self.eval_data:
             metrics.update(self.evaluate(step))
         self.metrics.log(step, metrics, {"trained_groups": batch.trained_groups}, note=batch.note)
+        if self.ctx.timeline is not None:
+            self.records.write_trace(self.ctx.timeline.drain())
+
+    def add_trace(self, events: list[dict]) -> None:
+        """Spans recorded elsewhere (the trainer ranks') for the step's part of the trace."""
+        if self.ctx.timeline is not None:
+            self.ctx.timeline.extend(events)
 
     def evaluate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -319,6 +351,7 @@ class RolloutSide:
         if self.supervisor is not None:
             self.supervisor.close()
         self.metrics.close()
+        self.records.close()
         try:
             self.weights.close()
         finally:

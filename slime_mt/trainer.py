@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from slime_mt.batches import next_batch_for
 from slime_mt.config import Config, ConfigError
 from slime_mt.data import PromptDataset
 from slime_mt.rollout.failures import RolloutFailedError
 from slime_mt.rollout_side import RolloutSide
 from slime_mt.run_dir import run_dir_of
+from slime_mt.timeline import Timeline
 from slime_mt.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,14 @@ def preflight(cfg: Config) -> None:
     if cfg.data.eval_prompt_data:
         load_rows(cfg.data.eval_prompt_data, cfg.data)
     check_plugins(cfg)
-    for url in cfg.engine.engine_url or []:
+    d = cfg.debug
+    if d.train_only and not cfg.checkpoint.load:
+        from slime_mt.inspection.dumps import dump_path
+
+        first = dump_path(d.load_debug_rollout_data, 0)
+        if not first.is_file():
+            raise TrainSetupError(f"--load-debug-rollout-data {d.load_debug_rollout_data}: no dump of step 0 ({first})")
+    for url in [] if d.train_only else cfg.engine.engine_url or []:
         from slime_mt.engine.server import wait_healthy
 
         try:
@@ -154,6 +161,51 @@ def dry_run(cfg: Config) -> list[str]:
     return lines + [f"environment of row 0: {type(env).__name__} built, reset and closed"]
 
 
+def _rollout_side(cfg: Config, run_dir: Path, engine_actors: list | None):
+    """Rank 0's rollout side: engines and rollouts, or the saved rollouts of ``--debug-train-only``."""
+    if cfg.debug.train_only:
+        from slime_mt.inspection.replay import ReplaySide
+
+        return ReplaySide(cfg, run_dir)
+    return RolloutSide.start(cfg, run_dir, engine_actors)
+
+
+def rollout_only(cfg: Config, run_dir: Path | None = None) -> None:
+    """``--debug-rollout-only``: every step's rollout, prepared as for training (finalized, advantages,
+    metrics, dumps, turn records, trace) and never trained; no Megatron model is built and the
+    engines keep their starting weights."""
+    run_dir = run_dir or run_dir_of(cfg)
+    side = RolloutSide.start(cfg, run_dir)
+    batches = side.begin(0)
+    try:
+        for step in range(cfg.rollout.num_rollout):
+            t0 = time.perf_counter()
+            batch = side.collect(step, batches)
+            if isinstance(batch, RolloutFailedError):
+                raise batch
+            metrics = {
+                **batch.rollout_metrics,
+                **batch.merge_metrics,
+                **batch.metrics,
+                "time/rollout_seconds": batch.rollout_seconds,
+                "time/rollout_started": batch.rollout_started,
+                "time/step_seconds": time.perf_counter() - t0,
+            }
+            side.log_step(step, batch, metrics)
+    finally:
+        batches.close()
+        side.close()
+
+
+def _gather(obj, info) -> list:
+    """Every rank's ``obj`` on rank 0 (a list by rank; None elsewhere)."""
+    if info.world_size == 1:
+        return [obj]
+    out = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def _broadcast(obj, info):
     if info.world_size == 1:
         return obj
@@ -190,8 +242,10 @@ def train(
         norm_max_len=r.rollout_max_context_len,
         total_steps=r.num_rollout * steps_per_rollout,
     )
-    loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async))
-    side = RolloutSide.start(cfg, run_dir, engine_actors) if info.is_main else None
+    timeline = Timeline(f"trainer rank {info.rank}") if cfg.debug.trace != "off" else None
+    actor.timeline = timeline
+    loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async), timeline=timeline)
+    side = _rollout_side(cfg, run_dir, engine_actors) if info.is_main else None
     batches = None
     start = 0
     stop = {"requested": False}
@@ -208,16 +262,14 @@ def train(
             start = int(extra["rollout_step"])
             if side is not None:
                 side.resume(extra["data"], start)
-        if side is not None:
-            side.ctx.start_version = start
         receive = side.push_weights if side is not None else None
-        if cfg.checkpoint.load or (cfg.engine.engine_url and not cfg.cluster.ray):
+        if cfg.checkpoint.load or (cfg.engine.engine_url and not cfg.cluster.ray and not cfg.debug.train_only):
             # the engines serve the run's starting weights as its starting version: a resumed run's
             # checkpoint, and for engines the run did not start, whatever an earlier run left there
             # (under --ray the run started them, from --hf-checkpoint)
             loop.export_weights(receive, start)
         if side is not None:
-            batches = next_batch_for(r, side, start)
+            batches = side.begin(start)
         colocated, offload = cfg.cluster.colocate, cfg.cluster.offload
         if offload:
             actor.offload()  # the engines generate first
@@ -241,6 +293,7 @@ def train(
             t_metrics, train_started, train_finished = loop.train(step, batch)
             drained_seconds = batches.drain() if batches is not None else 0.0
             sync_seconds = loop.export_weights(receive, step + 1)
+            trainer_events = _gather(timeline.drain() if timeline is not None else [], info)
             requested = stop["requested"] or (stop_requested is not None and stop_requested.is_set())
             stop["requested"] = _broadcast(requested, info)  # rank 0's: every rank stops after the same step
             if colocated:  # slime's order: the checkpoint, the trainer off the device, the engines' KV cache
@@ -272,6 +325,7 @@ def train(
                     metrics["time/trainer_idle_seconds"] = (
                         metrics.get("time/trainer_idle_seconds", 0.0) + drained_seconds
                     )
+                side.add_trace([e for events in trainer_events for e in events])
                 side.log_step(step, batch, metrics)
             if not colocated:
                 save_if_due(step)

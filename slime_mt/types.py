@@ -332,7 +332,8 @@ class TrainingSample:
     ``token_versions`` None: not recorded. ``rollout_log_probs`` None: the engine never sampled
     these tokens as such (a re-tokenized history); the trainer's old log-probs stand in.
     ``trajectory_id`` ties the steps of one trajectory together; ``group_id`` is its prompt group;
-    ``is_last_step`` marks its final step.
+    ``is_last_step`` marks its final step; ``turns`` the trajectory's turns it holds (step-wise: one,
+    more where steps were merged; None: all of them, concat).
     """
 
     prompt_ids: list[int]
@@ -347,6 +348,7 @@ class TrainingSample:
     multimodal_train_inputs: dict | None = None
     status: Status = Status.COMPLETED
     token_versions: list[int] | None = None
+    turns: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -91,7 +91,7 @@ def local_module(env_path):
     return load_module(str(env_path))
 
 
-CTX = argparse.Namespace(rollout=RolloutConfig(max_env_retries_per_turn=2), env_executor=None)
+CTX = argparse.Namespace(rollout=RolloutConfig(max_env_retries_per_turn=2), env_executor=None, timeline=None)
 
 
 async def _open(pool, module, where: str, kind: str):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from slime_mt.engine.http import ConnectError, ConnectionLost, HTTPClient, HTTPError, Response, within
+from slime_mt.timeline import Timeline, maybe_span
 
 if TYPE_CHECKING:
     from slime_mt.engine.update_gate import UpdateGate
@@ -119,6 +120,7 @@ class EngineClient:
         max_connections: int | None = None,
     ):
         self.gate: UpdateGate | None = None
+        self.timeline: Timeline | None = None  # the process's trace (slime_mt/timeline.py), when it keeps one
         self.url = url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in (worker_urls or [self.url])]
         self.timeout = timeout
@@ -241,15 +243,24 @@ class EngineClient:
                     update["began"] = update_began()
 
         limit = timeout or self.timeout
-        try:
-            result = await within(self._post_with_retries(where, send), limit)
-        except asyncio.TimeoutError:
-            await self._abort_within_grace(rids)
-            raise EngineTimeoutError(
-                f"{where}: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
-            ) from None
-        if convert is not None:
-            result = convert(result)
+        engine = where.rsplit("/", 1)[0]
+        with maybe_span(self.timeline, "generate", "engine", engine=engine, rid=rids[0]) as span:
+            try:
+                result = await within(self._post_with_retries(where, send), limit)
+            except asyncio.TimeoutError:
+                await self._abort_within_grace(rids)
+                span["error"] = "timeout"
+                raise EngineTimeoutError(
+                    f"{where}: request {', '.join(rids)} exceeded {limit:.1f}s; aborted on the engine"
+                ) from None
+            if convert is not None:
+                result = convert(result)
+            meta = result.get("meta_info", {}) if isinstance(result, dict) else {}
+            span.update(
+                output_tokens=meta.get("completion_tokens"),
+                finish_reason=(meta.get("finish_reason") or {}).get("type"),
+                weight_version=meta.get("weight_version"),
+            )
         if update["began"]:
             for response in result if isinstance(result, list) else [result]:
                 meta = response.get("meta_info", {}) if isinstance(response, dict) else {}

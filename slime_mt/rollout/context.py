@@ -23,6 +23,7 @@ from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.template_check import path_of, warn_if_inexact
+from slime_mt.timeline import Timeline
 from slime_mt.tokenization import Encoded, ObservationEncoder
 from slime_mt.types import parse_version
 
@@ -48,9 +49,18 @@ class RolloutContext:
     gateway: Any = None  # gateway.server.Gateway, started by the first agent (``open_gateway``)
     _gateway_lock: asyncio.Lock | None = None
     judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
+    timeline: Timeline | None = None  # this process's spans for RUN_DIR/trace.json (None: --trace off)
 
     @classmethod
-    def create(cls, cfg: Config, model_path: str, url: str, worker_urls: list[str] | None = None) -> RolloutContext:
+    def create(
+        cls,
+        cfg: Config,
+        model_path: str,
+        url: str,
+        worker_urls: list[str] | None = None,
+        process: str = "rollout side",
+    ) -> RolloutContext:
+        """The context of one rollout process (``process`` names it in the run's trace)."""
         e = cfg.engine
         client = client_for(
             e.engine,
@@ -68,6 +78,8 @@ class RolloutContext:
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)
         ctx.args.rollout_context = ctx
+        if cfg.debug.trace != "off":
+            ctx.timeline = client.timeline = Timeline(process, trajectories=cfg.debug.trace == "all")
         r = cfg.rollout
         if r.env_num_workers:
             from slime_mt.rollout.env_workers import EnvWorkerPool
@@ -80,6 +92,7 @@ class RolloutContext:
                 cfg.cluster.ray_address,
                 retries=r.max_env_retries_per_turn,
             )
+            ctx.env_workers.timeline = ctx.timeline
         warn_if_inexact(
             ctx.processor,
             path_of(

@@ -27,6 +27,7 @@ from typing import Any
 from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of, opening_text
 from slime_mt.engine.http import within
 from slime_mt.rollout.context import RolloutContext
+from slime_mt.timeline import maybe_span
 from slime_mt.types import Sample
 
 
@@ -66,6 +67,13 @@ async def step_with_retries(
     -> (observation, done, info, retries). Raises EnvStepFailed past the budget or on other errors;
     RecoverableEnvError goes to the caller (``EpisodeEnv`` resets). ``metadata``: where the retries
     are counted by cause (``env_retry_causes``)."""
+    with maybe_span(ctx.timeline, "env.step", "env") as span:
+        observation, done, info, retries = await _attempts(ctx, env, text, metadata)
+        span.update(retries=retries, done=done)
+    return observation, done, info, retries
+
+
+async def _attempts(ctx: RolloutContext, env, text: str, metadata: dict | None) -> tuple[dict, bool, dict, int]:
     budget = ctx.rollout.max_env_retries_per_turn
     timeout = ctx.rollout.env_step_timeout
     last = ""

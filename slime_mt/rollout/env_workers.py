@@ -32,6 +32,7 @@ from typing import Any
 
 from envs.base import RetryableEnvError, opening_of, opening_text
 from slime_mt.launch.ray.pool import ActorPool
+from slime_mt.timeline import maybe_span
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,10 @@ class EnvWorker:
 
 class EnvWorkerPool(ActorPool):
     """The run's environment workers: started spread over the cluster's nodes, restarted by Ray when
-    they die; episodes go to the worker holding the fewest (``load``: episodes held)."""
+    they die; episodes go to the worker holding the fewest (``load``: episodes held). ``timeline``: the
+    rollout process's trace, where each call to a worker is a span of that worker's."""
+
+    timeline = None
 
     def __init__(
         self,
@@ -223,7 +227,8 @@ class RemoteEnv:
 
         worker = self.pool.workers[self.index]
         try:
-            return await getattr(worker, method).remote(self.key, *args)
+            with maybe_span(self.pool.timeline, f"env.{method}", "env", process=f"env worker {self.index}"):
+                return await getattr(worker, method).remote(self.key, *args)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, EpisodeLost):
                 self.lost = True

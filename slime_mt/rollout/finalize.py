@@ -138,6 +138,7 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
                     multimodal_train_inputs=image_rows(s.multimodal_train_inputs, images),
                     status=s.status,
                     token_versions=_versions(s, turn.output_start - start, turn.output_end - start),
+                    turns=[k],
                 )
             )
     return out
@@ -206,6 +207,7 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
                     token_versions=None
                     if None in (current.token_versions, step.token_versions)
                     else current.token_versions + [NO_VERSION] * len(delta) + step.token_versions,
+                    turns=(current.turns or []) + (step.turns or []),
                 )
                 continue
         if current is not None:
@@ -217,6 +219,7 @@ def merge_step_wise(samples: list[TrainingSample]) -> list[TrainingSample]:
             loss_mask=list(step.loss_mask),
             rollout_log_probs=_copy(step.rollout_log_probs),
             token_versions=_copy(step.token_versions),
+            turns=_copy(step.turns),
         )
     if current is not None:
         merged.append(current)

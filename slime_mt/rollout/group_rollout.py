@@ -24,6 +24,7 @@ from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
 from slime_mt.rollout.rewards import overlong_penalty, rule_based_rm
+from slime_mt.timeline import current_lane, maybe_span, now_us, sample_lane
 from slime_mt.types import Sample, Status
 
 MAX_OVERSAMPLING_ROUNDS = 16
@@ -138,14 +139,30 @@ async def run_group(
     with_evaluation = "evaluation" in inspect.signature(generate).parameters
 
     async def one(sample: Sample) -> Sample:
+        lane = ("eval " if evaluation else "") + sample_lane(sample)
+        current_lane.set(lane)  # this task's engine calls and env steps land on its trajectory's lane
         async with semaphore:
+            started = now_us()
             result = await _generate(ctx, generate, sample, sampling_params, evaluation if with_evaluation else None)
         results = result if isinstance(result, list) else [result]
         for s in results:
             if ctx.compat is not None:
                 ctx.compat.adopt(s)
             settle_status(s)
-            await _assign_reward(ctx, s, rm, shape=not evaluation)
+            with maybe_span(ctx.timeline, "reward", "reward"):
+                await _assign_reward(ctx, s, rm, shape=not evaluation)
+        if ctx.timeline is not None:
+            status = results[0].status
+            ctx.timeline.add(
+                "sample",
+                started,
+                now_us(),
+                lane,
+                "sample",
+                status=str(getattr(status, "value", status)),
+                turns=len(results[0].turns),
+                evaluation=evaluation,
+            )
         if bar is not None:
             bar.update(1)
         return results

@@ -65,12 +65,15 @@ class RolloutWorker:
 
         rollout = dataclasses.replace(cfg.rollout, rollout_num_processes=1, env_num_workers=0)
         cfg = dataclasses.replace(cfg, rollout=rollout)
-        self.ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, url, worker_urls)
+        self.ctx = RolloutContext.create(
+            cfg, cfg.train.hf_checkpoint, url, worker_urls, process=f"rollout process {os.getpid()}"
+        )
         self.ctx.client.gate = UpdateGate()
         if env_workers is not None:
             from slime_mt.rollout.env_workers import EnvWorkerPool
 
             self.ctx.env_workers = EnvWorkerPool.attached(env_workers)
+            self.ctx.env_workers.timeline = self.ctx.timeline
         self.semaphore = asyncio.Semaphore(concurrency)  # used on the context's loop only
         self.plugins: dict[bool, tuple] = {}
         self.incarnation = uuid.uuid4().hex
@@ -86,7 +89,7 @@ class RolloutWorker:
 
     async def run_group(self, group: list, sampling_params: dict, evaluation: bool, start_version: int):
         """The group's samples generated and rewarded -> (the samples, the environment workers'
-        restarts this process saw since its last answer)."""
+        restarts this process saw since its last answer, its trace spans since then)."""
         from slime_mt.rollout.group_rollout import load_plugins, run_group
 
         self.ctx.start_version = start_version
@@ -97,7 +100,7 @@ class RolloutWorker:
             run_group(self.ctx, group, generate, rm, sampling_params, self.semaphore, None, evaluation)
         )
         seen = self.ctx.env_workers.take_seen() if self.ctx.env_workers is not None else []
-        return done, seen
+        return done, seen, self.ctx.timeline.drain() if self.ctx.timeline is not None else []
 
     async def gate_hold(self) -> None:
         await self._on_loop(_call(self.ctx.client.gate.hold))
@@ -119,7 +122,9 @@ async def _call(fn):
 class RolloutWorkerPool(ActorPool):
     """The run's rollout processes, seen from the rollout side: groups out, finished groups back
     (``load``: the samples each runs); the ``followers`` of its update gate. Methods are coroutines on
-    the rollout side's loop."""
+    the rollout side's loop. ``timeline``: the rollout side's trace, which takes the processes' spans."""
+
+    timeline = None
 
     def __init__(self, cfg, url: str, worker_urls: list[str] | None, env_workers=None) -> None:
         import ray
@@ -202,7 +207,7 @@ class RolloutWorkerPool(ActorPool):
             index = await self._pick(len(group))
             ref = self.workers[index].run_group.remote(group, sampling_params, evaluation, start_version)
             try:
-                done, seen = await ref
+                done, seen, events = await ref
             except asyncio.CancelledError:
                 ray.cancel(ref)
                 raise
@@ -224,6 +229,8 @@ class RolloutWorkerPool(ActorPool):
                 continue
             finally:
                 self.unassign(index, len(group))
+            if self.timeline is not None:
+                self.timeline.extend(events)
             if self.env_workers is not None:
                 for worker, incarnation in seen:
                     self.env_workers.saw(worker, incarnation)

@@ -56,6 +56,7 @@ from slime_mt.backends.megatron.models import (
 from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
 
 LOGIT_CHUNK_BYTES = 64 * 1024 * 1024
@@ -129,6 +130,7 @@ class MegatronActor:
         local_vocab = padded_vocab(self.spec.vocab_size, info.tp_size) // info.tp_size
         self.logit_chunk_rows = max(16, LOGIT_CHUNK_BYTES // (4 * local_vocab))
         self.step = 0
+        self.timeline = None  # the rank's trace (slime_mt/timeline.py): train phases as spans
 
     # ------------------------------------------------------------------ model
 
@@ -265,13 +267,20 @@ class MegatronActor:
         mini_batches = mini_batches_by_groups(samples, prompts_per_step)
         mine = self.dp_share(samples, list(range(len(samples))))
         need_old = not self.train_cfg.sft and (not on_policy or len(mini_batches) > 1)
-        old = self.compute_logprobs(samples, mine) if need_old else None
-        ref = self.compute_logprobs(samples, mine, reference=True) if self.reference is not None else None
+        old = ref = None
+        if need_old:
+            with maybe_span(self.timeline, "old log-probs", "train", lane="train"):
+                old = self.compute_logprobs(samples, mine)
+        if self.reference is not None:
+            with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
+                ref = self.compute_logprobs(samples, mine, reference=True)
         totals: dict[str, float] = collections.defaultdict(float)
-        for mb in mini_batches:
-            sums = self.accumulate_gradients(samples, mb, advantages, old, ref)
+        for i, mb in enumerate(mini_batches):
+            with maybe_span(self.timeline, "forward-backward", "train", lane="train", mini_batch=i):
+                sums = self.accumulate_gradients(samples, mb, advantages, old, ref)
             metrics = {f"train/{k}": v for k, v in sums.items()}
-            metrics.update(self.apply_gradients())
+            with maybe_span(self.timeline, "optimizer step", "train", lane="train", mini_batch=i):
+                metrics.update(self.apply_gradients())
             for k, v in metrics.items():
                 totals[k] += v / len(mini_batches)
         totals["train/seconds"] = time.perf_counter() - started

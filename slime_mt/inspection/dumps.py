@@ -1,0 +1,227 @@
+"""Rollout dumps: every step's samples on disk (slime's ``--save-debug-rollout-data`` /
+``--load-debug-rollout-data``), to read, to inspect (``slime-mt inspect``) and to train on again.
+
+``--save-debug-rollout-data PATH`` (``{rollout_id}`` in PATH is the step, as in slime) writes, per step,
+``PATH`` (``torch.save`` of plain data and tensors, loadable with ``torch.load(weights_only=True)``
+without slime_mt) and, when the step has images, ``PATH`` minus its suffix plus ``.images/`` beside
+it (PNG files the records name, relative to the dump's folder). Format ``slime_mt.rollout_dump``,
+version 1:
+
+  format, version, rollout_id, created (unix time)
+  samples       one dict per trajectory, in group order: index, group_index, prompt, tokens, response,
+                response_length, prompt_length, label, reward, loss_mask, rollout_log_probs,
+                token_versions, weight_versions, status, metadata (JSON-safe), images (file names),
+                multimodal_train_inputs (tensors), and turns: one dict per LLM call with output_start,
+                output_end, observation_end, context_ids (when the context was rewritten),
+                image_indices, finish_reason, weight_version, engine_seconds, env_seconds,
+                env_retries, env_info, num_images, reward
+  train         what the step trained (``rollout_side.TrainBatch``): samples (the finalized sequences:
+                prompt_ids, response_ids, loss_mask, rollout_log_probs, token_versions, reward,
+                trajectory_id = "group/index", group_id, is_last_step, turns (the trajectory's turns the
+                sequence holds; None: all), stop_reason, status, multimodal_train_inputs), advantages
+                (one per sequence), merge_metrics, rollout_metrics, metrics, rollout_seconds,
+                rollout_started, trained_groups, note
+  settings      the settings the sequences and advantages were made with (sample format, merge,
+                advantage estimator, ...)
+
+``load_dump`` gives the plain form back; ``samples_of`` and ``train_batch_of`` the project's types. A
+dump is written whole (temp file, then rename), images first.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "slime_mt.rollout_dump"
+VERSION = 1
+SETTINGS = (
+    ("rollout", "sample_format"),
+    ("rollout", "merge_step_wise"),
+    ("rollout", "mask_truncated"),
+    ("rollout", "mask_offpolicy_in_partial_rollout"),
+    ("rollout", "max_staleness"),
+    ("algo", "advantage_estimator"),
+    ("algo", "normalize_advantages_std"),
+    ("algo", "normalize_advantages"),
+)
+
+
+class DumpError(ValueError):
+    """A dump that cannot be read or does not match the run; the message names the file."""
+
+
+def dump_path(template: str, rollout_id: int) -> Path:
+    """The dump of step ``rollout_id`` (``{rollout_id}`` in the template, slime's placeholder)."""
+    try:
+        return Path(template.format(rollout_id=rollout_id))
+    except (KeyError, IndexError, ValueError) as e:
+        raise DumpError(
+            f"--save/--load-debug-rollout-data {template}: only '{{rollout_id}}' may appear in braces ({e})"
+        ) from None
+
+
+def images_dir(path: Path) -> Path:
+    return path.with_name(path.stem + ".images")
+
+
+def settings_of(cfg) -> dict:
+    return {name: getattr(getattr(cfg, group), name) for group, name in SETTINGS}
+
+
+def _json_safe(value: Any) -> Any:
+    """Metadata and env info as plain data: what JSON cannot hold becomes its repr."""
+    return json.loads(json.dumps(value, default=repr))
+
+
+def _image_bytes(image: Any) -> bytes:
+    if isinstance(image, str) and image.startswith("data:"):
+        return base64.b64decode(image.partition(",")[2])
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write_images(sample, folder: Path, relative_to: Path) -> list[str]:
+    """The trajectory's images in context order (``image_data``: the prompt's, then the observations';
+    a turn's ``image_indices`` index it) as PNG files -> their names relative to the dump's folder."""
+    inputs = sample.multimodal_inputs or {}
+    images = inputs.get("image_data") or inputs.get("images") or []
+    names = []
+    for k, image in enumerate(images):
+        path = folder / f"sample{sample.index}_{k}.png"
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_image_bytes(image))
+        names.append(str(path.relative_to(relative_to)))
+    return names
+
+
+def sample_record(sample, images: list[str]) -> dict:
+    """A Sample as plain data (see the module docstring)."""
+    return {
+        "index": sample.index,
+        "group_index": sample.group_index,
+        "prompt": _json_safe(sample.prompt),
+        "tokens": list(sample.tokens),
+        "response": sample.response,
+        "response_length": sample.response_length,
+        "prompt_length": sample.prompt_length,
+        "label": _json_safe(sample.label),
+        "reward": _json_safe(sample.reward),
+        "loss_mask": list(sample.loss_mask),
+        "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+        "token_versions": None if sample.token_versions is None else list(sample.token_versions),
+        "weight_versions": list(sample.weight_versions),
+        "status": getattr(sample.status, "value", sample.status),
+        "metadata": _json_safe(sample.metadata),
+        "images": images,
+        "multimodal_train_inputs": _tensors(sample.multimodal_train_inputs),
+        "turns": [_json_safe(dataclasses.asdict(t)) for t in sample.turns],
+    }
+
+
+def _tensors(value: dict | None) -> dict | None:
+    if not value:
+        return None
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+
+
+def training_record(ts, advantage: float) -> dict:
+    record = {f.name: getattr(ts, f.name) for f in dataclasses.fields(ts)}
+    record["status"] = getattr(ts.status, "value", ts.status)
+    record["multimodal_train_inputs"] = _tensors(ts.multimodal_train_inputs)
+    record["advantage"] = float(advantage)
+    return record
+
+
+def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) -> Path:
+    """Write step ``step``'s dump: the trajectories of ``groups``, the TrainBatch ``batch`` it trains."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = images_dir(path)
+    samples = [sample_record(s, _write_images(s, folder, path.parent)) for g in groups for s in g]
+    train = {
+        "samples": [training_record(ts, a) for ts, a in zip(batch.samples, batch.advantages)],
+        "advantages": [float(a) for a in batch.advantages],
+        "merge_metrics": dict(batch.merge_metrics),
+        "rollout_metrics": dict(batch.rollout_metrics),
+        "metrics": dict(batch.metrics),
+        "rollout_seconds": batch.rollout_seconds,
+        "rollout_started": batch.rollout_started,
+        "trained_groups": list(batch.trained_groups),
+        "note": batch.note,
+    }
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "rollout_id": step,
+        "created": time.time(),
+        "samples": samples,
+        "train": train,
+        "settings": settings,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_dump(path: Path) -> dict:
+    """A dump's plain data (DumpError naming the file when it is missing or not a dump)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DumpError(f"{path}: no rollout dump there")
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise DumpError(f"{path}: not a rollout dump ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        kind = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise DumpError(f"{path}: not a slime_mt rollout dump (format {kind})")
+    if data.get("version") != VERSION:
+        raise DumpError(f"{path}: rollout dump version {data['version']}; this slime_mt reads version {VERSION}")
+    return data
+
+
+def samples_of(data: dict) -> list:
+    """The dump's trajectories as Samples (images not reloaded: ``metadata['dump_images']`` names them)."""
+    from slime_mt.types import Sample, Status, Turn
+
+    out = []
+    for record in data["samples"]:
+        kw = {k: v for k, v in record.items() if k not in ("prompt_length", "images", "turns", "status")}
+        sample = Sample(**kw, status=Status(record["status"]), turns=[Turn(**t) for t in record["turns"]])
+        sample.metadata = {**sample.metadata, "dump_images": list(record["images"])}
+        out.append(sample)
+    return out
+
+
+def train_batch_of(data: dict):
+    """The TrainBatch the dump's step trained on."""
+    from slime_mt.rollout_side import TrainBatch
+    from slime_mt.types import Status, TrainingSample
+
+    train = data["train"]
+    samples = []
+    for record in train["samples"]:
+        kw = {k: v for k, v in record.items() if k not in ("advantage", "status")}
+        samples.append(TrainingSample(**kw, status=Status(record["status"])))
+    return TrainBatch(
+        samples,
+        list(train["advantages"]),
+        dict(train["merge_metrics"]),
+        dict(train["rollout_metrics"]),
+        train["rollout_seconds"],
+        train["rollout_started"],
+        dict(train["metrics"]),
+        list(train["trained_groups"]),
+        train["note"],
+    )

@@ -1,0 +1,301 @@
+"""``slime-mt inspect RUN_DIR``: the run as one self-contained HTML page (``viewer.html``: no network,
+no server, opens from a file), or as a terminal summary (``--text``).
+
+The page holds the run's curves (metrics.jsonl) and, for every dumped step (``--save-debug-rollout-data``;
+the dump path comes from the run's config.yaml, or ``--dumps``), every group and trajectory: its turns
+in order, every token classed as prompt, trained output, observation or masked (generated, not
+trained: a failed sample, ``--mask-truncated``, stale-token masking), with its id, log-prob and
+weight version, the images inline, the context the model saw at each turn and what the context policy
+removed from it, rewards, advantages, and the training sequences each trajectory became (which turns a
+step-wise merge joined). The page draws a trajectory's tokens only when it is opened, and its rows in
+pages as they scroll into view, so a 10,000-trajectory step loads in seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import glob
+import json
+import re
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+from slime_mt.inspection.dumps import load_dump
+
+VIEWER = Path(__file__).with_name("viewer.html")
+CURVES = {
+    "reward": ["rollout/reward_mean", "eval/reward_mean", "rollout/pass_rate"],
+    "turns": ["rollout/turns_mean", "rollout/turns_max"],
+    "lengths": ["rollout/response_tokens_mean", "rollout/observation_tokens"],
+    "staleness": ["rollout/weight_version_gap"],
+    "timings": ["time/rollout_seconds", "time/train_seconds", "time/sync_seconds", "time/step_seconds"],
+    "training": ["train/loss", "train/grad_norm"],
+}
+DIFF_LIMIT = 20_000  # tokens: longer contexts are compared by common prefix and suffix only
+
+
+class InspectError(ValueError):
+    """A run folder or dump that cannot be inspected; the message names it."""
+
+
+# ---------------------------------------------------------------- finding the run's files
+
+
+def run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def dump_files(run_dir: Path, template: str | None = None) -> dict[int, Path]:
+    """step -> dump file, from ``template`` or the run's ``--save-debug-rollout-data``."""
+    template = template or (run_config(run_dir).get("debug") or {}).get("save_debug_rollout_data")
+    if not template:
+        return {}
+    pattern = re.compile(re.escape(template).replace(re.escape("{rollout_id}"), r"(\d+)") + "$")
+    found = {}
+    for name in glob.glob(template.replace("{rollout_id}", "*")):
+        match = pattern.match(name)
+        if match:
+            found[int(match.group(1))] = Path(name)
+    return dict(sorted(found.items()))
+
+
+def read_metrics_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- what was trained
+
+
+def _context_length(turn: dict) -> int:
+    """Tokens the model saw at a turn."""
+    return len(turn["context_ids"]) if turn["context_ids"] is not None else turn["output_start"]
+
+
+def trained_flags(sample: dict, sequences: list[dict]) -> list[int]:
+    """Per response token of a dumped trajectory: 1 if a training sequence trained it (loss mask 1
+    there), else 0. ``sequences``: the step's training records of this trajectory."""
+    n = sample["response_length"]
+    flags = [0] * n
+    start = sample["prompt_length"]
+    turns = sample["turns"]
+    for seq in sequences:
+        mask = seq["loss_mask"]
+        if seq["turns"] is None:  # concat: the response itself
+            for j in range(min(n, len(mask))):
+                flags[j] = int(mask[j])
+            continue
+        first = _context_length(turns[seq["turns"][0]])
+        cursor = 0
+        for position, k in enumerate(seq["turns"]):
+            turn = turns[k]
+            for j in range(turn["output_end"] - turn["output_start"]):
+                flags[turn["output_start"] - start + j] = int(mask[cursor]) if cursor < len(mask) else 0
+                cursor += 1
+            if position + 1 < len(seq["turns"]):  # a merge put the next step's context delta here
+                cursor = _context_length(turns[seq["turns"][position + 1]]) - first
+    return flags
+
+
+def token_classes(sample: dict, trained: list[int]) -> str:
+    """One letter per token: p prompt, o trained output, b observation (loss mask 0), x masked
+    (generated, loss mask 1 in the trajectory, not trained)."""
+    response = "".join("b" if m == 0 else ("o" if t else "x") for m, t in zip(sample["loss_mask"], trained))
+    return "p" * sample["prompt_length"] + response
+
+
+def context_ops(history: list[int], context: list[int]) -> list[list]:
+    """How a rewritten context differs from the full history: difflib opcodes [tag, i1, i2, j1, j2]."""
+    if len(history) + len(context) > DIFF_LIMIT:
+        prefix = 0
+        while prefix < min(len(history), len(context)) and history[prefix] == context[prefix]:
+            prefix += 1
+        suffix = 0
+        while suffix < min(len(history), len(context)) - prefix and history[-1 - suffix] == context[-1 - suffix]:
+            suffix += 1
+        ops = [["equal", 0, prefix, 0, prefix]]
+        ops.append(["replace", prefix, len(history) - suffix, prefix, len(context) - suffix])
+        ops.append(["equal", len(history) - suffix, len(history), len(context) - suffix, len(context)])
+        return [op for op in ops if op[2] > op[1] or op[4] > op[3]]
+    matcher = difflib.SequenceMatcher(None, history, context, autojunk=False)
+    return [list(op) for op in matcher.get_opcodes()]
+
+
+def _image_uri(folder: Path, name: str) -> str | None:
+    path = folder / name
+    if not path.is_file():
+        return None
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _round(values: list[float] | None) -> list[float] | None:
+    return None if values is None else [round(float(v), 4) for v in values]
+
+
+def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
+    """One dumped step in the page's compact form."""
+    by_trajectory: dict[str, list[dict]] = {}
+    for seq in data["train"]["samples"]:
+        by_trajectory.setdefault(seq["trajectory_id"], []).append(seq)
+    samples = []
+    for s in data["samples"]:
+        sequences = by_trajectory.get(f"{s['group_index']}/{s['index']}", [])
+        trained = trained_flags(s, sequences)
+        ids_seen.update(s["tokens"])
+        turns = []
+        for t in s["turns"]:
+            view = {
+                "os": t["output_start"],
+                "oe": t["output_end"],
+                "ob": t["observation_end"],
+                "finish": t["finish_reason"],
+                "version": t["weight_version"],
+                "engine_s": round(t["engine_seconds"], 4),
+                "env_s": round(t["env_seconds"], 4),
+                "retries": t["env_retries"],
+                "reward": t["reward"],
+                "info": t["env_info"],
+                "images": t["image_indices"] if t["image_indices"] is not None else list(range(t["num_images"])),
+            }
+            if t["context_ids"] is not None:
+                ids_seen.update(t["context_ids"])
+                view["ctx"] = t["context_ids"]
+                view["ops"] = context_ops(s["tokens"][: t["output_start"]], t["context_ids"])
+            turns.append(view)
+        samples.append(
+            {
+                "index": s["index"],
+                "group": s["group_index"],
+                "status": s["status"],
+                "reward": s["reward"],
+                "termination": s["metadata"].get("termination"),
+                "error": s["metadata"].get("error"),
+                "ids": s["tokens"],
+                "cls": token_classes(s, trained),
+                "lp": _round(s["rollout_log_probs"]),
+                "ver": s["token_versions"],
+                "pl": s["prompt_length"],
+                "turns": turns,
+                "images": [_image_uri(folder, name) for name in s["images"]],
+                "sequences": [
+                    {
+                        "turns": seq["turns"],
+                        "advantage": round(seq["advantage"], 6),
+                        "reward": seq["reward"],
+                        "tokens": len(seq["prompt_ids"]) + len(seq["response_ids"]),
+                        "trained": sum(seq["loss_mask"]),
+                    }
+                    for seq in sequences
+                ],
+            }
+        )
+    return {"step": data["rollout_id"], "samples": samples, "note": data["train"]["note"]}
+
+
+def _pieces(tokenizer_path: str | None, ids: set[int]) -> dict[int, str]:
+    """Each token id's text, decoded alone; empty when the run's tokenizer cannot be loaded."""
+    if not tokenizer_path or not ids:
+        return {}
+    try:
+        from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+
+        tokenizer = tokenizer_of(load_tokenizer_or_processor(tokenizer_path))
+    except Exception:
+        return {}
+    return {i: tokenizer.decode([i]) for i in sorted(ids)}
+
+
+def page_data(run_dir: Path, step: int | None = None, dumps: str | None = None) -> dict:
+    """Everything the page shows, as plain data."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InspectError(f"{run_dir}: not a folder")
+    rows = read_metrics_rows(run_dir)
+    files = dump_files(run_dir, dumps)
+    if step is not None:
+        if step not in files:
+            have = ", ".join(map(str, files)) or "none"
+            raise InspectError(f"--step {step}: no dump of that step in {run_dir} (dumped steps: {have})")
+        files = {step: files[step]}
+    ids: set[int] = set()
+    steps = [step_view(load_dump(path), path.parent, ids) for path in files.values()]
+    config = run_config(run_dir)
+    curves = {
+        title: {key: [[r["step"], r[key]] for r in rows if isinstance(r.get(key), (int, float))] for key in keys}
+        for title, keys in CURVES.items()
+    }
+    return {
+        "run": str(run_dir),
+        "model": (config.get("train") or {}).get("hf_checkpoint"),
+        "curves": {t: {k: v for k, v in c.items() if v} for t, c in curves.items()},
+        "steps": steps,
+        "pieces": _pieces((config.get("train") or {}).get("hf_checkpoint"), ids),
+    }
+
+
+def write_report(run_dir: Path, out: Path | None = None, step: int | None = None, dumps: str | None = None) -> Path:
+    """The page for ``run_dir`` -> its path (default ``RUN_DIR/report.html``)."""
+    data = page_data(Path(run_dir), step, dumps)
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    html = VIEWER.read_text().replace("__SLIME_MT_DATA__", payload)
+    out = Path(out) if out else Path(run_dir) / "report.html"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(html)
+    tmp.replace(out)
+    return out
+
+
+# ---------------------------------------------------------------- the terminal summary
+
+
+def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = None) -> str:
+    """The run in lines: its curves' last values, then per dumped step its samples (one line each
+    with ``--step``)."""
+    run_dir = Path(run_dir)
+    rows = read_metrics_rows(run_dir)
+    lines = [f"run {run_dir}: {len(rows)} steps logged"]
+    if rows:
+        last = rows[-1]
+        shown = [k for keys in CURVES.values() for k in keys if isinstance(last.get(k), (int, float))]
+        lines.append(f"step {last['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {last[k]:.4g}" for k in shown))
+    files = dump_files(run_dir, dumps)
+    if not files:
+        lines.append("no rollout dumps (run with --save-debug-rollout-data to see trajectories)")
+        return "\n".join(lines)
+    if step is not None and step not in files:
+        raise InspectError(f"--step {step}: no dump of that step (dumped steps: {', '.join(map(str, files))})")
+    for k, path in files.items():
+        if step is not None and k != step:
+            continue
+        data = load_dump(path)
+        samples = data["samples"]
+        statuses = Counter(s["status"] for s in samples)
+        rewards = [float(s["reward"]) for s in samples if isinstance(s["reward"], (int, float))]
+        turns = [len(s["turns"]) for s in samples]
+        groups = {s["group_index"] for s in samples}
+        finishes = Counter(t["finish_reason"] for s in samples for t in s["turns"])
+        lines.append(
+            f"step {k}: {len(samples)} samples in {len(groups)} groups, {sum(turns)} turns; "
+            + ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+            + (f"; reward mean {statistics.fmean(rewards):.4g}" if rewards else "")
+            + f"; turns {min(turns, default=0)}-{max(turns, default=0)}"
+            + "; finish "
+            + ", ".join(f"{reason} x{n}" for reason, n in finishes.most_common())
+            + f"; {len(data['train']['samples'])} training sequences"
+        )
+        if step is not None:
+            for s in samples:
+                generated = sum(s["loss_mask"])
+                lines.append(
+                    f"  sample {s['index']} (group {s['group_index']}): {s['status']}, reward {s['reward']}, "
+                    f"{len(s['turns'])} turns, {generated} generated + {s['response_length'] - generated} observation "
+                    f"tokens, termination {s['metadata'].get('termination')}"
+                )
+    return "\n".join(lines)
