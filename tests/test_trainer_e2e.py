@@ -14,12 +14,22 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from train_helpers import TWO_SMALL_STEPS, demo_train_cmd, repo_env
+from inspection_helpers import (
+    SAMPLE_FIELDS,
+    SEQUENCE_FIELDS,
+    TRAIN_FIELDS,
+    TURN_FIELDS,
+    assert_engine_calls_in_lanes,
+    assert_nested,
+    dump_template,
+    lanes_by_name,
+)
+from train_helpers import PLUGINS, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
 
 from slime_mt.engine.launch import free_port
+from slime_mt.inspection.dumps import dump_path, load_dump
 
 REPO = Path(__file__).resolve().parents[1]
-STOPS = [str(t) for t in list(range(3, 151643, 37)) + [151645]]
 REQUIRED = [
     "rollout/reward_mean",
     "rollout/reward_std",
@@ -45,89 +55,14 @@ REQUIRED = [
     "train/sequences_after_merge",
     "rollout/weight_version_gap",
 ]
-PLUGINS = '''
-async def rm(args, sample):
-    """Deterministic, varied rewards so that GRPO advantages are never all zero."""
-    return float(sum(sample.tokens[-sample.response_length:]) % 3 == 0) + 0.1 * (sample.response_length % 2)
-'''
 
 
 @pytest.fixture(scope="module")
 def geo3k(tmp_path_factory):
-    out = tmp_path_factory.mktemp("geo3k")
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_geo3k.py"), "--synthetic", "16", "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    (out / "plugins.py").write_text(PLUGINS)
-    return out
+    return make_geo3k(tmp_path_factory.mktemp("geo3k"))
 
 
-def train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int = 2) -> list[str]:
-    from slime_mt.assets import tiny_model_dir
-
-    launch = [sys.executable, "-m", "slime_mt.cli"]
-    if tp > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(tp),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "slime_mt.cli",
-        ]
-    return launch + [
-        "train",
-        "--hf-checkpoint",
-        str(tiny_model_dir("qwen2.5-vl")),
-        "--prompt-data",
-        str(geo3k / "train.jsonl"),
-        "--input-key",
-        "messages",
-        "--label-key",
-        "answer",
-        "--tool-key",
-        "tools",
-        "--multimodal-keys",
-        '{"image": "images"}',
-        "--rollout-interaction-env-path",
-        str(REPO / "envs/geo3k.py"),
-        "--custom-rm-path",
-        f"{geo3k}/plugins.py:rm",
-        "--max-turns",
-        "3",
-        "--rollout-max-response-len",
-        "24",
-        "--rollout-max-context-len",
-        "1024",
-        "--rollout-stop-token-ids",
-        *STOPS,
-        "--n-samples-per-prompt",
-        "2",
-        "--rollout-batch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--num-rollout",
-        str(steps),
-        "--lr",
-        "1e-4",
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--save",
-        str(run / "ckpt"),
-        "--log-dir",
-        str(run),
-        *extra,
-    ]
+train_cmd = geo3k_train_cmd
 
 
 def run(cmd, timeout=600, **kw):
@@ -452,11 +387,14 @@ def test_context_management_example_trains_step_wise(tmp_path):
             "100",
             "--custom-rm-path",
             f"{tmp_path}/plugins.py:rm",
+            "--save-debug-rollout-data",
+            dump_template(tmp_path / "run"),
         ),
         timeout=1500,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path / "run")
+    check_step_wise_dumps(tmp_path / "run", rows)
     assert [r["step"] for r in rows] == [0, 1]
     first = rows[0]
     assert first["train/samples_without_turns"] == 8
@@ -471,6 +409,30 @@ def test_context_management_example_trains_step_wise(tmp_path):
     assert any(
         r["train/sequences_after_merge"] > r["rollout/samples"] - r.get("train/samples_without_turns", 0) for r in rows
     )
+
+
+def check_step_wise_dumps(run_dir: Path, rows: list[dict]) -> None:
+    """The dumps of a step-wise, merged, window:1 run hold every field: the rewritten contexts, the
+    sequences each trajectory became (merged turns named), a FAILED trajectory with none trained."""
+    dumps = [load_dump(dump_path(dump_template(run_dir), k)) for k in range(2)]
+    for d, row in zip(dumps, rows):
+        assert set(d["train"]) == TRAIN_FIELDS and d["settings"]["sample_format"] == "step_wise"
+        assert len(d["train"]["samples"]) == row["train/sequences_after_merge"]
+        for s in d["samples"]:
+            assert set(s) == SAMPLE_FIELDS and all(set(t) == TURN_FIELDS for t in s["turns"])
+        for seq in d["train"]["samples"]:
+            assert set(seq) == SEQUENCE_FIELDS
+            assert seq["turns"] == sorted(seq["turns"]) and seq["turns"]
+    samples = [s for d in dumps for s in d["samples"]]
+    sequences = [seq for d in dumps for seq in d["train"]["samples"]]
+    assert sum(t["context_ids"] is not None for s in samples for t in s["turns"]) == sum(
+        r["rollout/rewritten_context_turns"] for r in rows
+    )
+    assert any(len(seq["turns"]) > 1 for seq in sequences)  # where merges happened
+    failed = [s for s in samples if s["status"] == "failed"]
+    assert len(failed) == 4 and all("error" in s["metadata"] for s in failed)
+    failed_ids = {f"{s['group_index']}/{s['index']}" for s in failed}
+    assert not any(any(seq["loss_mask"]) for seq in sequences if seq["trajectory_id"] in failed_ids)
 
 
 # ---------------------------------------------------------------- on a Ray cluster of three nodes
@@ -571,6 +533,7 @@ def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, r
     behind the router, while two rollout processes generate), every group is trained once and no
     token is staler than S=1."""
     flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
+    flags += ["--save-debug-rollout-data", dump_template(tmp_path)]
     if launcher == "ray":
         cluster = request.getfixturevalue("three_nodes")
         fourth = cluster.add_node(num_cpus=2, num_gpus=1)  # two engines, on two nodes, behind the router
@@ -594,6 +557,36 @@ def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, r
     assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
     assert all(r["train/grad_norm"] > 0 for r in rows)
     assert all(0.0 <= r["async/dropped_token_share"] < 1.0 and r["async/trained_turns_mean"] >= 1 for r in rows)
+    check_fully_async_records(tmp_path, rows)
+
+
+def check_fully_async_records(run_dir: Path, rows: list[dict]) -> None:
+    """The run's trace (plain JSON, spans nested in every lane) holds each step's weight update (a gate
+    pause inside it), both trainer ranks' train steps and weight exports, and every engine call of the
+    trained trajectories (made in rank 0's process, or in the rollout processes); the dumps hold what
+    each step trained, every token with its version."""
+    events = json.loads((run_dir / "trace.json").read_text())
+    assert_nested(events)
+    lanes = lanes_by_name(events)
+    updates = lanes[("rollout side", "weights")]
+    assert [e["args"]["version"] for e in updates] == [1, 2, 3]
+    pauses = lanes[("rollout side", "update gate")]
+    for u in updates:
+        assert any(u["ts"] <= p["ts"] and p["ts"] + p["dur"] <= u["ts"] + u["dur"] for p in pauses)
+    for rank in (0, 1):
+        train = lanes[(f"trainer rank {rank}", "train")]
+        assert [e["args"]["step"] for e in train if e["name"] == "train step"] == [0, 1, 2]
+        assert [e["args"]["version"] for e in train if e["name"] == "export weights"] == [1, 2, 3]
+    dumps = [load_dump(dump_path(dump_template(run_dir), k)) for k in range(3)]
+    assert [sorted({s["group_index"] for s in d["samples"]}) for d in dumps] == [r["trained_groups"] for r in rows]
+    for d in dumps:
+        assert set(d["train"]) == TRAIN_FIELDS
+        for s in d["samples"]:
+            assert set(s) == SAMPLE_FIELDS and all(set(t) == TURN_FIELDS for t in s["turns"])
+            assert len(s["token_versions"]) == s["response_length"]
+            generated = [v for v, m in zip(s["token_versions"], s["loss_mask"]) if m]
+            assert generated and all(v >= 0 for v in generated)
+        assert_engine_calls_in_lanes(lanes, d["samples"])
 
 
 def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2, three_nodes, tiny_paths):

@@ -2,12 +2,14 @@
 ``--load-debug-rollout-data``), to read, to inspect (``slime-mt inspect``) and to train on again.
 
 ``--save-debug-rollout-data PATH`` (``{rollout_id}`` in PATH is the step, as in slime) writes, per step,
-``PATH`` (``torch.save`` of plain data and tensors, loadable with ``torch.load(weights_only=True)``
-without slime_mt) and, when the step has images, ``PATH`` minus its suffix plus ``.images/`` beside
-it (PNG files the records name, relative to the dump's folder). Format ``slime_mt.rollout_dump``,
-version 1:
+``PATH`` and, when the step has images, ``PATH`` minus its suffix plus ``.images/`` beside it (PNG files
+the records name, relative to the dump's folder). ``PATH`` is a ``torch.save`` of plain data and
+tensors that ``torch.load(PATH, weights_only=True)`` reads without slime_mt: ``format``
+(``slime_mt.rollout_dump``), ``version`` (1), ``rollout_id``, ``created`` (unix time), ``records`` (JSON
+text: ``samples``, ``train`` and ``settings`` below; JSON because torch's safe loader reads large
+nested lists a hundred times slower) and ``tensors`` (each by its place in the records, such as
+``samples/3/multimodal_train_inputs/pixel_values``). ``load_dump`` puts them together:
 
-  format, version, rollout_id, created (unix time)
   samples       one dict per trajectory, in group order: index, group_index, prompt, tokens, response,
                 response_length, prompt_length, label, reward, loss_mask, rollout_log_probs,
                 token_versions, weight_versions, status, metadata (JSON-safe), images (file names),
@@ -159,14 +161,20 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
         "trained_groups": list(batch.trained_groups),
         "note": batch.note,
     }
+    tensors: dict[str, torch.Tensor] = {}
+    for where, records in (("samples", samples), ("train", train["samples"])):
+        for i, record in enumerate(records):
+            for key, value in (record["multimodal_train_inputs"] or {}).items():
+                tensors[f"{where}/{i}/multimodal_train_inputs/{key}"] = value
+            if record["multimodal_train_inputs"]:
+                record["multimodal_train_inputs"] = {key: None for key in record["multimodal_train_inputs"]}
     data = {
         "format": FORMAT,
         "version": VERSION,
         "rollout_id": step,
         "created": time.time(),
-        "samples": samples,
-        "train": train,
-        "settings": settings,
+        "records": json.dumps({"samples": samples, "train": train, "settings": settings}),
+        "tensors": tensors,
     }
     tmp = path.with_name(path.name + ".tmp")
     torch.save(data, tmp)
@@ -188,7 +196,13 @@ def load_dump(path: Path) -> dict:
         raise DumpError(f"{path}: not a slime_mt rollout dump (format {kind})")
     if data.get("version") != VERSION:
         raise DumpError(f"{path}: rollout dump version {data['version']}; this slime_mt reads version {VERSION}")
-    return data
+    records = json.loads(data["records"])
+    for where, value in data["tensors"].items():
+        part, i, field, key = where.split("/")
+        target = records[part] if part == "samples" else records[part]["samples"]
+        target[int(i)][field][key] = value
+    header = {k: v for k, v in data.items() if k not in ("records", "tensors")}
+    return {**header, **records}
 
 
 def samples_of(data: dict) -> list:

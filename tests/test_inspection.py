@@ -1,0 +1,568 @@
+"""Inspecting a run: rollout dumps (saved, loaded with and without slime_mt, replayed), rollout-only
+runs, turn records, the trace, and ``slime-mt inspect`` (its text summary, and its HTML page driven
+in the operating system's Chromium through Playwright).
+
+Two real runs are shared by the module: a rollout-only run of the tiny Qwen2.5-VL on geo3k (step-wise,
+the ``window:1`` context policy, an environment whose first step of every episode fails once), and a
+two-step run of the demo recipe that a train-only run replays."""
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from inspection_helpers import (
+    SAMPLE_FIELDS,
+    SEQUENCE_FIELDS,
+    TRAIN_FIELDS,
+    TURN_FIELDS,
+    assert_nested,
+    dump_template,
+    lanes_by_name,
+)
+from train_helpers import REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
+
+from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, save_dump, train_batch_of
+from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
+from slime_mt.inspection.turn_records import TurnRecordsError, chosen_groups, parse_setting
+from slime_mt.rollout.finalize import finalize
+from slime_mt.timeline import TraceWriter, load_trace
+from slime_mt.types import Sample, Status
+
+FLAKY_GEO3K = '''
+from envs import geo3k
+from envs.base import RetryableEnvError
+
+
+class FlakyGeo3k(geo3k.Geo3kEnv):
+    """geo3k whose first step of every episode fails once (a retryable fault)."""
+
+    failed = False
+
+    def step(self, response_text):
+        if not self.failed:
+            self.failed = True
+            raise RetryableEnvError("the first step of every episode fails once")
+        return super().step(response_text)
+
+
+def build_env(sample=None, args=None, **kw):
+    env = geo3k.build_env(sample=sample, args=args)
+    env.__class__ = FlakyGeo3k
+    return env
+'''
+# runs the CLI, then says which packages the process imported
+IMPORTS_AFTER = (
+    "import sys; from slime_mt.cli import main; rc = main(sys.argv[1:]); "
+    "print('IMPORTED', sorted({m.split('.')[0] for m in sys.modules} | "
+    "{m for m in sys.modules if m.startswith('slime_mt.engine')})); sys.exit(rc)"
+)
+
+
+def imported(stdout: str) -> list[str]:
+    return ast.literal_eval(stdout.split("IMPORTED ", 1)[1].splitlines()[0])
+
+
+def run_cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=repo_env(),
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def rollout_only(tmp_path_factory):
+    """Two steps of ``--debug-rollout-only`` on the tiny VLM: step-wise with merging, ``window:1``,
+    a flaky environment, dumps saved."""
+    root = tmp_path_factory.mktemp("rollout_only")
+    geo3k = make_geo3k(root / "geo3k")
+    (root / "flaky_geo3k.py").write_text(FLAKY_GEO3K)
+    run_dir = root / "run"
+    cmd = geo3k_train_cmd(
+        geo3k,
+        run_dir,
+        "--debug-rollout-only",
+        "--save-debug-rollout-data",
+        dump_template(run_dir),
+        "--rollout-interaction-env-path",
+        str(root / "flaky_geo3k.py"),
+        "--context-policy",
+        "window:1",
+        "--sample-format",
+        "step_wise",
+        "--merge-step-wise",
+    )
+    proc = run_cli(cmd[3:])  # the flags after "python -m slime_mt.cli"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, imported(proc.stdout)
+
+
+def dumps_of(run_dir: Path) -> list[dict]:
+    return [load_dump(dump_path(dump_template(run_dir), k)) for k in range(2)]
+
+
+def test_rollout_only_writes_dumps_and_builds_no_model(rollout_only):
+    run_dir, modules = rollout_only
+    assert "megatron" not in modules  # no Megatron model was built: megatron was never imported
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all("rollout/reward_mean" in r and not any(k.startswith("train/loss") for k in r) for r in rows)
+    assert not (run_dir / "ckpt").exists()
+    data = dumps_of(run_dir)
+    assert [d["rollout_id"] for d in data] == [0, 1]
+
+
+def test_dumps_hold_every_field_and_load_without_slime_mt(rollout_only):
+    run_dir, _ = rollout_only
+    path = dump_path(dump_template(run_dir), 0)
+    # plain data and tensors: torch alone reads it, slime_mt is never imported
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, torch; d = torch.load(sys.argv[1], weights_only=True); r = json.loads(d['records']); "
+            "print(len(r['samples']), d['format'], d['version'], min(d['tensors']), 'slime_mt' in sys.modules)",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
+    data = load_dump(path)
+    first_tensor = "samples/0/multimodal_train_inputs/image_grid_thw"
+    assert probe.stdout.split() == [str(len(data["samples"])), "slime_mt.rollout_dump", "1", first_tensor, "False"]
+    assert set(data["train"]) == TRAIN_FIELDS
+    for record in data["samples"]:
+        assert set(record) == SAMPLE_FIELDS
+        assert all(set(t) == TURN_FIELDS for t in record["turns"])
+        # the prompt's image, as a PNG file beside the dump, and its tensors
+        assert len(record["images"]) == 1
+        with open(path.parent / record["images"][0], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        grid = record["multimodal_train_inputs"]["image_grid_thw"]
+        assert record["multimodal_train_inputs"]["pixel_values"].shape[0] == int(grid.prod(dim=-1).sum())
+    for record in data["train"]["samples"]:
+        assert set(record) == SEQUENCE_FIELDS
+    # and with the project's types: valid Samples, and the batch that trained
+    for sample, record in zip(samples_of(data), data["samples"]):
+        sample.validate()
+        assert sample.tokens == record["tokens"] and sample.status == Status(record["status"])
+        assert sample.metadata["dump_images"] == record["images"]
+    batch = train_batch_of(data)
+    assert batch.advantages == data["train"]["advantages"] and len(batch.samples) == len(batch.advantages)
+    assert batch.samples[0].turns == data["train"]["samples"][0]["turns"]
+
+
+def test_turn_records_agree_with_the_samples(rollout_only):
+    run_dir, _ = rollout_only
+    lines = [json.loads(line) for line in (run_dir / "turns.jsonl").read_text().splitlines()]
+    expected = []
+    for data in dumps_of(run_dir):
+        for s in data["samples"]:
+            for k, t in enumerate(s["turns"]):
+                rewritten = t["context_ids"] is not None
+                expected.append(
+                    {
+                        "step": data["rollout_id"],
+                        "sample": s["index"],
+                        "group": s["group_index"],
+                        "turn": k,
+                        "context_tokens": len(t["context_ids"]) if rewritten else t["output_start"],
+                        "generated_tokens": t["output_end"] - t["output_start"],
+                        "observation_tokens": t["observation_end"] - t["output_end"],
+                        "finish_reason": t["finish_reason"],
+                        "retries": t["env_retries"],
+                        "invalid_action": False,
+                        "reward": t["reward"],
+                        "weight_version": t["weight_version"],
+                        "context_rewritten": rewritten,
+                        "status": s["status"],
+                        "termination": s["metadata"].get("termination"),
+                    }
+                )
+    assert [{k: line[k] for k in expected[0]} for line in lines] == expected
+    # the run exercised what the records are for: retried env steps and rewritten contexts
+    assert sum(line["retries"] for line in lines) >= 1
+    assert any(line["context_rewritten"] for line in lines)
+    assert all(line["engine_seconds"] > 0 for line in lines)
+
+
+def test_trace_holds_every_engine_call_and_env_step_nested_in_its_trajectory(rollout_only):
+    run_dir, _ = rollout_only
+    events = load_trace(run_dir / "trace.json")
+    json.loads((run_dir / "trace.json").read_text())  # a finished run's trace is plain JSON
+    assert_nested(events)
+    lanes = lanes_by_name(events)
+    for data in dumps_of(run_dir):
+        for s in data["samples"]:
+            spans = lanes[("rollout side", f"sample {s['group_index']}/{s['index']}")]
+            assert [e["name"] for e in spans if e["name"] == "sample"] == ["sample"]
+            calls = [e for e in spans if e["name"] == "generate"]
+            assert [c["args"]["finish_reason"] for c in calls] == [t["finish_reason"] for t in s["turns"]]
+            steps = [e for e in spans if e["name"] == "env.step"]
+            assert sum(e["args"]["retries"] for e in steps) == sum(t["env_retries"] for t in s["turns"])
+    assert [e["args"]["step"] for e in lanes[("rollout side", "steps")] if e["name"] == "take batch"] == [0, 1]
+
+
+def test_inspect_text_lists_every_sample_of_the_step(rollout_only):
+    run_dir, _ = rollout_only
+    data = dumps_of(run_dir)[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_mt.cli", "inspect", str(run_dir), "--text", "--step", "1"],
+        capture_output=True,
+        text=True,
+        env=repo_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    turns = sum(len(s["turns"]) for s in data["samples"])
+    assert f"step 1: {len(data['samples'])} samples in 2 groups, {turns} turns" in proc.stdout
+    for s in data["samples"]:
+        assert f"  sample {s['index']} (group {s['group_index']}): {s['status']}" in proc.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "slime_mt.cli", "inspect", str(run_dir), "--step", "7"],
+        capture_output=True,
+        text=True,
+        env=repo_env(),
+        cwd=REPO,
+    )
+    assert missing.returncode == 2 and "--step 7: no dump of that step" in missing.stderr
+
+
+def test_the_page_is_self_contained(rollout_only, tmp_path):
+    run_dir, _ = rollout_only
+    html = write_report(run_dir, tmp_path / "report.html").read_text()
+    assert re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", html, re.IGNORECASE) is None
+    assert re.findall(r"""\b(?:src|href)\s*=\s*["'](?!data:)""", html) == []
+    assert "<link" not in html and "@import" not in html
+
+
+# ---------------------------------------------------------------- unit-level: what the page and records are made of
+
+
+def two_turn_sample(index: int, group: int, status: Status = Status.COMPLETED) -> Sample:
+    s = Sample(index=index, group_index=group, prompt="p")
+    s.set_prompt_tokens([1, 2, 3])
+    s.append_turn([10, 11], [-0.1, -0.2], weight_version="0")
+    s.append_observation([20, 21, 22])
+    s.append_turn([12], [-0.3], weight_version="0")
+    s.status, s.reward = status, float(index % 2)
+    return s
+
+
+@pytest.mark.parametrize("sample_format,merge", [("concat", False), ("step_wise", False), ("step_wise", True)])
+def test_token_classes_follow_what_each_format_trained(tmp_path, sample_format, merge):
+    """Generated tokens are 'trained output' exactly where a training sequence has loss mask 1;
+    a FAILED sample's are 'masked'; observations and the prompt keep their class."""
+    from slime_mt.rollout_side import TrainBatch
+
+    groups = [[two_turn_sample(0, 0), two_turn_sample(1, 0, Status.FAILED)]]
+    sequences, _ = finalize(groups[0], sample_format, merge)
+    batch = TrainBatch(sequences, [0.5] * len(sequences), {}, {}, 0.0, 0.0, {}, [0], "")
+    data = load_dump(save_dump(tmp_path / "rollout_0.pt", 0, groups, batch, {}))
+    by_id = {}
+    for seq in data["train"]["samples"]:
+        by_id.setdefault(seq["trajectory_id"], []).append(seq)
+    classes = [token_classes(s, trained_flags(s, by_id.get(f"0/{s['index']}", []))) for s in data["samples"]]
+    assert classes == ["ppp" + "oo" + "bbb" + "o", "ppp" + "xx" + "bbb" + "x"]
+    if merge:
+        assert [seq["turns"] for seq in data["train"]["samples"]] == [[0, 1], [0, 1]]
+
+
+def test_turn_record_sampling_takes_whole_groups():
+    groups = [[two_turn_sample(2 * g + k, g) for k in range(2)] for g in range(5)]
+    chosen = chosen_groups(groups, 4, seed=7, step=3)
+    assert len(chosen) == 2 and all(len(g) == 2 for g in chosen)
+    assert chosen == chosen_groups(groups, 4, seed=7, step=3)  # repeatable
+    assert chosen_groups(groups, None, 7, 3) == groups
+    assert [parse_setting(v) for v in ("all", "off", "12")] == [None, 0, 12]
+    for bad in ("0", "-3", "some"):
+        with pytest.raises(TurnRecordsError, match="--turn-records"):
+            parse_setting(bad)
+
+
+def test_a_trace_reads_while_streaming_and_a_resumed_run_continues_it(tmp_path):
+    def event(name: str, ts: int) -> dict:
+        return {"name": name, "cat": "step", "ph": "X", "ts": ts, "dur": 5, "pid": "rollout side", "tid": "steps"}
+
+    writer = TraceWriter(tmp_path)
+    writer.write([event("a", 10)])
+    assert [e["name"] for e in load_trace(writer.path)] == ["process_name", "thread_name", "a"]  # no closing ] yet
+    writer.write([event("b", 20)])
+    writer.close()
+    resumed = TraceWriter(tmp_path)
+    resumed.write([event("c", 30), {**event("d", 40), "tid": "weights"}])
+    resumed.close()
+    events = json.loads(writer.path.read_text())
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["a", "b", "c", "d"]
+    assert len({e["tid"] for e in events if e["ph"] == "X"}) == 2  # the resumed run kept the lane numbering
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.fixture(scope="module")
+def demo_dumped(tmp_path_factory, smollm2_path):
+    """Two steps of the demo recipe (a quarter of its samples) with dumps, and their replay."""
+    root = tmp_path_factory.mktemp("demo_dumped")
+    subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(root / "data")], check=True, cwd=REPO)
+    (root / "plugins.py").write_text(
+        "async def rm(args, sample):\n"
+        "    return float(sum(sample.tokens[-sample.response_length:]) % 3 == 0) + 0.1 * (sample.response_length % 2)\n"
+    )
+    flags = [*TWO_SMALL_STEPS, "--eval-interval", "100", "--custom-rm-path", f"{root}/plugins.py:rm"]
+    original = root / "original"
+    proc = subprocess.run(
+        demo_train_cmd(
+            smollm2_path,
+            root / "data/train.jsonl",
+            original,
+            *flags,
+            "--save-debug-rollout-data",
+            dump_template(original),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=repo_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    replay = root / "replay"
+    nothing_listens = "http://127.0.0.1:9"
+    cmd = demo_train_cmd(smollm2_path, root / "data/train.jsonl", replay, *flags, "--engine-url", nothing_listens)
+    proc = subprocess.run(
+        [*cmd, "--load-debug-rollout-data", dump_template(original)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=repo_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return original, replay
+
+
+def test_a_replayed_dump_trains_with_the_same_loss_and_gradients(demo_dumped):
+    original, replay = demo_dumped
+    a = [json.loads(line) for line in (original / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (replay / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [0, 1]
+    assert all(r["train/grad_norm"] > 0 for r in a)  # the steps learned something to compare
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-6), key
+    assert [r["rollout/reward_mean"] for r in b] == [r["rollout/reward_mean"] for r in a]
+    # the replay's trace holds its train steps, and no engine call or weight update: it ran against
+    # an --engine-url where nothing listens, and never went there
+    lanes = lanes_by_name(load_trace(replay / "trace.json"))
+    assert {lane for _, lane in lanes}.isdisjoint({"weights", "update gate"})
+    assert not any(e["name"] == "generate" for spans in lanes.values() for e in spans)
+    assert [e["args"]["step"] for e in lanes[("trainer rank 0", "train")] if e["name"] == "train step"] == [0, 1]
+
+
+def test_a_replay_with_other_settings_or_no_dump_stops_naming_it(demo_dumped, smollm2_path, tmp_path):
+    original, _ = demo_dumped
+    prompts = original.parent / "data/train.jsonl"
+
+    def replay(template: str, *extra: str) -> subprocess.CompletedProcess:
+        cmd = demo_train_cmd(smollm2_path, prompts, tmp_path / "replay", *TWO_SMALL_STEPS, *extra)
+        cmd += ["--load-debug-rollout-data", template]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=repo_env(), cwd=REPO)
+
+    other = replay(dump_template(original), "--advantage-estimator", "rloo")
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "advantage_estimator='grpo' (now 'rloo')" in other.stderr
+    missing = replay(str(tmp_path / "x_{rollout_id}.pt"))
+    assert missing.returncode == 2 and "no dump of step 0" in missing.stderr
+
+
+# ---------------------------------------------------------------- the page in a real browser
+
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium on this machine (scripts/test.sh installs the OS package when it runs as root)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra: pip install -e .[test]")
+    with playwright.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def open_page(browser, path: Path):
+    """The page from its file, with every console error and page error collected."""
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on(
+        "request", lambda r: errors.append(f"request {r.url}") if not r.url.startswith(("file:", "data:")) else None
+    )
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-ready='1']")
+    return page, errors
+
+
+def expected_classes(record: dict, sequences: list[dict]) -> list[str]:
+    """From the dump alone: prompt, then per response token observation (mask 0), trained output
+    (mask 1 and a sequence trained it) or masked."""
+    trained = set()
+    for seq in sequences:
+        for k in seq["turns"] if seq["turns"] is not None else range(len(record["turns"])):
+            t = record["turns"][k]
+            if any(seq["loss_mask"]):
+                trained.update(range(t["output_start"], t["output_end"]))
+    classes = ["tok-p"] * record["prompt_length"]
+    for j, m in enumerate(record["loss_mask"]):
+        position = record["prompt_length"] + j
+        classes.append("tok-b" if m == 0 else ("tok-o" if position in trained else "tok-x"))
+    return classes
+
+
+def test_the_page_shows_every_sample_turn_and_token_as_the_dump_has_them(rollout_only, browser, tmp_path):
+    run_dir, _ = rollout_only
+    path = write_report(run_dir, tmp_path / "report.html", step=1)
+    data = dumps_of(run_dir)[1]
+    page, errors = open_page(browser, path)
+    counts = page.locator("#counts")
+    assert int(counts.get_attribute("data-samples")) == len(data["samples"])
+    assert int(counts.get_attribute("data-turns")) == sum(len(s["turns"]) for s in data["samples"])
+    rows = page.locator("tr.sample-row")
+    assert rows.count() == len(data["samples"])
+    by_id: dict[str, list[dict]] = {}
+    for seq in data["train"]["samples"]:
+        by_id.setdefault(seq["trajectory_id"], []).append(seq)
+    removed_seen = 0
+    for i, record in enumerate(data["samples"]):
+        rows.nth(i).click()
+        detail = page.locator("tr.detail")
+        assert detail.locator(".turn").count() == len(record["turns"])
+        stream = detail.locator(f".tokens[data-sample='{record['index']}'] .tok")
+        classes = stream.evaluate_all("nodes => nodes.map(n => n.className.split(' ')[1])")
+        assert classes == expected_classes(record, by_id[f"{record['group_index']}/{record['index']}"])
+        assert detail.locator(".images img").first.get_attribute("src").startswith("data:image/png;base64,")
+        # hovering a generated token shows its id, log-prob and version
+        k = classes.index("tok-o")
+        stream.nth(k).hover()
+        tip = page.locator("#tooltip").inner_text()
+        r = k - record["prompt_length"]
+        assert f"id {record['tokens'][k]}" in tip
+        assert float(re.search(r"log-prob (\S+)", tip).group(1)) == pytest.approx(
+            record["rollout_log_probs"][r], abs=1e-3
+        )
+        assert f"version {record['token_versions'][r]}" in tip
+        # a rewritten context shows what the policy removed
+        for n, t in enumerate(record["turns"]):
+            if t["context_ids"] is None:
+                continue
+            turn = detail.locator(f".turn[data-turn='{n}']")
+            turn.locator("summary").click()
+            removed = sum(i2 - i1 for tag, i1, i2, _, _ in _ops(record, t) if tag in ("delete", "replace"))
+            assert turn.locator(".context .tok-removed").count() == removed > 0
+            removed_seen += 1
+        rows.nth(i).click()  # closed again
+    assert removed_seen > 0
+    shot = tmp_path / "viewer.png"
+    rows.nth(0).click()
+    page.locator("tr.detail .tok-o").first.hover()
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("SLIME_MT_SCREENSHOT"):  # the README's picture is taken here
+        shutil.copy(shot, os.environ["SLIME_MT_SCREENSHOT"])
+    assert errors == []
+
+
+def _ops(record: dict, turn: dict) -> list:
+    from slime_mt.inspection.report import context_ops
+
+    return context_ops(record["tokens"][: turn["output_start"]], turn["context_ids"])
+
+
+def test_a_10000_trajectory_step_opens_within_seconds(browser, tmp_path):
+    """A step of 10,000 two-turn trajectories: the page is written, opens and answers within a few
+    seconds (rows drawn a page at a time, tokens only when a trajectory is opened)."""
+    from slime_mt.rollout_side import TrainBatch
+
+    groups = []
+    for g in range(1250):
+        group = []
+        for k in range(8):
+            s = Sample(index=8 * g + k, group_index=g, prompt="p")
+            s.set_prompt_tokens(list(range(100, 160)))
+            s.append_turn(list(range(200, 240)), [-0.5] * 40, weight_version="3")
+            s.append_observation(list(range(300, 320)))
+            s.append_turn(list(range(240, 270)), [-0.25] * 30, weight_version="3")
+            s.status, s.reward = Status.COMPLETED, float(k % 2)
+            group.append(s)
+        groups.append(group)
+    samples = [s for g in groups for s in g]
+    sequences, _ = finalize(samples, "concat", False)
+    batch = TrainBatch(sequences, [1.0] * len(sequences), {}, {}, 0.0, 0.0, {}, list(range(1250)), "")
+    save_dump(dump_path(str(tmp_path / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
+    started = time.perf_counter()
+    path = write_report(tmp_path, tmp_path / "big.html", dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"))
+    written = time.perf_counter() - started
+    started = time.perf_counter()
+    page, errors = open_page(browser, path)
+    opened = time.perf_counter() - started
+    assert int(page.locator("#counts").get_attribute("data-samples")) == 10_000
+    assert page.locator("tr.sample-row").count() == 200  # the first page of rows
+    page.locator("#more").scroll_into_view_if_needed()
+    deadline = time.time() + 10  # the page's CSP allows no eval, so no wait_for_function: poll
+    while page.locator("tr.sample-row").count() < 400 and time.time() < deadline:
+        time.sleep(0.05)
+    page.locator("tr.sample-row").nth(399).click()
+    assert page.locator("tr.detail .tok").count() == 60 + 40 + 20 + 30
+    size = path.stat().st_size / 1e6
+    print(f"10,000 trajectories: page written in {written:.1f} s ({size:.0f} MB), opened in {opened:.1f} s")
+    assert opened < 10.0 and written < 60.0
+    assert errors == []
+
+
+def test_a_run_without_dumps_still_gets_its_curves(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
+    page = write_report(tmp_path).read_text()
+    assert '"rollout/reward_mean":[[0,0.5]]' in page
+    assert "no rollout dumps" in text_summary(tmp_path)
+
+
+def test_a_saved_tensor_survives_the_round_trip(tmp_path):
+    from slime_mt.rollout_side import TrainBatch
+
+    s = two_turn_sample(0, 0)
+    s.multimodal_train_inputs = {"pixel_values": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)}
+    sequences, _ = finalize([s], "concat", False)
+    batch = TrainBatch(sequences, [0.0], {}, {}, 0.0, 0.0, {}, [0], "")
+    data = load_dump(save_dump(tmp_path / "d.pt", 0, [[s]], batch, {}))
+    assert torch.equal(
+        data["samples"][0]["multimodal_train_inputs"]["pixel_values"], s.multimodal_train_inputs["pixel_values"]
+    )
+    assert torch.equal(
+        train_batch_of(data).samples[0].multimodal_train_inputs["pixel_values"],
+        s.multimodal_train_inputs["pixel_values"],
+    )
