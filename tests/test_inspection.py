@@ -488,7 +488,9 @@ def test_the_page_shows_every_sample_turn_and_token_as_the_dump_has_them(rollout
         rows.nth(i).click()  # closed again
     assert removed_seen > 0
     shot = tmp_path / "viewer.png"
+    page.set_viewport_size({"width": 1300, "height": 1500})
     rows.nth(0).click()
+    page.keyboard.press("Home")
     page.locator("tr.detail .tok-o").first.hover()
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 20_000

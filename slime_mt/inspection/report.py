@@ -17,6 +17,7 @@ import base64
 import difflib
 import glob
 import json
+import math
 import re
 import statistics
 from collections import Counter
@@ -135,8 +136,20 @@ def _image_uri(folder: Path, name: str) -> str | None:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def _round(values: list[float] | None) -> list[float] | None:
-    return None if values is None else [round(float(v), 4) for v in values]
+def _round(values: list[float] | None) -> list[float | None] | None:
+    """Log-probs to 4 decimals; a non-finite one becomes None (JSON has no NaN)."""
+    return None if values is None else [round(v, 4) if math.isfinite(v) else None for v in map(float, values)]
+
+
+def _finite(value):
+    """``value`` with every non-finite float None, for the page's JSON (small values only)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
@@ -160,8 +173,8 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 "engine_s": round(t["engine_seconds"], 4),
                 "env_s": round(t["env_seconds"], 4),
                 "retries": t["env_retries"],
-                "reward": t["reward"],
-                "info": t["env_info"],
+                "reward": _finite(t["reward"]),
+                "info": _finite(t["env_info"]),
                 "images": t["image_indices"] if t["image_indices"] is not None else list(range(t["num_images"])),
             }
             if t["context_ids"] is not None:
@@ -174,7 +187,7 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 "index": s["index"],
                 "group": s["group_index"],
                 "status": s["status"],
-                "reward": s["reward"],
+                "reward": _finite(s["reward"]),
                 "termination": s["metadata"].get("termination"),
                 "error": s["metadata"].get("error"),
                 "ids": s["tokens"],
@@ -187,8 +200,8 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 "sequences": [
                     {
                         "turns": seq["turns"],
-                        "advantage": round(seq["advantage"], 6),
-                        "reward": seq["reward"],
+                        "advantage": _finite(round(seq["advantage"], 6)),
+                        "reward": _finite(seq["reward"]),
                         "tokens": len(seq["prompt_ids"]) + len(seq["response_ids"]),
                         "trained": sum(seq["loss_mask"]),
                     }
@@ -234,7 +247,7 @@ def page_data(run_dir: Path, step: int | None = None, dumps: str | None = None) 
     return {
         "run": str(run_dir),
         "model": (config.get("train") or {}).get("hf_checkpoint"),
-        "curves": {t: {k: v for k, v in c.items() if v} for t, c in curves.items()},
+        "curves": {t: {k: v for k, v in c.items() if v} for t, c in _finite(curves).items()},
         "steps": steps,
         "pieces": _pieces((config.get("train") or {}).get("hf_checkpoint"), ids),
     }
