@@ -313,50 +313,32 @@ def test_a_trace_reads_while_streaming_and_a_resumed_run_continues_it(tmp_path):
 # ---------------------------------------------------------------- replay
 
 
-@pytest.fixture(scope="module")
-def demo_dumped(tmp_path_factory, smollm2_path):
-    """Two steps of the demo recipe (a quarter of its samples) with dumps, and their replay."""
-    root = tmp_path_factory.mktemp("demo_dumped")
+def dump_and_replay(root: Path, model: Path, *extra: str) -> tuple[Path, Path]:
+    """Two steps of the demo recipe (a quarter of its samples) with dumps, then the same flags trained
+    again from the dumps against an --engine-url where nothing listens -> (run folder, replay folder)."""
     subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(root / "data")], check=True, cwd=REPO)
     (root / "plugins.py").write_text(
         "async def rm(args, sample):\n"
         "    return float(sum(sample.tokens[-sample.response_length:]) % 3 == 0) + 0.1 * (sample.response_length % 2)\n"
     )
-    flags = [*TWO_SMALL_STEPS, "--eval-interval", "100", "--custom-rm-path", f"{root}/plugins.py:rm"]
-    original = root / "original"
-    proc = subprocess.run(
-        demo_train_cmd(
-            smollm2_path,
-            root / "data/train.jsonl",
-            original,
-            *flags,
-            "--save-debug-rollout-data",
-            dump_template(original),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=repo_env(),
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    replay = root / "replay"
-    nothing_listens = "http://127.0.0.1:9"
-    cmd = demo_train_cmd(smollm2_path, root / "data/train.jsonl", replay, *flags, "--engine-url", nothing_listens)
-    proc = subprocess.run(
-        [*cmd, "--load-debug-rollout-data", dump_template(original)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=repo_env(),
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = [*TWO_SMALL_STEPS, "--eval-interval", "100", "--custom-rm-path", f"{root}/plugins.py:rm", *extra]
+    original, replay = root / "original", root / "replay"
+    for run_dir, more in (
+        (original, ["--save-debug-rollout-data", dump_template(original)]),
+        (replay, ["--engine-url", "http://127.0.0.1:9", "--load-debug-rollout-data", dump_template(original)]),
+    ):
+        cmd = demo_train_cmd(model, root / "data/train.jsonl", run_dir, *flags, *more)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=repo_env(), cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return original, replay
 
 
-def test_a_replayed_dump_trains_with_the_same_loss_and_gradients(demo_dumped):
-    original, replay = demo_dumped
+@pytest.fixture(scope="module")
+def demo_dumped(tmp_path_factory, smollm2_path):
+    return dump_and_replay(tmp_path_factory.mktemp("demo_dumped"), smollm2_path)
+
+
+def assert_same_training(original: Path, replay: Path) -> None:
     a = [json.loads(line) for line in (original / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (replay / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in b] == [0, 1]
@@ -364,6 +346,16 @@ def test_a_replayed_dump_trains_with_the_same_loss_and_gradients(demo_dumped):
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-6), key
     assert [r["rollout/reward_mean"] for r in b] == [r["rollout/reward_mean"] for r in a]
+
+
+@pytest.mark.gpu
+def test_a_replayed_dump_trains_alike_on_cuda_in_bf16(tmp_path, smollm2_path):
+    assert_same_training(*dump_and_replay(tmp_path, smollm2_path, "--bf16"))
+
+
+def test_a_replayed_dump_trains_with_the_same_loss_and_gradients(demo_dumped):
+    original, replay = demo_dumped
+    assert_same_training(original, replay)
     # the replay's trace holds its train steps, and no engine call or weight update: it ran against
     # an --engine-url where nothing listens, and never went there
     lanes = lanes_by_name(load_trace(replay / "trace.json"))
