@@ -32,6 +32,7 @@ from train_helpers import REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd
 from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, save_dump, train_batch_of
 from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
 from slime_mt.inspection.turn_records import TurnRecordsError, chosen_groups, parse_setting
+from slime_mt.plugins import load_module
 from slime_mt.rollout.finalize import finalize
 from slime_mt.timeline import TraceWriter, load_trace
 from slime_mt.types import Sample, Status
@@ -500,23 +501,7 @@ def _ops(record: dict, turn: dict) -> list:
 def test_a_10000_trajectory_step_opens_within_seconds(browser, tmp_path):
     """A step of 10,000 two-turn trajectories: the page is written, opens and answers within a few
     seconds (rows drawn a page at a time, tokens only when a trajectory is opened)."""
-    from slime_mt.rollout_side import TrainBatch
-
-    groups = []
-    for g in range(1250):
-        group = []
-        for k in range(8):
-            s = Sample(index=8 * g + k, group_index=g, prompt="p")
-            s.set_prompt_tokens(list(range(100, 160)))
-            s.append_turn(list(range(200, 240)), [-0.5] * 40, weight_version="3")
-            s.append_observation(list(range(300, 320)))
-            s.append_turn(list(range(240, 270)), [-0.25] * 30, weight_version="3")
-            s.status, s.reward = Status.COMPLETED, float(k % 2)
-            group.append(s)
-        groups.append(group)
-    samples = [s for g in groups for s in g]
-    sequences, _ = finalize(samples, "concat", False)
-    batch = TrainBatch(sequences, [1.0] * len(sequences), {}, {}, 0.0, 0.0, {}, list(range(1250)), "")
+    groups, batch = load_module(str(REPO / "benchmarks/inspect_page.py")).step_of(10_000)
     save_dump(dump_path(str(tmp_path / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
     started = time.perf_counter()
     path = write_report(tmp_path, tmp_path / "big.html", dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"))

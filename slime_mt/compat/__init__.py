@@ -46,7 +46,7 @@ import torch
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.processing import QwenVLProcessor
 from slime_mt.rollout.multi_turn import route_of, turn_seed
-from slime_mt.rollout.retokenize import drift
+from slime_mt.rollout.retokenize import common_ends, drift
 from slime_mt.tokenization import mask_runs
 from slime_mt.types import Sample, Status, Turn
 
@@ -323,10 +323,5 @@ def context_drift(seen: list[int], trained: list[int], image_token_id: int | Non
     if image_token_id is not None:
         seen = collapse_image_pads(seen, image_token_id)[0]
         trained = collapse_image_pads(trained, image_token_id)[0]
-    head = 0
-    while head < min(len(seen), len(trained)) and seen[head] == trained[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(seen), len(trained)) - head and seen[-1 - tail] == trained[-1 - tail]:
-        tail += 1
+    head, tail = common_ends(seen, trained)
     return drift(seen[head : len(seen) - tail], trained[head : len(trained) - tail])

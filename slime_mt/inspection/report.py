@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from slime_mt.inspection.dumps import load_dump
+from slime_mt.rollout.retokenize import common_ends
 
 VIEWER = Path(__file__).with_name("viewer.html")
 CURVES = {
@@ -115,12 +116,7 @@ def token_classes(sample: dict, trained: list[int]) -> str:
 def context_ops(history: list[int], context: list[int]) -> list[list]:
     """How a rewritten context differs from the full history: difflib opcodes [tag, i1, i2, j1, j2]."""
     if len(history) + len(context) > DIFF_LIMIT:
-        prefix = 0
-        while prefix < min(len(history), len(context)) and history[prefix] == context[prefix]:
-            prefix += 1
-        suffix = 0
-        while suffix < min(len(history), len(context)) - prefix and history[-1 - suffix] == context[-1 - suffix]:
-            suffix += 1
+        prefix, suffix = common_ends(history, context)
         ops = [["equal", 0, prefix, 0, prefix]]
         ops.append(["replace", prefix, len(history) - suffix, prefix, len(context) - suffix])
         ops.append(["equal", len(history) - suffix, len(history), len(context) - suffix, len(context)])

@@ -30,6 +30,18 @@ def drift(generated: list[int], retokenized: list[int]) -> int:
     return max(len(generated), len(retokenized)) - matched
 
 
+def common_ends(a: list[int], b: list[int]) -> tuple[int, int]:
+    """The lengths of the longest common prefix of ``a`` and ``b`` and of their longest common suffix
+    after it (together at most the shorter length)."""
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return head, tail
+
+
 def retokenize_history(sample: Sample, encoder: ObservationEncoder, conversation: list[dict], as_concat: bool) -> int:
     """Render the finished conversation with its assistant mask, record the drift in
     ``sample.metadata["retokenize_drift_tokens"]`` and, ``as_concat``, make the render the sample.
