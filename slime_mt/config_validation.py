@@ -143,6 +143,13 @@ def _validate_debug(cfg: Config) -> None:
         "runs in the launching process; without --ray it starts the engines itself",
     )
     _require(
+        not (d.debug_rollout_only and cfg.rollout.fully_async),
+        "debug_rollout_only",
+        True,
+        "keeps the starting weights, so --fully-async would find every group past --max-staleness; "
+        "roll out in sync or --async mode",
+    )
+    _require(
         not (d.debug_rollout_only and cfg.cluster.colocate),
         "debug_rollout_only",
         True,

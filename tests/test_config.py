@@ -265,6 +265,16 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             ["--fully-async", "--retokenize-chat-history"],
             r"--fully-async with --retokenize-chat-history and --sample-format concat: .* --sample-format step_wise",
         ),
+        (["--debug-train-only"], r"--debug-train-only=True: trains on saved rollouts: give them with --load-debug"),
+        (
+            ["--debug-rollout-only", "--load-debug-rollout-data", "d/rollout_{rollout_id}.pt"],
+            r"--debug-rollout-only=True: rolls out without training, .* choose one",
+        ),
+        (["--debug-rollout-only", "--fully-async"], r"--debug-rollout-only=True: keeps the starting weights"),
+        (["--debug-rollout-only", "--ray"], r"--debug-rollout-only=True: runs in the launching process"),
+        (["--save-debug-rollout-data", "d/rollout_{step}.pt"], r"only '\{rollout_id\}' may appear in braces"),
+        (["--turn-records", "some"], r"--turn-records 'some': use all, off, or a number"),
+        (["--trace", "everything"], r"--trace: invalid choice: 'everything'"),
     ],
 )
 def test_invalid_values_name_flag_and_value(argv, pattern):
