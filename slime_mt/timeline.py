@@ -40,6 +40,19 @@ TRAJECTORY_CATEGORIES = ("sample", "engine", "env", "reward")  # what ``--trace 
 current_lane: contextvars.ContextVar[str | None] = contextvars.ContextVar("slime_mt_lane", default=None)
 
 
+@contextlib.contextmanager
+def default_lane(lane: str | None) -> Iterator[None]:
+    """Inside the block, spans without a trajectory's lane go to ``lane`` (a gateway session's calls)."""
+    if lane is None or current_lane.get() is not None:
+        yield
+        return
+    token = current_lane.set(lane)
+    try:
+        yield
+    finally:
+        current_lane.reset(token)
+
+
 def now_us() -> int:
     return time.time_ns() // 1000
 

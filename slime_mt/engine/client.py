@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from slime_mt.engine.http import ConnectError, ConnectionLost, HTTPClient, HTTPError, Response, within
-from slime_mt.timeline import Timeline, maybe_span
+from slime_mt.timeline import Timeline, default_lane, maybe_span
 
 if TYPE_CHECKING:
     from slime_mt.engine.update_gate import UpdateGate
@@ -189,7 +189,8 @@ class EngineClient:
             body["image_data"] = image_data
         body.update(extra)
         header = f"X-SMG-Routing-Key: {_header_value(route)}\r\n" if route else ""
-        return await self._generate(self.url + "/generate", body, [rid], timeout, header=header)
+        with default_lane(f"route {route}" if route else None):
+            return await self._generate(self.url + "/generate", body, [rid], timeout, header=header)
 
     async def generate_batch(
         self,

@@ -67,6 +67,7 @@ from typing import Any
 from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, check_tensor, tensor_headers
 from slime_mt.engine.client import JOIN_SECONDS, EngineClient, EngineError, EngineRequestError, weight_group_joins
 from slime_mt.engine.weight_group import dtype_of
+from slime_mt.timeline import default_lane
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,8 @@ class VLLMClient(EngineClient):
             url = self._engine_for(route)
             self._load[url] += 1
             try:
-                return await self._generate_on(url, input_ids, text, sampling_params, return_logprob, rid, timeout)
+                with default_lane(f"route {route}" if route else None):
+                    return await self._generate_on(url, input_ids, text, sampling_params, return_logprob, rid, timeout)
             except EngineError:
                 if url in self.rotation:
                     raise

@@ -32,7 +32,7 @@ from typing import Any
 
 from envs.base import RetryableEnvError, opening_of, opening_text
 from slime_mt.launch.ray.pool import ActorPool
-from slime_mt.timeline import maybe_span
+from slime_mt.timeline import current_lane, maybe_span
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ class RemoteEnv:
 
         worker = self.pool.workers[self.index]
         try:
-            with maybe_span(self.pool.timeline, f"env.{method}", "env", process=f"env worker {self.index}"):
+            where = {"process": f"env worker {self.index}", "lane": current_lane.get() or f"episode {self.key[:8]}"}
+            with maybe_span(self.pool.timeline, f"env.{method}", "env", **where):
                 return await getattr(worker, method).remote(self.key, *args)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, EpisodeLost):
