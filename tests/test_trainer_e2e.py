@@ -906,6 +906,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     )
     (tmp_path / "plugins.py").write_text(PLUGINS)
     flags = [*TWO_SMALL_STEPS, "--custom-rm-path", f"{tmp_path}/plugins.py:rm", "--engine", "vllm"]
+    flags += ["--save-debug-rollout-data", dump_template(tmp_path / "run")]
     if mode == "sync":
         flags += ["--vllm-python", vllm_python(), "--vllm-extra-args", VLLM_ARGS, "--weight-transport", "distributed"]
         steps = 2
@@ -945,3 +946,14 @@ def test_trains_on_vllm(mode, tmp_path, request):
         assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
         trained = [g for r in rows for g in r["trained_groups"]]
         assert len(trained) == len(set(trained)) == steps
+    # the dumps and the trace of a vLLM run: every turn an engine call to the vLLM server (the client
+    # picks it: no router), nested in its trajectory's span
+    events = json.loads((tmp_path / "run" / "trace.json").read_text())
+    assert_nested(events)
+    lanes = lanes_by_name(events)
+    for k in range(steps):
+        dumped = load_dump(dump_path(dump_template(tmp_path / "run"), k))
+        assert all(set(s) == SAMPLE_FIELDS for s in dumped["samples"])
+        assert_engine_calls_in_lanes(lanes, dumped["samples"])
+    engines = {e["args"]["engine"] for spans in lanes.values() for e in spans if e["name"] == "generate"}
+    assert len(engines) == 1 and (mode != "fully-async" or engines == {target.url})

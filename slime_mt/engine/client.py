@@ -222,6 +222,7 @@ class EngineClient:
         timeout: float | None,
         convert: Callable[[Any], Any] | None = None,
         header: str = "",
+        engine: str | None = None,
     ) -> Any:
         """POST ``body`` to ``where`` through the pool and the update gate, with retries, within
         ``timeout`` (time spent waiting at a closed gate before the first attempt not counted) -> the
@@ -244,7 +245,7 @@ class EngineClient:
                     update["began"] = update_began()
 
         limit = timeout or self.timeout
-        engine = where.rsplit("/", 1)[0]
+        engine = engine or where.rsplit("/", 1)[0]  # the server (or router) the trace names
         with maybe_span(self.timeline, "generate", "engine", engine=engine, rid=rids[0]) as span:
             try:
                 result = await within(self._post_with_retries(where, send), limit)

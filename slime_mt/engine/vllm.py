@@ -272,7 +272,7 @@ class VLLMClient(EngineClient):
                 response["meta_info"]["prompt_token_ids"] = tokenized
             return response
 
-        return await self._generate(url + GENERATE, body, [rid], timeout, convert)
+        return await self._generate(url + GENERATE, body, [rid], timeout, convert, engine=url)
 
     async def generate_batch(
         self,
