@@ -79,10 +79,12 @@ def preflight(cfg: Config) -> None:
     d = cfg.debug
     if d.train_only and not cfg.checkpoint.load:
         from slime_mt.inspection.dumps import dump_path
+        from slime_mt.inspection.replay import checked_dump
 
         first = dump_path(d.load_debug_rollout_data, 0)
         if not first.is_file():
             raise TrainSetupError(f"--load-debug-rollout-data {d.load_debug_rollout_data}: no dump of step 0 ({first})")
+        checked_dump(cfg, 0)  # before a model is built: a dump of other settings stops here
     for url in [] if d.train_only else cfg.engine.engine_url or []:
         from slime_mt.engine.server import wait_healthy
 

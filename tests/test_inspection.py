@@ -27,7 +27,7 @@ from inspection_helpers import (
     dump_template,
     lanes_by_name,
 )
-from train_helpers import REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
+from train_helpers import PLUGINS, REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
 
 from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, save_dump, train_batch_of
 from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
@@ -318,10 +318,7 @@ def dump_and_replay(root: Path, model: Path, *extra: str) -> tuple[Path, Path]:
     """Two steps of the demo recipe (a quarter of its samples) with dumps, then the same flags trained
     again from the dumps against an --engine-url where nothing listens -> (run folder, replay folder)."""
     subprocess.run([sys.executable, str(REPO / "examples/demo/make_data.py"), str(root / "data")], check=True, cwd=REPO)
-    (root / "plugins.py").write_text(
-        "async def rm(args, sample):\n"
-        "    return float(sum(sample.tokens[-sample.response_length:]) % 3 == 0) + 0.1 * (sample.response_length % 2)\n"
-    )
+    (root / "plugins.py").write_text(PLUGINS)  # varied rewards: every group has an advantage
     flags = [*TWO_SMALL_STEPS, "--eval-interval", "100", "--custom-rm-path", f"{root}/plugins.py:rm", *extra]
     original, replay = root / "original", root / "replay"
     for run_dir, more in (
@@ -336,7 +333,25 @@ def dump_and_replay(root: Path, model: Path, *extra: str) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def demo_dumped(tmp_path_factory, smollm2_path):
-    return dump_and_replay(tmp_path_factory.mktemp("demo_dumped"), smollm2_path)
+    """The demo recipe in bf16 (the run the bf16 test reads too), and its replay."""
+    return dump_and_replay(tmp_path_factory.mktemp("demo_dumped"), smollm2_path, "--bf16")
+
+
+def test_the_demo_recipe_trains_in_bf16(demo_dumped):
+    """The CPU demo's recipe (SmolLM2-135M, real weights) for two steps with --bf16, at a quarter of
+    its samples (bf16 matmuls run ~30x slower than fp32 on CPUs without bf16 instructions): bf16
+    parameters and activations, fp32 main parameters, gradients and log-softmax; the engine keeps
+    serving the pushed weights, and the bf16-vs-engine log-prob gap is logged."""
+    original, _ = demo_dumped
+    rows = [json.loads(line) for line in (original / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        for key in ("train/loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff", "rollout/reward_mean"):
+            assert r[key] == r[key] and abs(r[key]) < 1e6, (key, r[key])  # finite
+        assert r["train/grad_norm"] > 0
+        assert 1e-4 < r["train/train_rollout_logprob_abs_diff"] < 0.5  # bf16 training vs the fp32 engine
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
+    assert rows[1]["rollout/sample_weight_version_min"] == 1.0
 
 
 def assert_same_training(original: Path, replay: Path) -> None:
@@ -351,6 +366,7 @@ def assert_same_training(original: Path, replay: Path) -> None:
 
 @pytest.mark.gpu
 def test_a_replayed_dump_trains_alike_on_cuda_in_bf16(tmp_path, smollm2_path):
+    """The replay check of the bf16 demo run below, on the GPU."""
     assert_same_training(*dump_and_replay(tmp_path, smollm2_path, "--bf16"))
 
 
@@ -374,7 +390,7 @@ def test_a_replay_with_other_settings_or_no_dump_stops_naming_it(demo_dumped, sm
         cmd += ["--load-debug-rollout-data", template]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=repo_env(), cwd=REPO)
 
-    other = replay(dump_template(original), "--advantage-estimator", "rloo")
+    other = replay(dump_template(original), "--bf16", "--advantage-estimator", "rloo")
     assert other.returncode == 2, other.stderr[-2000:]
     assert "advantage_estimator='grpo' (now 'rloo')" in other.stderr
     missing = replay(str(tmp_path / "x_{rollout_id}.pt"))

@@ -15,6 +15,23 @@ from slime_mt.inspection.records import RunRecords
 from slime_mt.timeline import Timeline
 
 
+def checked_dump(cfg, step: int) -> dict:
+    """Step ``step``'s dump, checked against the run: its step, and the settings its sequences and
+    advantages were made with (DumpError naming the file and the settings that differ)."""
+    path = dump_path(cfg.debug.load_debug_rollout_data, step)
+    data = load_dump(path)
+    if data["rollout_id"] != step:
+        raise DumpError(f"{path}: holds rollout {data['rollout_id']}, not step {step}")
+    now = settings_of(cfg)
+    changed = [f"{k}={v!r} (now {now.get(k)!r})" for k, v in data["settings"].items() if now.get(k) != v]
+    if changed:
+        raise DumpError(
+            f"{path}: written with other settings: {', '.join(changed)}; replay with the flags of the run "
+            "that wrote it (its config.yaml)"
+        )
+    return data
+
+
 class ReplayBatches(NextBatch):
     """Nothing generates: the batch of a step is read in ``ReplaySide.collect``."""
 
@@ -47,18 +64,7 @@ class ReplaySide:
 
     def collect(self, step: int, batches):
         """Step ``step``'s batch as its dump recorded it."""
-        path = dump_path(self.template, step)
-        data = load_dump(path)
-        if data["rollout_id"] != step:
-            raise DumpError(f"{path}: holds rollout {data['rollout_id']}, not step {step}")
-        now = settings_of(self.cfg)
-        changed = [f"{k}={v!r} (now {now.get(k)!r})" for k, v in data["settings"].items() if now.get(k) != v]
-        if changed:
-            raise DumpError(
-                f"{path}: written with other settings: {', '.join(changed)}; replay with the flags of the run "
-                "that wrote it (its config.yaml)"
-            )
-        return train_batch_of(data)
+        return train_batch_of(checked_dump(self.cfg, step))
 
     def push_weights(self, stream: Iterator, version: int) -> None:
         for _ in stream:  # the export is collective: every rank streams, and nobody receives
