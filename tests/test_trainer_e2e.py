@@ -117,7 +117,7 @@ def straight(geo3k, tmp_path_factory):
     """A 4-step run at TP=1 with one trajectory in flight at a time and a checkpoint every step: the
     end-to-end checks at TP=1 read it, and the kill-and-resume test compares against it."""
     run_dir = tmp_path_factory.mktemp("straight")
-    proc = run(train_cmd(geo3k, run_dir, *DETERMINISTIC, steps=4))
+    proc = run(train_cmd(geo3k, run_dir, *DETERMINISTIC, "--turn-records", "2", "--trace", "steps", steps=4))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -154,6 +154,18 @@ def test_end_to_end(tp, request):
     assert not torch.equal(norm, initial_decoder("model.norm.weight"))
 
 
+def test_turn_records_and_the_trace_can_be_bounded(straight):
+    """--turn-records 2 keeps one whole group (of 2) a step; --trace steps keeps no trajectory's lane."""
+    lines = [json.loads(line) for line in (straight / "turns.jsonl").read_text().splitlines()]
+    for step in range(4):
+        mine = [line for line in lines if line["step"] == step]
+        assert len({line["group"] for line in mine}) == 1 and len({line["sample"] for line in mine}) == 2
+    lanes = lanes_by_name(json.loads((straight / "trace.json").read_text()))
+    assert not any(lane.startswith("sample ") for _, lane in lanes)
+    assert not any(e["name"] == "generate" for spans in lanes.values() for e in spans)
+    assert [e["args"]["version"] for e in lanes[("rollout side", "weights")]] == [1, 2, 3, 4]
+
+
 def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path, straight):
     deterministic = DETERMINISTIC
     killed = tmp_path / "killed"
@@ -176,6 +188,14 @@ def test_kill_during_step_3_and_resume_matches_uninterrupted(geo3k, tmp_path, st
     wa, wb = final_weights(straight), final_weights(killed)
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the turn records hold each step once; the trace, continued by the resumed run, closes as JSON:
+    # the killed run's updates 1 and 2, the resumed run's starting weights (2) and its updates 3 and 4
+    lines = [json.loads(line) for line in (killed / "turns.jsonl").read_text().splitlines()]
+    keys = [(line["step"], line["sample"], line["turn"]) for line in lines]
+    assert sorted({k[0] for k in keys}) == [0, 1, 2, 3] and len(keys) == len(set(keys))
+    events = json.loads((killed / "trace.json").read_text())
+    assert_nested(events)
+    assert [e["args"]["version"] for e in lanes_by_name(events)[("rollout side", "weights")]] == [1, 2, 2, 3, 4]
 
 
 def test_async_overlaps_rollout_and_training(geo3k, tmp_path):
@@ -806,6 +826,18 @@ def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_withou
     assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
     for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+    # the workers' calls in the trace: each worker a process, each episode's calls on its trajectory's lane
+    events = json.loads((tmp_path / "trace.json").read_text())
+    assert_nested(events)
+    workers = {process for process, _ in lanes_by_name(events) if process.startswith("env worker ")}
+    assert workers == {"env worker 0", "env worker 1"}
+    lanes = lanes_by_name(events)
+    calls = [(lane, e) for (process, lane), spans in lanes.items() if process in workers for e in spans]
+    assert {e["name"] for _, e in calls} >= {"env.build", "env.reset", "env.step"}
+    for lane, call in calls:  # a worker's step lies inside the trajectory's env.step that asked for it
+        if call["name"] == "env.step":
+            outer = [e for e in lanes[("rollout side", lane)] if e["name"] == "env.step"]
+            assert any(o["ts"] <= call["ts"] and call["ts"] + call["dur"] <= o["ts"] + o["dur"] for o in outer)
 
 
 def greedy(url: str) -> tuple[list[int], list[float], str]:
