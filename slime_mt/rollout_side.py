@@ -169,13 +169,13 @@ class RolloutSide:
     def collect(self, step: int, batches) -> TrainBatch | RolloutFailedError:
         """The step's batch from ``batches``, ready to train -> a TrainBatch, or the error that stops
         the run (every sample failed ``--max-failed-steps`` steps in a row)."""
-        r = self.cfg.rollout
         with maybe_span(self.ctx.timeline, "take batch", "step", lane="steps", step=step):
             batch = batches.take(step)
         with maybe_span(self.ctx.timeline, "prepare batch", "step", lane="steps", step=step):
-            return self._collected(step, batch, batches, r)
+            return self._collected(step, batch, batches)
 
-    def _collected(self, step: int, batch, batches, r) -> TrainBatch | RolloutFailedError:
+    def _collected(self, step: int, batch, batches) -> TrainBatch | RolloutFailedError:
+        r = self.cfg.rollout
         groups, returned_metrics = rollout_output(batch.groups)
         extra = {**batch.metrics, **returned_metrics}
         if self.ctx.compat is not None:

@@ -491,6 +491,7 @@ def test_the_page_shows_every_sample_turn_and_token_as_the_dump_has_them(rollout
                 continue
             turn = detail.locator(f".turn[data-turn='{n}']")
             turn.locator("summary").click()
+            turn.locator(".context").wait_for()  # drawn by the details' toggle event, which comes after the click
             removed = sum(i2 - i1 for tag, i1, i2, _, _ in _ops(record, t) if tag in ("delete", "replace"))
             assert turn.locator(".context .tok-removed").count() == removed > 0
             removed_seen += 1

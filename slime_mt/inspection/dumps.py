@@ -79,11 +79,6 @@ def settings_of(cfg) -> dict:
     return {name: getattr(getattr(cfg, group), name) for group, name in SETTINGS}
 
 
-def _json_safe(value: Any) -> Any:
-    """Metadata and env info as plain data: what JSON cannot hold becomes its repr."""
-    return json.loads(json.dumps(value, default=repr))
-
-
 def _image_bytes(image: Any) -> bytes:
     if isinstance(image, str) and image.startswith("data:"):
         return base64.b64decode(image.partition(",")[2])
@@ -107,26 +102,27 @@ def _write_images(sample, folder: Path, relative_to: Path) -> list[str]:
 
 
 def sample_record(sample, images: list[str]) -> dict:
-    """A Sample as plain data (see the module docstring)."""
+    """A Sample as the records hold it (see the module docstring); ``save_dump`` writes what JSON cannot
+    hold (a prompt's images, a label object) as its repr."""
     return {
         "index": sample.index,
         "group_index": sample.group_index,
-        "prompt": _json_safe(sample.prompt),
+        "prompt": sample.prompt,
         "tokens": list(sample.tokens),
         "response": sample.response,
         "response_length": sample.response_length,
         "prompt_length": sample.prompt_length,
-        "label": _json_safe(sample.label),
-        "reward": _json_safe(sample.reward),
+        "label": sample.label,
+        "reward": sample.reward,
         "loss_mask": list(sample.loss_mask),
         "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
         "token_versions": None if sample.token_versions is None else list(sample.token_versions),
         "weight_versions": list(sample.weight_versions),
         "status": getattr(sample.status, "value", sample.status),
-        "metadata": _json_safe(sample.metadata),
+        "metadata": sample.metadata,
         "images": images,
         "multimodal_train_inputs": _tensors(sample.multimodal_train_inputs),
-        "turns": [_json_safe(dataclasses.asdict(t)) for t in sample.turns],
+        "turns": [dataclasses.asdict(t) for t in sample.turns],
     }
 
 
@@ -173,7 +169,7 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
         "version": VERSION,
         "rollout_id": step,
         "created": time.time(),
-        "records": json.dumps({"samples": samples, "train": train, "settings": settings}),
+        "records": json.dumps({"samples": samples, "train": train, "settings": settings}, default=repr),
         "tensors": tensors,
     }
     tmp = path.with_name(path.name + ".tmp")

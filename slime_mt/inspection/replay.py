@@ -49,7 +49,6 @@ class ReplaySide:
         from slime_mt.metrics import MetricsLogger
 
         self.cfg = cfg
-        self.template = cfg.debug.load_debug_rollout_data
         c = cfg.checkpoint
         self.metrics = MetricsLogger(run_dir, use_wandb=c.use_wandb, wandb_project=c.wandb_project)
         self.records = RunRecords(cfg, run_dir)

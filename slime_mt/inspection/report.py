@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from slime_mt.inspection.dumps import load_dump
+from slime_mt.metrics import read_metrics
 from slime_mt.rollout.retokenize import common_ends
 
 VIEWER = Path(__file__).with_name("viewer.html")
@@ -67,10 +68,21 @@ def dump_files(run_dir: Path, template: str | None = None) -> dict[int, Path]:
 
 
 def read_metrics_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    """metrics.jsonl's rows; none for a run that logged no step yet."""
+    try:
+        return read_metrics(run_dir)
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def selected(files: dict[int, Path], step: int | None, run_dir: Path) -> dict[int, Path]:
+    """The dumps ``--step`` asks for (all without it); InspectError naming the dumped steps."""
+    if step is None:
+        return files
+    if step not in files:
+        have = ", ".join(map(str, files)) or "none"
+        raise InspectError(f"--step {step}: no dump of that step in {run_dir} (dumped steps: {have})")
+    return {step: files[step]}
 
 
 # ---------------------------------------------------------------- what was trained
@@ -227,12 +239,7 @@ def page_data(run_dir: Path, step: int | None = None, dumps: str | None = None) 
     if not run_dir.is_dir():
         raise InspectError(f"{run_dir}: not a folder")
     rows = read_metrics_rows(run_dir)
-    files = dump_files(run_dir, dumps)
-    if step is not None:
-        if step not in files:
-            have = ", ".join(map(str, files)) or "none"
-            raise InspectError(f"--step {step}: no dump of that step in {run_dir} (dumped steps: {have})")
-        files = {step: files[step]}
+    files = selected(dump_files(run_dir, dumps), step, run_dir)
     ids: set[int] = set()
     steps = [step_view(load_dump(path), path.parent, ids) for path in files.values()]
     config = run_config(run_dir)
@@ -278,11 +285,7 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
     if not files:
         lines.append("no rollout dumps (run with --save-debug-rollout-data to see trajectories)")
         return "\n".join(lines)
-    if step is not None and step not in files:
-        raise InspectError(f"--step {step}: no dump of that step (dumped steps: {', '.join(map(str, files))})")
-    for k, path in files.items():
-        if step is not None and k != step:
-            continue
+    for k, path in selected(files, step, run_dir).items():
         data = load_dump(path)
         samples = data["samples"]
         statuses = Counter(s["status"] for s in samples)
