@@ -87,7 +87,9 @@ def _indent(text: str) -> str:
 
 
 def _user_errors() -> tuple[type, ...]:
-    """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback)."""
+    """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback). Asked for
+    only once an error is raised: their modules import torch, transformers and megatron, which
+    ``--help``, ``--dry-run`` and the light commands never need."""
     from slime_mt.assets.qwen_tokenizer import AssetError
     from slime_mt.backends.megatron.checkpoint import CheckpointError
     from slime_mt.backends.megatron.models import ModelConfigError
@@ -110,7 +112,7 @@ def _user_errors() -> tuple[type, ...]:
     )
 
 
-def run_train(cfg, user_errors: tuple[type, ...]) -> int:
+def run_train(cfg) -> int:
     """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
@@ -144,12 +146,12 @@ def run_train(cfg, user_errors: tuple[type, ...]) -> int:
         except stops as e:
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        except user_errors as e:
+        except Exception as e:
+            if not isinstance(e, _user_errors()):
+                traceback.print_exc()
+                return 1
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-        except Exception:
-            traceback.print_exc()
-            return 1
     return 0
 
 
@@ -194,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "megatron", "uvicorn"):  # one line per request / per layer otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    user_errors = _user_errors()
     parser = build_cli()
     ns, extras = parser.parse_known_args(argv)
     if extras:
@@ -249,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                 for line in dry_run_placement(cfg):
                     print(f"# placement: {line}")
             return 0
-        return run_train(cfg, user_errors)
-    except user_errors as e:
+        return run_train(cfg)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
         print(f"slime-mt {ns.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
