@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slime_mt.backends.megatron import import_megatron_core
 from slime_mt.backends.megatron.cpu_patches import apply_cpu_patches
 
 
@@ -47,6 +48,7 @@ def _free_port() -> int:
 
 def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
     """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs."""
+    import_megatron_core()
     from megatron.core import parallel_state, tensor_parallel
 
     gpu = torch.cuda.is_available()
@@ -65,8 +67,8 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
     world = dist.get_world_size()
     if world % tp_size:
         raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the {world} launched processes")
-    if not gpu:
-        # one intra-op thread per process when processes share the 2 cores (oversubscription is slower)
+    if not gpu and "OMP_NUM_THREADS" not in os.environ:
+        # the cores shared by the processes (oversubscription is slower); a user's OMP_NUM_THREADS wins
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
