@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_mt.backends.megatron.attention import Segments, Tree
+from slime_mt.backends.megatron.layouts import Segments, Tree
 from slime_mt.types import TrainingSample
 
 
