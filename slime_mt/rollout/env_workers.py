@@ -222,14 +222,20 @@ class RemoteEnv:
         self.closed = False
         self._formatted: tuple[int, tuple[bool, Any]] | None = None
 
-    async def _remote(self, method: str, *args) -> Any:
+    async def _remote(self, method: str, *args, idempotent: bool = False) -> Any:
+        """``method`` of the episode on its worker. An ``idempotent`` call (a build, which makes the
+        episode's environment afresh) waits for a worker Ray is restarting, as Ray retries it there, so
+        that one death costs the step one retry, however long the restart takes."""
         import ray
 
         worker = self.pool.workers[self.index]
+        call = getattr(worker, method)
+        if idempotent:
+            call = call.options(max_task_retries=self.pool.retries)
         try:
             where = {"process": f"env worker {self.index}", "lane": current_lane.get() or f"episode {self.key[:8]}"}
             with maybe_span(self.pool.timeline, f"env.{method}", "env", **where):
-                return await getattr(worker, method).remote(self.key, *args)
+                return await call.remote(self.key, *args)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, EpisodeLost):
                 self.lost = True
@@ -243,7 +249,7 @@ class RemoteEnv:
 
     async def build(self) -> None:
         self.lost = True  # until the build answers
-        incarnation, self.tools, self.replayable = await self._remote("build", self.sample_ref)
+        incarnation, self.tools, self.replayable = await self._remote("build", self.sample_ref, idempotent=True)
         self.pool.saw(self.index, incarnation)
         self.lost = False
 
