@@ -33,6 +33,7 @@ setup(
             "pytest>=8",
             "hypothesis>=6",
             "pytest-timeout",
+            "pytest-xdist>=3.6",  # scripts/test.sh runs the tests on two workers (--dist loadgroup)
             "sglang-router>=0.2",
             "matplotlib",
             "ruff==0.17.6",

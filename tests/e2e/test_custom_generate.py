@@ -6,12 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from train_helpers import TWO_SMALL_STEPS, demo_train_cmd
+from train_helpers import REPO, TWO_SMALL_STEPS, demo_train_cmd
 
-REPO = Path(__file__).resolve().parents[1]
 RECORDING = """
 import json
 from pathlib import Path
@@ -38,7 +36,6 @@ def demo_data(tmp_path_factory):
     return data
 
 
-@pytest.mark.slow
 # concat and step_wise; a custom generate function trained step-wise with --merge-step-wise is
 # tests/test_openai_agent.py (rollouts.agent.generate is one, its merged sequences counted there)
 @pytest.mark.parametrize("sample_format", [["--sample-format", "concat"], ["--sample-format", "step_wise"]])

@@ -9,10 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from train_helpers import TWO_SMALL_STEPS
-
-REPO = Path(__file__).resolve().parents[1]
+from train_helpers import REPO, TWO_SMALL_STEPS
 
 
 def train_example(name: str, model: Path, tmp_path: Path, *extra: str) -> list[dict]:
@@ -50,7 +47,6 @@ def train_example(name: str, model: Path, tmp_path: Path, *extra: str) -> list[d
 SMALL = ["--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size", "2"]
 
 
-@pytest.mark.slow
 def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
     rows = train_example("search_agent", smollm2_path, tmp_path, "--max-turns", "3")  # four samples a step
     # searches were answered: turns that counted (valid actions) and their passages as observations
@@ -59,14 +55,12 @@ def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
     assert all("rollout/invalid_actions_per_turn" in r for r in rows)
 
 
-@pytest.mark.slow
 def test_the_code_agent_example_trains_two_steps(tmp_path, smollm2_path):
     rows = train_example("code_agent", smollm2_path, tmp_path, *SMALL, "--max-turns", "2")
     assert any("env/exit_code" in r for r in rows)  # the model's code ran in the sandbox
     assert all(r["rollout/finish_reason/stop"] > 0 for r in rows)  # turns ended at the code's closing fence
 
 
-@pytest.mark.slow
 def test_the_judge_feedback_example_trains_two_steps(tmp_path, smollm2_path):
     rows = train_example("judge_feedback", smollm2_path, tmp_path, *SMALL)
     judged = [r for r in rows if "judge/calls" in r]  # a step whose turns all hit the length limit asks none

@@ -1,4 +1,4 @@
-"""Environment workers (``--env-num-workers``) on a real Ray cluster of two nodes on loopback: an
+"""Environment workers (``--env-num-workers``) on the session's Ray cluster of loopback nodes: an
 episode's environment on a worker behaves as it does in-process (its answers, its faults and their
 retries, its own formatting, sync or async), and a worker that dies is restarted, the episode rebuilt
 and replayed, or failed when the replay shows another state than the model saw."""
@@ -70,18 +70,12 @@ def env_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pool(env_path):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    workers = EnvWorkerPool(2, 1, str(env_path), argparse.Namespace(x=1), cluster.address, retries=2)
+def pool(env_path, three_nodes):
+    workers = EnvWorkerPool(2, 1, str(env_path), argparse.Namespace(x=1), three_nodes.address, retries=2)
     try:
         yield workers
     finally:
         workers.close()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 from inspection_helpers import (
     SAMPLE_FIELDS,
     SEQUENCE_FIELDS,
@@ -26,16 +24,14 @@ from inspection_helpers import (
     assert_nested,
     dump_template,
     lanes_by_name,
+    open_page,
 )
 from train_helpers import PLUGINS, REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
 
-from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, save_dump, train_batch_of
-from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
-from slime_mt.inspection.turn_records import TurnRecordsError, chosen_groups, parse_setting
-from slime_mt.plugins import load_module
-from slime_mt.rollout.finalize import finalize
-from slime_mt.timeline import TraceWriter, load_trace
-from slime_mt.types import Sample, Status
+from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, train_batch_of
+from slime_mt.inspection.report import write_report
+from slime_mt.timeline import load_trace
+from slime_mt.types import Status
 
 FLAKY_GEO3K = '''
 from envs import geo3k
@@ -253,64 +249,6 @@ def test_the_page_is_self_contained(rollout_only, tmp_path):
 # ---------------------------------------------------------------- unit-level: what the page and records are made of
 
 
-def two_turn_sample(index: int, group: int, status: Status = Status.COMPLETED) -> Sample:
-    s = Sample(index=index, group_index=group, prompt="p")
-    s.set_prompt_tokens([1, 2, 3])
-    s.append_turn([10, 11], [-0.1, -0.2], weight_version="0")
-    s.append_observation([20, 21, 22])
-    s.append_turn([12], [-0.3], weight_version="0")
-    s.status, s.reward = status, float(index % 2)
-    return s
-
-
-@pytest.mark.parametrize("sample_format,merge", [("concat", False), ("step_wise", False), ("step_wise", True)])
-def test_token_classes_follow_what_each_format_trained(tmp_path, sample_format, merge):
-    """Generated tokens are 'trained output' exactly where a training sequence has loss mask 1;
-    a FAILED sample's are 'masked'; observations and the prompt keep their class."""
-    from slime_mt.rollout_side import TrainBatch
-
-    groups = [[two_turn_sample(0, 0), two_turn_sample(1, 0, Status.FAILED)]]
-    sequences, _ = finalize(groups[0], sample_format, merge)
-    batch = TrainBatch(sequences, [0.5] * len(sequences), {}, {}, 0.0, 0.0, {}, [0], "")
-    data = load_dump(save_dump(tmp_path / "rollout_0.pt", 0, groups, batch, {}))
-    by_id = {}
-    for seq in data["train"]["samples"]:
-        by_id.setdefault(seq["trajectory_id"], []).append(seq)
-    classes = [token_classes(s, trained_flags(s, by_id.get(f"0/{s['index']}", []))) for s in data["samples"]]
-    assert classes == ["ppp" + "oo" + "bbb" + "o", "ppp" + "xx" + "bbb" + "x"]
-    if merge:
-        assert [seq["turns"] for seq in data["train"]["samples"]] == [[0, 1], [0, 1]]
-
-
-def test_turn_record_sampling_takes_whole_groups():
-    groups = [[two_turn_sample(2 * g + k, g) for k in range(2)] for g in range(5)]
-    chosen = chosen_groups(groups, 4, seed=7, step=3)
-    assert len(chosen) == 2 and all(len(g) == 2 for g in chosen)
-    assert chosen == chosen_groups(groups, 4, seed=7, step=3)  # repeatable
-    assert chosen_groups(groups, None, 7, 3) == groups
-    assert [parse_setting(v) for v in ("all", "off", "12")] == [None, 0, 12]
-    for bad in ("0", "-3", "some"):
-        with pytest.raises(TurnRecordsError, match="--turn-records"):
-            parse_setting(bad)
-
-
-def test_a_trace_reads_while_streaming_and_a_resumed_run_continues_it(tmp_path):
-    def event(name: str, ts: int) -> dict:
-        return {"name": name, "cat": "step", "ph": "X", "ts": ts, "dur": 5, "pid": "rollout side", "tid": "steps"}
-
-    writer = TraceWriter(tmp_path)
-    writer.write([event("a", 10)])
-    assert [e["name"] for e in load_trace(writer.path)] == ["process_name", "thread_name", "a"]  # no closing ] yet
-    writer.write([event("b", 20)])
-    writer.close()
-    resumed = TraceWriter(tmp_path)
-    resumed.write([event("c", 30), {**event("d", 40), "tid": "weights"}])
-    resumed.close()
-    events = json.loads(writer.path.read_text())
-    assert [e["name"] for e in events if e["ph"] == "X"] == ["a", "b", "c", "d"]
-    assert len({e["tid"] for e in events if e["ph"] == "X"}) == 2  # the resumed run kept the lane numbering
-
-
 # ---------------------------------------------------------------- replay
 
 
@@ -399,43 +337,6 @@ def test_a_replay_with_other_settings_or_no_dump_stops_naming_it(demo_dumped, sm
 
 # ---------------------------------------------------------------- the page in a real browser
 
-CHROMIUM_ARGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("no Chromium on this machine (scripts/test.sh installs the OS package when it runs as root)")
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra: pip install -e .[test]")
-    with playwright.sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
-def open_page(browser, path: Path):
-    """The page from its file, with every console error and page error collected."""
-    page = browser.new_page(viewport={"width": 1300, "height": 900})
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on(
-        "request", lambda r: errors.append(f"request {r.url}") if not r.url.startswith(("file:", "data:")) else None
-    )
-    page.goto(path.as_uri())
-    page.wait_for_selector("body[data-ready='1']")
-    return page, errors
-
 
 def expected_classes(record: dict, sequences: list[dict]) -> list[str]:
     """From the dump alone: prompt, then per response token observation (mask 0), trained output
@@ -513,52 +414,3 @@ def _ops(record: dict, turn: dict) -> list:
     from slime_mt.inspection.report import context_ops
 
     return context_ops(record["tokens"][: turn["output_start"]], turn["context_ids"])
-
-
-def test_a_10000_trajectory_step_opens_within_seconds(browser, tmp_path):
-    """A step of 10,000 two-turn trajectories: the page is written, opens and answers within a few
-    seconds (rows drawn a page at a time, tokens only when a trajectory is opened)."""
-    groups, batch = load_module(str(REPO / "benchmarks/inspect_page.py")).step_of(10_000)
-    save_dump(dump_path(str(tmp_path / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
-    started = time.perf_counter()
-    path = write_report(tmp_path, tmp_path / "big.html", dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"))
-    written = time.perf_counter() - started
-    started = time.perf_counter()
-    page, errors = open_page(browser, path)
-    opened = time.perf_counter() - started
-    assert int(page.locator("#counts").get_attribute("data-samples")) == 10_000
-    assert page.locator("tr.sample-row").count() == 200  # the first page of rows
-    page.locator("#more").scroll_into_view_if_needed()
-    deadline = time.time() + 10  # the page's CSP allows no eval, so no wait_for_function: poll
-    while page.locator("tr.sample-row").count() < 400 and time.time() < deadline:
-        time.sleep(0.05)
-    page.locator("tr.sample-row").nth(399).click()
-    assert page.locator("tr.detail .tok").count() == 60 + 40 + 20 + 30
-    size = path.stat().st_size / 1e6
-    print(f"10,000 trajectories: page written in {written:.1f} s ({size:.0f} MB), opened in {opened:.1f} s")
-    assert opened < 10.0 and written < 60.0
-    assert errors == []
-
-
-def test_a_run_without_dumps_still_gets_its_curves(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
-    page = write_report(tmp_path).read_text()
-    assert '"rollout/reward_mean":[[0,0.5]]' in page
-    assert "no rollout dumps" in text_summary(tmp_path)
-
-
-def test_a_saved_tensor_survives_the_round_trip(tmp_path):
-    from slime_mt.rollout_side import TrainBatch
-
-    s = two_turn_sample(0, 0)
-    s.multimodal_train_inputs = {"pixel_values": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)}
-    sequences, _ = finalize([s], "concat", False)
-    batch = TrainBatch(sequences, [0.0], {}, {}, 0.0, 0.0, {}, [0], "")
-    data = load_dump(save_dump(tmp_path / "d.pt", 0, [[s]], batch, {}))
-    assert torch.equal(
-        data["samples"][0]["multimodal_train_inputs"]["pixel_values"], s.multimodal_train_inputs["pixel_values"]
-    )
-    assert torch.equal(
-        train_batch_of(data).samples[0].multimodal_train_inputs["pixel_values"],
-        s.multimodal_train_inputs["pixel_values"],
-    )

@@ -5,12 +5,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from train_helpers import TWO_SMALL_STEPS
+from train_helpers import REPO, TWO_SMALL_STEPS
 
-REPO = Path(__file__).resolve().parents[1]
 SESSIONS = 2  # agent sessions a step: one prompt's group
 
 
@@ -21,7 +19,6 @@ def agent_data(tmp_path_factory):
     return data / "train.jsonl"
 
 
-@pytest.mark.slow
 # The ways in (a function, a program) and the modes (sync, fully-async) pairwise: the program in sync
 # training, the function in fully-async training (a function agent in a sync rollout is covered,
 # without training, by tests/gateway/test_agent_rollout.py); a third run would cost a minute of CI

@@ -1,4 +1,4 @@
-"""Rollout processes (``--rollout-num-processes``) on a real Ray cluster of two nodes on loopback,
+"""Rollout processes (``--rollout-num-processes``) on the session's Ray cluster of loopback nodes,
 against a real embedded engine: the rollout side draws the groups and two ``RolloutWorker`` processes
 run them. A group comes back whole and once, equal to the same group run in the rollout side's own
 process; a process killed mid-group is restarted and its groups run again from their copies; a weight
@@ -45,31 +45,18 @@ def build_env(sample=None, args=None, **kw):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_paths):
     with LocalEngine(tiny_paths["qwen2"], max_batch_size=16) as engine:
         yield engine
 
 
-def config(engine, tmp_path, cluster, processes: int, **rollout) -> Config:
+def config(engine, tmp_path, three_nodes, processes: int, **rollout) -> Config:
     (tmp_path / "echo_env.py").write_text(ENV)
     cfg = Config()
     cfg.train.hf_checkpoint = str(engine.model_path)
     cfg.train.seed = 7
     cfg.data = dataclasses.replace(cfg.data, input_key="prompt", apply_chat_template=True, metadata_key="metadata")
-    cfg.cluster.ray_address = cluster.address
+    cfg.cluster.ray_address = three_nodes.address
     cfg.rollout = dataclasses.replace(
         cfg.rollout,
         rollout_max_response_len=16,
@@ -121,7 +108,7 @@ def log_probs_of(groups) -> dict:
     return {s.index: s.rollout_log_probs for g in groups for s in g}
 
 
-def test_groups_run_in_two_processes_come_back_once_and_equal_the_in_process_run(engine, tmp_path, cluster):
+def test_groups_run_in_two_processes_come_back_once_and_equal_the_in_process_run(engine, tmp_path, three_nodes):
     """Sampling is seeded per turn, so which process ran a group does not change it: the same tokens,
     masks, rewards and versions as the rollout side's own process, and the same log-probs (to the
     engine's batch noise: which requests share a decode step differs run to run, in one process as
@@ -129,7 +116,7 @@ def test_groups_run_in_two_processes_come_back_once_and_equal_the_in_process_run
     rollout side's."""
     results, log_probs, cursors = {}, {}, {}
     for processes in (1, 2):
-        cfg = config(engine, tmp_path, cluster, processes, rollout_batch_size=6, rollout_concurrency=4)
+        cfg = config(engine, tmp_path, three_nodes, processes, rollout_batch_size=6, rollout_concurrency=4)
         data = dataset(tmp_path, cfg, [0.0] * 12)
         ctx = side_ctx(cfg, engine)
         try:
@@ -150,8 +137,8 @@ def test_groups_run_in_two_processes_come_back_once_and_equal_the_in_process_run
     assert cursors[2] == cursors[1]
 
 
-def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine, tmp_path, cluster):
-    cfg = config(engine, tmp_path, cluster, 2, rollout_batch_size=4, rollout_concurrency=8)
+def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine, tmp_path, three_nodes):
+    cfg = config(engine, tmp_path, three_nodes, 2, rollout_batch_size=4, rollout_concurrency=8)
     data = dataset(tmp_path, cfg, [0.3] * 8)
     ctx = side_ctx(cfg, engine)
     try:
@@ -173,12 +160,12 @@ def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine
     assert all(s.status != Status.FAILED and s.turns for g in groups for s in g)
 
 
-def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_updates(engine, tmp_path, cluster):
+def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_updates(engine, tmp_path, three_nodes):
     """The rollout side's gate closes in the middle of the processes' generation: each process's gate
     is held, the engine pauses and aborts what runs, nothing is sent until it opens; the turns the
     update aborted are generated again (counted as the update's, not as engine aborts) and no sample
     fails."""
-    cfg = config(engine, tmp_path, cluster, 2, rollout_batch_size=6, rollout_concurrency=12)
+    cfg = config(engine, tmp_path, three_nodes, 2, rollout_batch_size=6, rollout_concurrency=12)
     cfg.rollout = dataclasses.replace(cfg.rollout, rollout_max_response_len=48, rollout_stop_token_ids=None)
     data = dataset(tmp_path, cfg, [0.0] * 6)
     ctx = side_ctx(cfg, engine)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SLIME_MT = str(Path(sys.executable).parent / "slime-mt")  # the console script, as users run it
 STOPS = [str(t) for t in range(3, 151643, 3)] + ["151645"]  # a random model ends its turns in ~3 tokens
 ROWS = [{"prompt": f"Guess the secret word number {k}.", "secret": w} for k, w in enumerate(["apple", "river"])]

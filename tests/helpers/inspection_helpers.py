@@ -112,3 +112,29 @@ def assert_engine_calls_in_lanes(lanes: dict, samples: list[dict]) -> None:
             str(c["args"].get("weight_version")) for c in calls if c["args"].get("finish_reason") != "abort"
         )
         assert all(t["weight_version"] in finished for t in s["turns"]), s["index"]  # a subsequence, in order
+
+
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def open_page(browser, path: Path):
+    """The page from its file, with every console error and page error collected."""
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on(
+        "request", lambda r: errors.append(f"request {r.url}") if not r.url.startswith(("file:", "data:")) else None
+    )
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-ready='1']")
+    return page, errors

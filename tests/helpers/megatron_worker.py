@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron_worlds import FAMILIES, REFUSED_ROPE, ROPE_CASES
 
 from slime_mt.algo.batching import reduction_weights
 from slime_mt.algo.losses import LossInputs, policy_loss
@@ -27,7 +28,6 @@ from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")  # every supported family, tiny
 ALGO = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, use_tis=True, tis_clip=2.0)
 TEMPERATURE = 0.8
 
@@ -110,8 +110,8 @@ def is_main(info) -> bool:
 
 def check_families(args, info, out):
     """Megatron logits vs transformers (its SDPA attention: the same fp32 arithmetic as the fused core
-    attention; eager; and an fp64 reference, against which transformers' own fp32 error is the
-    bound), and Megatron -> HF export equal to the checkpoint."""
+    attention; eager; and an fp64 reference, against which transformers' own fp32 errors, eager and
+    SDPA, are the bound), and Megatron -> HF export equal to the checkpoint."""
     paths = {"smollm2": smollm2_dir(), **{k: tiny_model_dir(k) for k in FAMILIES}}
     result = {}
     for kind, path in paths.items():
@@ -132,6 +132,7 @@ def check_families(args, info, out):
                     "vs_sdpa": float((mg - s).abs().max()),
                     "vs_fp64": float((mg.double() - r).abs().max()),
                     "hf_fp32_vs_fp64": float((e.double() - r).abs().max()),
+                    "hf_sdpa_fp32_vs_fp64": float((s.double() - r).abs().max()),
                     "hf_eager_vs_sdpa": float((e - s).abs().max()),
                     "max_abs_logit": float(r.abs().max()),
                 }
@@ -225,7 +226,7 @@ def check_matrix(args, info, out):
 def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
     """One packed forward (log-probs, entropies, the row's attention layout) and one gradient
     accumulation (loss, this rank's gradient shards) of a fresh actor on ``samples`` in one row."""
-    from slime_mt.backends.megatron.attention import Segments
+    from slime_mt.backends.megatron.layouts import Segments
 
     everything = list(range(len(samples)))
     actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
@@ -571,35 +572,6 @@ def check_bf16(args, info, out):
 
 
 # ---------------------------------------------------------------- RoPE scaling
-
-ROPE_CASES = {
-    "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
-    "llama-llama3": (
-        "llama",
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "llama-yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0}),
-}
-REFUSED_ROPE = {
-    "llama-dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
-    "llama-longrope": (
-        "llama",
-        {
-            "rope_type": "longrope",
-            "short_factor": [1.0] * 8,
-            "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-}
 
 
 def rope_model(root: Path, name: str, kind: str, rope: dict) -> Path:
@@ -1152,13 +1124,15 @@ def main():
     parser.add_argument("--checks", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--samples", help="train_file: a torch-saved dict of samples written by a test")
+    parser.add_argument("--name", help="results_NAME.json (default: results_tpTP_worldWORLD.json)")
     args = parser.parse_args()
     info = init_parallel(args.tp, seed=1234)
     out = {}
     for name in args.checks.split(","):
         CHECKS[name](args, info, out)
     if is_main(info):
-        (Path(args.out) / f"results_tp{args.tp}_world{info.world_size}.json").write_text(json.dumps(out, indent=1))
+        name = args.name or f"tp{args.tp}_world{info.world_size}"
+        (Path(args.out) / f"results_{name}.json").write_text(json.dumps(out, indent=1))
     # gloo's threads torn down by interpreter exit can abort a rank ("terminate called without an active
     # exception") after the work is done; a destroyed process group exits cleanly
     destroy_parallel()

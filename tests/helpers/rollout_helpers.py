@@ -4,14 +4,10 @@ and small scripted environments."""
 import argparse
 import asyncio
 import functools
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw
-from train_helpers import repo_env
 
 from envs.base import BaseInteractionEnv, RetryableEnvError
 from slime_mt.config import DataConfig, RolloutConfig
@@ -112,29 +108,11 @@ def train_in_megatron(tmp_path, payload: dict) -> dict:
     """One Megatron train step (TP=1, a real worker process) on a saved payload: {"path", "samples",
     "advantages"} and optionally "algo" and "prompts_per_step" (megatron_worker's train_file check)."""
     import torch
+    from megatron_worlds import launch
 
     out = tmp_path / "samples.pt"
     torch.save(payload, out)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests/backends/megatron_worker.py"),
-            "--tp",
-            "1",
-            "--checks",
-            "train_file",
-            "--samples",
-            str(out),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=repo_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / "results_tp1_world1.json").read_text())["train_file"]
+    return launch(1, 1, "train_file", tmp_path, "train_file", "--samples", str(out), timeout=900)["train_file"]
 
 
 def picture(seed):

@@ -1,11 +1,14 @@
-"""Commands the end-to-end tests share."""
+"""Commands the end-to-end tests share, and running and reading their runs."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = Path(__file__).resolve().parent  # tests/helpers: on sys.path in tests and their children
 # two steps of the demo's recipe at a quarter of its samples (one prompt x 4 samples per step)
 TWO_SMALL_STEPS = [
     "--num-rollout",
@@ -40,9 +43,10 @@ def demo_train_cmd(model: Path, prompt_data: Path, run_dir: Path, *extra: str) -
 
 
 def repo_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child run from the repo: the repo first on ``PYTHONPATH``,
-    whatever was there kept (packages installed on PYTHONPATH, as on a GPU machine), ``extra`` set."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    """This process's environment for a child run from the repo: the repo and tests/helpers first on
+    ``PYTHONPATH``, whatever was there kept (packages installed on PYTHONPATH, as on a GPU machine),
+    ``extra`` set."""
+    path = os.pathsep.join(p for p in (str(REPO), str(HELPERS), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
@@ -133,3 +137,82 @@ def geo3k_train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int
         str(run),
         *extra,
     ]
+
+
+# ---------------------------------------------------------------- running and reading runs
+
+
+def run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
+    """``cmd`` from the repo with ``repo_env()``, its output captured as text."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=repo_env(), cwd=REPO, **kw)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The run's ``metrics.jsonl``, a dict per step."""
+    from slime_mt.metrics import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def kill_after_two_steps(cmd, run_dir: Path) -> None:
+    """Start a run and SIGKILL it half a second after its second metrics line (the third step runs)."""
+    child = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=repo_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and child.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The last checkpoint's weights (an HF-layout folder)."""
+    from slime_mt.backends.megatron.convert import load_hf_state
+
+    ckpt = run_dir / "ckpt"
+    return load_hf_state(ckpt / (ckpt / "latest").read_text())
+
+
+def initial_decoder(name: str):
+    """The tiny Qwen2.5-VL's starting weight ``name`` (a tensor)."""
+    from slime_mt.assets import tiny_model_dir
+    from slime_mt.backends.megatron.convert import load_hf_state
+
+    return load_hf_state(tiny_model_dir("qwen2.5-vl"))[name]
+
+
+# one trajectory in flight at a time and a checkpoint every step: runs that equal each other step by step
+DETERMINISTIC = ["--rollout-concurrency", "1", "--save-interval", "1"]
+# TP=2 with a rank on each of two Ray nodes (a declared GPU each)
+RAY_TP2 = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1"]
+
+
+def ray_cmd(geo3k: Path, run_dir: Path, cluster, *extra: str, steps: int = 3) -> list[str]:
+    """``geo3k_train_cmd`` at TP=2, launched by ``--ray`` on ``cluster`` (two ranks on two nodes, one engine)."""
+    cmd = geo3k_train_cmd(geo3k, run_dir, *extra, tp=2, steps=steps)
+    flags = cmd[cmd.index("train") :]
+    return [sys.executable, "-m", "slime_mt.cli", *flags, "--ray", "--ray-address", cluster.address, *RAY_TP2]
+
+
+ENV_WORKERS = ["--env-num-workers", "2", "--env-worker-num-cpus", "0.5"]
+ROLLOUT_PROCESSES = ["--rollout-num-processes", "2", "--rollout-process-num-cpus", "0.25"]
+
+
+def placement_lines(text: str) -> dict[str, str]:
+    """'trainer rank 0' / 'engine 0' / 'env worker 0' -> the node id its placement line names (rank 0's
+    lines come through Ray's log forwarding, after the actor's prefix)."""
+    found = {}
+    for line in text.splitlines():
+        if "placement: " in line and ": node " in line:
+            role, where = line.split("placement: ", 1)[1].split(": ", 1)
+            found[role] = where.split("(", 1)[1].split(")", 1)[0]
+    return found

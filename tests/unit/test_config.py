@@ -1,6 +1,4 @@
 import logging
-import subprocess
-import sys
 
 import pytest
 
@@ -164,14 +162,6 @@ def test_the_resolved_config_reads_back_as_the_same_run(tmp_path):
     )
     again = parse_config(["--config", write(tmp_path, "resolved.yaml", cfg.to_yaml())])
     assert again == cfg and again.custom == {"calculator_precision": 3}
-
-
-def test_unknown_cli_flag_exits_nonzero_from_the_command_line():
-    proc = subprocess.run(
-        [sys.executable, "-m", "slime_mt.cli", "train", "--no-such-flag"], capture_output=True, text=True
-    )
-    assert proc.returncode == 2
-    assert "--no-such-flag" in proc.stderr
 
 
 def test_unknown_yaml_key_is_kept_as_custom_and_logged(tmp_path, caplog):
@@ -339,19 +329,6 @@ def test_yaml_lists_and_bools(tmp_path):
     assert cfg.rollout.rollout_stop_token_ids == [3, 4]
     assert cfg.algo.use_tis is False
     assert cfg.data.multimodal_keys == {"image": "images"}
-
-
-def test_help_lists_flags_grouped_by_concern():
-    proc = subprocess.run([sys.executable, "-m", "slime_mt.cli", "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0
-    text = proc.stdout
-    groups = ("data", "rollout", "engine", "cluster", "algo", "train", "checkpoint")
-    positions = [text.index(f"\n  {group}:") for group in groups]
-    assert positions == sorted(positions)
-    assert text.index("--rollout-function-path") > positions[1]
-    assert positions[3] < text.index("--actor-num-nodes") < positions[4]
-    assert text.index("--eps-clip-high") > positions[4]
-    assert text.index("\n    --tensor-model-parallel-size") > positions[5]
 
 
 def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(tiny_paths):

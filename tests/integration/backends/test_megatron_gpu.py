@@ -7,8 +7,7 @@ import json
 import math
 
 import pytest
-from megatron_worker import FAMILIES
-from test_megatron import launch
+from megatron_worlds import FAMILIES, launch
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +16,14 @@ KINDS = ["smollm2", *FAMILIES]
 
 @pytest.fixture(scope="module")
 def gpu(tmp_path_factory):
-    return launch(1, 1, "gpu,attention,tree,long_micro_batch", tmp_path_factory.mktemp("megatron-gpu"))
+    """Every family on CUDA (two launches, each well within a test's time budget)."""
+    return launch(1, 1, "gpu", tmp_path_factory.mktemp("megatron-gpu"), "gpu")
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """The fused and flex_attention rows, and the 16k-token micro-batch, on CUDA."""
+    return launch(1, 1, "attention,tree,long_micro_batch", tmp_path_factory.mktemp("megatron-gpu"), "kernels")
 
 
 def test_cuda_process_setup(gpu):
@@ -40,8 +46,8 @@ def test_forward_train_step_and_export_on_cuda(gpu, kind, precision):
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_fused_attention_equals_megatrons_on_cuda(gpu, kind):
-    r = gpu["attention"][kind]
+def test_fused_attention_equals_megatrons_on_cuda(kernels, kind):
+    r = kernels["attention"][kind]
     assert r["fused_packs_segments"] and not r["reference_packs_segments"]
     assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 * max(r["max_entropy"], 1.0) and r["loss"] < 1e-6, r
     assert r["grads"] < 1e-5 * max(r["max_grad"], 1.0), r
@@ -52,17 +58,17 @@ def test_fused_attention_equals_megatrons_on_cuda(gpu, kind):
     [f"{kind}/{batch}" for kind in ("llama", "qwen2", "qwen3") for batch in ("grpo", "strip_thinking")]
     + [f"{kind}/{batch}" for kind in ("qwen2.5-vl", "qwen3-vl") for batch in ("vlm_grpo", "vlm_steps")],
 )
-def test_prefix_tree_rows_through_flex_attention_equal_flat_rows_on_cuda(gpu, case):
-    r = gpu["tree"][case]
+def test_prefix_tree_rows_through_flex_attention_equal_flat_rows_on_cuda(kernels, case):
+    r = kernels["tree"][case]
     assert r["logprobs"] < 1e-5 and r["entropy"] < 1e-5 * max(r["max_entropy"], 1.0) and r["loss"] < 1e-6, r
     assert r["grads"] < 1e-5 * max(r["max_grad"], 1.0), r
     assert r["tree_tokens"] < r["flat_tokens"] and r["tree_images"] <= r["flat_images"]
 
 
-def test_a_16k_token_micro_batch_trains_through_the_fused_attention(gpu):
+def test_a_16k_token_micro_batch_trains_through_the_fused_attention(kernels):
     """One 16,384-token micro-batch on CUDA without Transformer Engine (bf16): the flat packed row
     (per-sequence fused kernels) and the prefix-tree row (flex_attention) both train; figures printed."""
-    r = gpu["long_micro_batch"]
+    r = kernels["long_micro_batch"]
     print(json.dumps(r, indent=1))
     flat, tree = r["fused"], r["tree"]
     assert (flat["rows"], flat["row_tokens"], flat["layout"]) == (1, 16384, "Segments")

@@ -7,17 +7,9 @@ import pytest
 import torch
 
 from slime_mt.config import EngineConfig
-from slime_mt.engine.launch import LaunchError, require_sglang, start_engines
+from slime_mt.engine.launch import LaunchError, start_engines
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
-
-
-@pytest.mark.skipif(HAS_SGLANG, reason="SGLang is installed here")
-def test_missing_sglang_names_the_gpu_extra(tmp_path):
-    with pytest.raises(LaunchError, match=r"pip install -e '\.\[gpu\]'"):
-        require_sglang()
-    with pytest.raises(LaunchError, match="engine=sglang needs SGLang"):
-        start_engines(EngineConfig(engine="sglang"), "/models/none", tmp_path)
 
 
 def test_engine_url_that_does_not_answer(tmp_path):

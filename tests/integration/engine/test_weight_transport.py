@@ -12,13 +12,13 @@ import httpx
 import pytest
 import torch
 from engine_helpers import LoopSide
+from train_helpers import REPO
 
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.server import LocalEngine, wait_healthy
 from slime_mt.engine.weight_sync import DistributedWeights, FolderWeights, TensorWeights
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 29, 101, 7, 64]
 
 

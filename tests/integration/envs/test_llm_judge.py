@@ -5,52 +5,17 @@ judge's critiques."""
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "rollout"))
 from rollout_helpers import make_ctx  # noqa: E402
 
-from envs.llm_judge import Judge, JudgeError, JudgeFeedbackEnv, judge_reward, parse_score  # noqa: E402
+from envs.llm_judge import Judge, JudgeError, JudgeFeedbackEnv, judge_reward  # noqa: E402
 from slime_mt.engine.client import EngineError, client_for  # noqa: E402
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of  # noqa: E402
 from slime_mt.rollout.metrics import rollout_metrics  # noqa: E402
 from slime_mt.rollout.multi_turn import run_episode  # noqa: E402
 from slime_mt.types import Sample, Status  # noqa: E402
-
-
-@pytest.mark.parametrize(
-    ("text", "score"),
-    [
-        ("Good answer. Score: 7", 7.0),
-        ("score = 8.5", 8.5),
-        ("**Score:** 9", 9.0),
-        ("Score: 7/10", 7.0),
-        ("Score: 4/5", 8.0),  # scaled to the 0-10 range
-        ("I would give it 8/10.", 8.0),
-        ('{"critique": "fine", "score": 6}', 6.0),
-        ("Score: 7, on reflection Score: 3", 3.0),  # the last verdict
-        ("The answer claims 'Score: 10'. My verdict: Score: 2", 2.0),  # an echoed answer does not win
-        ("Score: eleven", None),
-        ("", None),
-        (None, None),
-        ("Score: 11", None),  # out of range
-        ("Score: -1", None),
-        ("Score: 1e400", None),
-        ("Score: NaN", None),
-        ("Score: 3/0", None),
-        ('{"score": "9"}', None),
-        ("{" * 200_000, None),  # adversarial sizes stay fast
-        ("no verdict at all " * 10_000, None),
-    ],
-)
-def test_parse_score(text, score):
-    started = time.perf_counter()
-    assert parse_score(text) == score
-    assert time.perf_counter() - started < 1.0
 
 
 @pytest.fixture(scope="module")

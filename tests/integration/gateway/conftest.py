@@ -2,17 +2,11 @@
 with its gateway running on the context's loop (the test thread plays the harness)."""
 
 import hashlib
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
-
-from gateway_helpers import ANS, SCRIPT_TEXT, WER, Harness, engine_harness  # noqa: E402
-from rollout_helpers import chain_model  # noqa: E402
-from scripted import segment  # noqa: E402
+from gateway_helpers import ANS, SCRIPT_TEXT, WER, Harness, engine_harness
+from rollout_helpers import chain_model
+from scripted import segment
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gateway_helpers import Harness
 
-from rollouts.agent import generate, parse_result
+from rollouts.agent import generate
 from slime_mt.types import Sample, Status
 
 AGENTS = """
@@ -125,10 +125,3 @@ def test_an_agent_command_is_read_or_fails_the_sample(agent_harness, tmp_path, p
     if pid_file.exists():  # the program that overran was killed with its process group
         status = Path(f"/proc/{pid_file.read_text()}/status")
         assert not status.exists() or "\tZ" in status.read_text().split("State:")[1].splitlines()[0]
-
-
-def test_parse_result_takes_the_last_line_that_is_a_reward():
-    assert parse_result("0.5") == 0.5
-    assert parse_result('starting\n{"reward": 1}\n') == {"reward": 1}
-    with pytest.raises(Exception, match="no reward JSON"):
-        parse_result("true\n")

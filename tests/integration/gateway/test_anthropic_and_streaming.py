@@ -2,7 +2,6 @@
 
 import json
 
-import anthropic
 import openai
 from gateway_helpers import TOOLS
 
@@ -32,9 +31,16 @@ def _openai_session(harness, stream: bool = False):
     return session
 
 
+def anthropic_client(base_url: str):
+    """The real ``anthropic`` client on a session's URL (imported here, not at collection: it takes seconds)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="EMPTY", max_retries=0)
+
+
 def _anthropic_session(harness):
     session, base_url = harness.open(index=3, rollout_id=1)
-    client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="EMPTY", max_retries=0)
+    client = anthropic_client(base_url)
     messages = [{"role": "user", "content": QUESTION}]
     for _ in range(2):
         answer = client.messages.create(
@@ -109,7 +115,7 @@ def test_openai_stream_equals_the_answer_on_a_sampling_model(tiny_harness):
 
 def test_anthropic_stream_joins_to_the_non_streaming_message(harness):
     session, base_url = harness.open()
-    client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="EMPTY", max_retries=0)
+    client = anthropic_client(base_url)
     kwargs = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": QUESTION}], tools=ANTHROPIC_TOOLS)
     whole = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:

@@ -12,20 +12,13 @@ import pytest
 from rollout_helpers import (
     ANS,
     ANSWER,
-    CALLING,
-    CHECK,
     DIRECT,
-    END_THINK,
     EOT,
-    LET,
-    ME,
     NL,
-    NL2,
     PROMPT,
     RESULTS,
     THINK,
     THINKING,
-    TOOL,
     TOOLS,
     WER,
     ScriptedEnv,
@@ -39,13 +32,11 @@ from transformers import AutoTokenizer
 
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
-from slime_mt.config import ConfigError, DataConfig
-from slime_mt.config_parsing import build_config
+from slime_mt.config import DataConfig
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.engine.server import LocalEngine
 from slime_mt.processing import load_tokenizer_or_processor
-from slime_mt.rollout.context_policy import ContextPolicyError, load_policy, parse_policy
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
@@ -69,16 +60,6 @@ def chain_engines(tiny_paths, tmp_path_factory):
     yield engines
     for engine in engines.values():
         engine.stop()
-
-
-def test_the_tokens_of_the_chain_model(reference):
-    assert reference.encode(" ans", add_special_tokens=False) == [ANS]
-    assert reference.encode("wer", add_special_tokens=False) == [WER]
-    assert reference.encode("Direct answer", add_special_tokens=False) == [DIRECT, ANSWER]
-    assert (
-        reference.decode([THINK, LET, ME, CHECK, END_THINK, NL2, CALLING, TOOL])
-        == "<think>Let me check</think>\n\nCalling tool"
-    )
 
 
 def tool_episode(engine, policy, seed, index=0):
@@ -263,40 +244,3 @@ def test_keep_last_images_sends_and_trains_exactly_the_kept_image(farm, tiny_pat
         tmp_path, {"path": str(tiny_paths[kind]), "samples": steps, "advantages": compute_advantages(steps, "dr_grpo")}
     )
     assert trained["sequences"] == 4 and trained["finite"] and trained["grad_norm"] > 0
-
-
-@pytest.mark.parametrize(
-    "spec,message",
-    [
-        ("windows:2", "unknown policy"),
-        ("window", "needs a count"),
-        ("window:-1", "needs a count"),
-        ("strip_thinking:3", "takes no argument"),
-        ("keep_last_images:x", "needs a count"),
-    ],
-)
-def test_bad_policy_specs_name_the_flag(spec, message):
-    with pytest.raises(ContextPolicyError, match=message):
-        parse_policy(spec)
-    with pytest.raises(ConfigError, match="--context-policy"):
-        build_config({"context_policy": spec, "sample_format": "step_wise"})
-
-
-@pytest.mark.parametrize("setting", [{"context_policy": "window:1"}, {"context_policy_path": "x.py:f"}])
-def test_concat_with_a_rewriting_policy_is_a_config_error(setting):
-    with pytest.raises(ConfigError, match="use --sample-format step_wise"):
-        build_config(setting)
-
-
-def test_a_user_policy_must_fit_the_signature_and_return_messages(tmp_path):
-    from slime_mt.plugins import PluginError
-
-    (tmp_path / "p.py").write_text(
-        "def bad(sample):\n    return []\n\ndef text(args, sample, prompt, turns):\n    return 'hello'\n"
-    )
-    with pytest.raises(PluginError, match="--context-policy-path"):
-        load_policy(path=f"{tmp_path}/p.py:bad")
-    from slime_mt.rollout.context_policy import apply_policy
-
-    with pytest.raises(ContextPolicyError, match="must return a list of messages"):
-        asyncio.run(apply_policy(load_policy(path=f"{tmp_path}/p.py:text"), None, None, [], []))

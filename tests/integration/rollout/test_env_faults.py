@@ -13,7 +13,7 @@ from slime_mt.rollout.finalize import to_concat_samples
 from slime_mt.rollout.group_rollout import _assign_reward
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.multi_turn import run_episode
-from slime_mt.rollout.rewards import overlong_penalty, turn_rewards_sum
+from slime_mt.rollout.rewards import turn_rewards_sum
 from slime_mt.types import Sample, Status
 
 STOPS = list(range(3, 151643, 4)) + [151645]
@@ -182,17 +182,6 @@ def test_env_tools_go_into_the_template_in_place_of_the_rows_and_turn_rewards_ar
     assert [t.reward for t in sample.turns] == [0.25, 0.5, 0.75]
     assert asyncio.run(turn_rewards_sum(ctx.args, sample)) == 1.5
     assert sample.metadata["env_reward"] == 0.75  # the trajectory's reward without a reward function: the last
-
-
-@pytest.mark.parametrize(
-    ("length", "expected"),
-    [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (16, -1.0), (40, -1.0)],
-)
-def test_overlong_penalty_by_hand(length, expected):
-    # Lmax 16, buffer 4: free up to 12 tokens, then -1/4 per token, at most -factor
-    assert overlong_penalty(length, 16, 4, 1.0) == pytest.approx(expected)
-    assert overlong_penalty(length, 16, 4, 0.5) == pytest.approx(expected / 2)
-    assert overlong_penalty(length, 16, 0, 1.0) == 0.0
 
 
 def test_overlong_shaping_is_added_to_the_trajectory_reward_in_training_only(target):

@@ -2,10 +2,10 @@
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 from rollout_helpers import make_ctx
+from train_helpers import HELPERS, REPO
 
 from slime_mt.config import DataConfig
 from slime_mt.data import PromptDataset, load_rows
@@ -13,7 +13,6 @@ from slime_mt.rollout.group_rollout import generate_rollout
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.types import Status
 
-REPO = Path(__file__).resolve().parents[2]
 STOPS = list(range(3, 151643, 4)) + [151645]
 DATA_CFG = DataConfig(input_key="prompt", label_key="secret", apply_chat_template=True)
 
@@ -95,7 +94,7 @@ def test_flaky_env_over_64_trajectories(target, tmp_path):
     (tmp_path / "flaky_env.py").write_text(
         textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(HELPERS)!r})
         from rollout_helpers import FlakyEnv
 
         def build_env(sample=None, args=None, **kw):

@@ -10,11 +10,11 @@ import os
 import random
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from rollout_helpers import make_ctx
+from train_helpers import HELPERS, REPO
 
 from envs.base import InvalidActionError
 from envs.openenv import OpenEnvEnv, build_env, text_field
@@ -22,7 +22,6 @@ from slime_mt.engine.launch import free_port
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
 
-REPO = Path(__file__).resolve().parents[2]
 STOPS = list(range(3, 151643, 4)) + [151645]
 SEEDED = {"temperature": 1.0, "sampling_seed": 5, "no_stop_trim": True, "stop_token_ids": STOPS}
 PROMPT = [{"role": "user", "content": "Let us play. Answer with a number."}]
@@ -37,7 +36,7 @@ def openenv_python() -> str:
 
 def start_server(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [openenv_python(), str(REPO / "tests/openenv_guess_server.py"), str(port)],
+        [openenv_python(), str(HELPERS / "openenv_guess_server.py"), str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},

@@ -10,7 +10,6 @@ think first, so re-tokenization drift has a known size.
 import asyncio
 
 import pytest
-import torch
 from rollout_helpers import (
     ANS,
     CALLING,
@@ -39,10 +38,8 @@ from rollout_helpers import (
 from transformers import AutoTokenizer
 
 from slime_mt.algo.advantages import compute_advantages
-from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
-from slime_mt.config import AlgoConfig, ConfigError, DataConfig
-from slime_mt.config_parsing import build_config
+from slime_mt.config import DataConfig
 from slime_mt.engine.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.metrics import rollout_metrics
@@ -255,54 +252,6 @@ def test_retokenized_concat_samples_train_with_recomputed_old_log_probs(engines,
     )
     assert trained["optimizer_steps"] == 2 and trained["finite"] and trained["grad_norm"] > 0
     assert "train/train_rollout_logprob_abs_diff" not in trained["metrics"]  # nothing to compare with
-
-
-def test_tokens_without_rollout_log_probs_refuse_tis_and_skip_the_diff_metric():
-    lp = torch.tensor([-1.0, -2.0, -0.5])
-    x = LossInputs(
-        log_probs=lp.clone().requires_grad_(),
-        old_log_probs=lp,
-        advantages=torch.ones(3),
-        rollout_log_probs=torch.tensor([-1.1, float("nan"), float("nan")]),
-        weights=torch.tensor([1 / 3] * 3),
-        seq_ids=torch.tensor([0, 1, 1]),
-    )
-    loss, metrics = policy_loss(x, AlgoConfig())
-    assert torch.isfinite(loss)
-    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1 / 3)  # over the sampled token only
-    x.rollout_log_probs = torch.full((3,), float("nan"))
-    assert "train_rollout_logprob_abs_diff" not in policy_loss(x, AlgoConfig())[1]
-    with pytest.raises(ValueError, match="--use-tis needs rollout log-probs"):
-        policy_loss(x, AlgoConfig(use_tis=True))
-
-
-@pytest.mark.parametrize(
-    "settings,message",
-    [
-        ({"retokenize_chat_history": True, "use_tis": True}, "--use-tis needs the rollout log-probs"),
-        (
-            {"retokenize_chat_history": True, "context_policy": "window:2", "sample_format": "step_wise"},
-            "cannot be combined with a context policy",
-        ),
-        (
-            {"conversation_multi_turn": False, "retokenize_chat_history": True},
-            "--no-conversation-multi-turn .* cannot be combined with --retokenize-chat-history",
-        ),
-        (
-            {"conversation_multi_turn": False, "context_policy": "strip_thinking", "sample_format": "step_wise"},
-            "--no-conversation-multi-turn .* cannot be combined with a context policy",
-        ),
-        ({"observation_template": "<obs></obs>"}, "--observation-template.*exactly once"),
-    ],
-)
-def test_path_flags_that_cannot_work_together_are_config_errors(settings, message):
-    with pytest.raises(ConfigError, match=message):
-        build_config(settings)
-
-
-def test_tis_with_retokenized_step_wise_samples_is_allowed():
-    cfg = build_config({"retokenize_chat_history": True, "use_tis": True, "sample_format": "step_wise"})
-    assert cfg.rollout.retokenize_chat_history and cfg.algo.use_tis
 
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl", "qwen3-vl"])

@@ -19,7 +19,7 @@ from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.engine.client import EngineClient
 from slime_mt.engine.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
-from slime_mt.rollout.multi_turn import generate_turn, resumed_output, run_episode
+from slime_mt.rollout.multi_turn import generate_turn, run_episode
 from slime_mt.rollout.staleness import staleness_metrics
 from slime_mt.types import Sample, Status
 
@@ -97,27 +97,6 @@ def turn(engine, chain, aborts, stop=None, **rollout):
 
 
 # ---------------------------------------------------------------- joined output, exact tokens
-
-
-QWEN_IDS = [785, 4226, 374, 81250, 242, 116, 3918, 9217, 29, 803, 1467]  # "The answer is 𝔸.</answer> more text"
-
-
-@pytest.mark.parametrize(
-    "stops, keep, stop, text",
-    [
-        (["</answer>"], 9, "</answer>", "The answer is 𝔸.</answer>"),  # the stop spans 9217 | 29
-        (["text", "</answer>"], 9, "</answer>", "The answer is 𝔸.</answer>"),  # the first stop wins
-        (["𝔸."], 7, "𝔸.", "The answer is 𝔸.</"),  # a character split over three tokens; ".</" ends it
-        (["more"], 10, "more", "The answer is 𝔸.</answer> more"),
-        (["<|im_end|>"], 11, None, "The answer is 𝔸.</answer> more text"),
-        ([], 11, None, "The answer is 𝔸.</answer> more text"),
-    ],
-)
-def test_a_resumed_turn_ends_at_the_first_stop_of_its_joined_output(qwen_tokenizer, stops, keep, stop, text):
-    tokenizer = qwen_tokenizer
-    assert tokenizer.decode(QWEN_IDS[:5]).endswith("\ufffd")  # 𝔸 is three tokens: a cut inside it is not text
-    assert resumed_output(tokenizer, QWEN_IDS, stops) == (keep, stop)
-    assert tokenizer.decode(QWEN_IDS[:keep]) == text
 
 
 # ---------------------------------------------------------------- aborts no weight update caused

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_mt.backends.megatron.attention import Tree, _tree_attention
+from slime_mt.backends.megatron.layouts import Tree, tree_attention
 from slime_mt.backends.megatron.prefix_tree import build_tree
 
 # sequences over a 3-token alphabet share prefixes often
@@ -55,7 +55,7 @@ def test_the_tree_layout_attends_exactly_like_the_dense_ancestor_mask(sequences,
         assert {i for a, e in ranges for i in range(a, e)} == ancestors(tree, start) - {start}
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = _tree_attention(q, k, v, layout, 0.0, 0.5)
+    out = tree_attention(q, k, v, layout, 0.0, 0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask, scale=0.5)
     weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))

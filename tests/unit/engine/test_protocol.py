@@ -3,7 +3,6 @@ import pytest
 from slime_mt.engine.protocol import (
     ProtocolError,
     SamplingParams,
-    collapse_image_pads,
     decode_json_body,
     expand_image_pads,
     parse_bool,
@@ -106,19 +105,6 @@ def test_sampling_params_greedy():
     assert parse_sampling_params({"temperature": 0}).greedy
     assert parse_sampling_params({"top_k": 1}).greedy
     assert not parse_sampling_params({"temperature": 0.7}).greedy
-
-
-@pytest.mark.parametrize(
-    "expanded,engine,counts",
-    [
-        ([1, PAD, PAD, PAD, 2], [1, PAD, 2], [3]),
-        ([PAD, PAD, 5, PAD, 7, PAD, PAD], [PAD, 5, PAD, 7, PAD], [2, 1, 2]),
-        ([1, 2, 3], [1, 2, 3], []),
-    ],
-)
-def test_image_pad_views_round_trip(expanded, engine, counts):
-    assert collapse_image_pads(expanded, PAD) == (engine, counts)
-    assert expand_image_pads(engine, PAD, counts) == expanded
 
 
 def test_expand_rejects_count_mismatch():

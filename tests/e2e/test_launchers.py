@@ -1,0 +1,186 @@
+"""One run, three ways in: in one process, under torchrun and on a Ray cluster of loopback nodes, the
+same flags train alike (Ray equals torchrun step by step), ``--fully-async`` keeps its staleness bound,
+``--colocate`` releases the engines while training, and Ctrl-C saves and stops."""
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from inspection_helpers import (
+    SAMPLE_FIELDS,
+    TRAIN_FIELDS,
+    TURN_FIELDS,
+    assert_engine_calls_in_lanes,
+    assert_nested,
+    dump_template,
+    lanes_by_name,
+)
+from train_helpers import (
+    DETERMINISTIC,
+    REPO,
+    ROLLOUT_PROCESSES,
+    geo3k_train_cmd,
+    metrics,
+    placement_lines,
+    ray_cmd,
+    repo_env,
+    run,
+)
+
+from slime_mt.inspection.dumps import dump_path, load_dump
+
+
+def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
+    """TP=2 with its ranks on two nodes and the engine on the third, weights to the engine over the
+    distributed path, the trajectories in two rollout processes and their environments in two workers,
+    each pair on two nodes: the same rewards, losses and gradient norms as under torchrun with
+    everything of the rollout in rank 0's process, step by step; every group trained once."""
+    run_dir, stdout = ray_tp2
+    nodes = placement_lines(stdout)
+    roles = ["engine 0", "env worker 0", "env worker 1", "rollout process 0", "rollout process 1"]
+    assert sorted(nodes) == [*roles, "trainer rank 0", "trainer rank 1"], stdout
+    assert len({nodes[role] for role in ("engine 0", "trainer rank 0", "trainer rank 1")}) == 3
+    assert nodes["env worker 0"] != nodes["env worker 1"]  # two workers, two nodes
+    assert nodes["rollout process 0"] != nodes["rollout process 1"]
+    ray_rows, torchrun_rows = metrics(run_dir), metrics(torchrun_tp2)
+    assert [r["step"] for r in ray_rows] == [0, 1, 2]
+    assert [r["rollout/reward_mean"] for r in ray_rows] == [r["rollout/reward_mean"] for r in torchrun_rows]
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/response_tokens_mean"):
+        assert [r[key] for r in ray_rows] == pytest.approx([r[key] for r in torchrun_rows], abs=1e-6), key
+    # each step's rollout came from the weights of the step before, as the engine served them
+    assert [r["rollout/sample_weight_version_min"] for r in ray_rows] == [0.0, 1.0, 2.0]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in ray_rows)
+    assert not (run_dir / "weights").exists()  # nothing went through a folder
+    assert [r["env/worker_restarts"] for r in ray_rows] == [0, 0, 0]
+    assert [r["rollout/process_restarts"] for r in ray_rows] == [0, 0, 0]
+    assert all(r["rollout/env_seconds"] > 0 for r in ray_rows)  # the environments did step, remotely
+    trained = [g for r in ray_rows for g in r["trained_groups"]]
+    assert trained == [g for r in torchrun_rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 6
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ray"])
+def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, request):
+    """--fully-async at TP=2, under torchrun and on four Ray nodes: rank 0's manager feeds both ranks,
+    the weights reach the engine mid-generation (on Ray: broadcast to two engines on two other nodes,
+    behind the router, while two rollout processes generate), every group is trained once and no
+    token is staler than S=1."""
+    flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
+    flags += ["--save-debug-rollout-data", dump_template(tmp_path)]
+    if launcher == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        fourth = cluster.add_node(num_cpus=2, num_gpus=1)  # two engines, on two nodes, behind the router
+        cluster.wait_for_nodes()
+        try:
+            proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "2", *ROLLOUT_PROCESSES))
+        finally:
+            cluster.remove_node(fourth)
+        nodes = placement_lines(proc.stdout)
+        assert len({nodes.get("engine 0"), nodes.get("engine 1")} - {None}) == 2, proc.stdout[-2000:]
+        assert len(set(nodes.values())) == 4
+        assert {"rollout process 0", "rollout process 1"} <= set(nodes)
+    else:
+        proc = run(geo3k_train_cmd(geo3k, tmp_path, *flags, tp=2, steps=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 6
+    assert max(r["rollout/token_version_gap_max"] for r in rows) <= 1
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert all(0.0 <= r["async/dropped_token_share"] < 1.0 and r["async/trained_turns_mean"] >= 1 for r in rows)
+    check_fully_async_records(tmp_path, rows)
+
+
+def check_fully_async_records(run_dir: Path, rows: list[dict]) -> None:
+    """The run's trace (plain JSON, spans nested in every lane) holds each step's weight update (a gate
+    pause inside it), both trainer ranks' train steps and weight exports, and every engine call of the
+    trained trajectories (made in rank 0's process, or in the rollout processes); the dumps hold what
+    each step trained, every token with its version."""
+    events = json.loads((run_dir / "trace.json").read_text())
+    assert_nested(events)
+    lanes = lanes_by_name(events)
+    updates = lanes[("rollout side", "weights")]
+    assert [e["args"]["version"] for e in updates] == [1, 2, 3]
+    pauses = lanes[("rollout side", "update gate")]
+    for u in updates:
+        assert any(u["ts"] <= p["ts"] and p["ts"] + p["dur"] <= u["ts"] + u["dur"] for p in pauses)
+    for rank in (0, 1):
+        train = lanes[(f"trainer rank {rank}", "train")]
+        assert [e["args"]["step"] for e in train if e["name"] == "train step"] == [0, 1, 2]
+        assert [e["args"]["version"] for e in train if e["name"] == "export weights"] == [1, 2, 3]
+    dumps = [load_dump(dump_path(dump_template(run_dir), k)) for k in range(3)]
+    assert [sorted({s["group_index"] for s in d["samples"]}) for d in dumps] == [r["trained_groups"] for r in rows]
+    for d in dumps:
+        assert set(d["train"]) == TRAIN_FIELDS
+        for s in d["samples"]:
+            assert set(s) == SAMPLE_FIELDS and all(set(t) == TURN_FIELDS for t in s["turns"])
+            assert len(s["token_versions"]) == s["response_length"]
+            generated = [v for v, m in zip(s["token_versions"], s["loss_mask"]) if m]
+            assert generated and all(v >= 0 for v in generated)
+        assert_engine_calls_in_lanes(lanes, d["samples"])
+
+
+@pytest.mark.parametrize("launcher", ["single", "ray"])
+def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_disaggregated(
+    geo3k, tmp_path, launcher, request
+):
+    """--colocate: after each rollout the engines release their weights and KV cache (they report
+    holding 0 bytes while the trainer trains), then wake with the new weights (weights, update, KV
+    cache). In one process (weights by handle, the trainer offloaded while the engine generates) the
+    run equals the disaggregated one step by step; on Ray (TP=2 on two nodes, an engine on each rank's
+    device, weights broadcast) it trains every group once from the weights of the step before."""
+    flags = [*DETERMINISTIC, "--colocate"]
+    if launcher == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, steps=2))
+        nodes = placement_lines(proc.stdout)
+        assert nodes["engine 0"] == nodes["trainer rank 0"] and nodes["engine 1"] == nodes["trainer rank 1"]
+    else:
+        proc = run(geo3k_train_cmd(geo3k, tmp_path, *flags, "--offload", "--weight-transport", "tensor"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["colocate/engine_bytes_while_training"] for r in rows] == [0.0, 0.0]
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [0.0, 1.0]
+    assert all(r["train/grad_norm"] > 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 4
+    if launcher == "single":
+        assert [r["colocate/trainer_bytes_while_generating"] for r in rows] == [0.0, 0.0]
+        reference = metrics(request.getfixturevalue("straight"))[:2]
+        assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
+        for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+
+
+@pytest.mark.parametrize("launcher", ["single", "ray"])
+def test_ctrl_c_finishes_the_step_saves_and_stops(geo3k, tmp_path, launcher, request):
+    """Ctrl-C in the middle of a 20-step run: the step in hand finishes, a checkpoint of it is saved,
+    the engines stop and the run exits 0; on Ray the driver's Ctrl-C reaches every rank on its node."""
+    flags = ["--save-interval", "100"]  # the checkpoint can only come from the interrupt
+    if launcher == "ray":
+        cluster = request.getfixturevalue("three_nodes")
+        cmd = ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "1", steps=20)
+    else:
+        cmd = geo3k_train_cmd(geo3k, tmp_path, *flags, steps=20)
+    env = repo_env()
+    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").is_file() else []) < 2:
+            assert child.poll() is None and time.time() < deadline, "the run did not log two steps"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert 2 <= len(rows) < 20 and [r["step"] for r in rows] == list(range(len(rows))), stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"iter_{len(rows):07d}"

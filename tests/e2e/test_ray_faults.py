@@ -1,0 +1,290 @@
+"""On Ray: the placement a dry run prints, weights that reach an engine on another node exactly, and
+faults survived: a lost trainer node (the run stops naming it, ``--load`` resumes), an engine killed
+mid-rollout and an environment worker killed mid-step (both restarted; the run trains as without)."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from inspection_helpers import (
+    assert_nested,
+    lanes_by_name,
+)
+from train_helpers import (
+    DETERMINISTIC,
+    ENV_WORKERS,
+    HELPERS,
+    REPO,
+    geo3k_train_cmd,
+    metrics,
+    placement_lines,
+    ray_cmd,
+    repo_env,
+    run,
+)
+
+
+def test_ray_dry_run_prints_the_placement_and_releases_it(geo3k, three_nodes, tmp_path):
+    proc = run(ray_cmd(geo3k, tmp_path, three_nodes, "--rollout-num-gpus", "1", "--dry-run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nodes = placement_lines(proc.stdout)
+    assert sorted(nodes) == ["engine 0", "trainer rank 0", "trainer rank 1"] and len(set(nodes.values())) == 3
+    # the cluster cannot hold a fourth device: the error names what was asked and what there is
+    proc = run(ray_cmd(geo3k, tmp_path, three_nodes, "--rollout-num-gpus", "2", "--dry-run"), timeout=900)
+    assert proc.returncode != 0 and "cannot hold 4 bundles" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2, three_nodes, tiny_paths):
+    """Rank 0's end of the distributed path on one node, an engine on another, nothing shared on disk:
+    after each of the Ray run's 3 steps, the engine serves exactly the weights the trainer exported
+    (its checkpoint of that step): greedy tokens and log-probs equal an engine loaded from that folder."""
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.server import LocalEngine
+    from slime_mt.launch.ray.actors import EngineActor
+
+    run_dir, stdout = ray_tp2
+    ray.init(
+        address=three_nodes.address,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{HELPERS}"}},
+    )
+    try:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        on = {n: ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes}
+        engine = EngineActor.options(num_cpus=0, scheduling_strategy=on[nodes[2]]).remote(
+            str(REPO), [], [], EngineConfig(), str(tiny_paths["qwen2.5-vl"]), 0, str(run_dir)
+        )
+        url = ray.get(engine.start.remote())
+        sender = RankZero.options(num_cpus=0, scheduling_strategy=on[nodes[0]]).remote(url)
+        assert ray.get(sender.node.remote()) != ray.get(engine.where.remote())["node_id"]
+        for step in (1, 2, 3):
+            folder = run_dir / "ckpt" / f"iter_{step:07d}"
+            ray.get(sender.push.remote(str(folder), step))
+            with LocalEngine(folder) as reference:
+                expected = greedy(reference.url)
+            served = greedy(url)
+            assert served[2] == str(step)
+            assert served[0] == expected[0]
+            assert served[1] == pytest.approx(expected[1], abs=1e-5)
+        ray.get(sender.close.remote())
+        ray.get(engine.stop.remote())
+    finally:
+        ray.shutdown()
+
+
+def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, tmp_path):
+    """On a cluster of its own (a head without devices, three nodes with one each), the node of
+    trainer rank 1 is removed once the first checkpoint is written: the run stops with one line
+    naming the rank, its node and --load; with a node added back, --load resumes it and every group
+    is trained once."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        cmd = ray_cmd(geo3k, tmp_path, cluster, *DETERMINISTIC, "--rollout-num-gpus", "1")
+        out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            env = repo_env()
+            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+            try:
+                deadline = time.time() + 300
+                while not (tmp_path / "ckpt" / "latest").is_file() and child.poll() is None:
+                    assert time.time() < deadline, "no checkpoint was written"
+                    time.sleep(0.2)
+                rank1 = placement_lines(out.read_text())["trainer rank 1"]
+                (where,) = [line for line in out.read_text().splitlines() if "placement: trainer rank 1:" in line]
+                (lost,) = [n for n in nodes if n.node_id.startswith(rank1)]
+                cluster.remove_node(lost)
+                assert child.wait(timeout=300) == 1
+            finally:
+                if child.poll() is None:
+                    child.kill()
+        message = err.read_text()
+        node = where.split("placement: trainer rank 1: ", 1)[1].rsplit(" GPU", 1)[0]  # node ADDRESS (id)
+        assert f"TrainerRankLost: trainer rank 1 on {node} was lost" in message, message[-3000:]
+        assert "the node has left the cluster" in message
+        assert f"the run stops; resume from the last checkpoint with --load {tmp_path / 'ckpt'}" in message
+        assert "Traceback" not in message
+        cluster.add_node(num_cpus=2, num_gpus=1)
+        cluster.wait_for_nodes()
+        resumed = run(cmd + ["--load", str(tmp_path / "ckpt")])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        rows = metrics(tmp_path)
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        trained = [g for r in rows for g in r["trained_groups"]]
+        assert len(trained) == len(set(trained)) == 6
+    finally:
+        cluster.shutdown()
+
+
+def engine_processes(cluster) -> list[int]:
+    """PIDs of the processes Ray runs EngineActors in on ``cluster``'s nodes (their title is
+    ``ray::EngineActor...``, their parent a raylet of the cluster: another cluster on the machine, as
+    another pytest-xdist worker's, has its own)."""
+    raylets = {p.process.pid for node in cluster.list_all_nodes() for p in node.all_processes.get("raylet", [])}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EngineActor"):
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent in raylets:
+                    found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(
+    geo3k, three_nodes, torchrun_tp2, tmp_path
+):
+    """TP=2 on two nodes, two engines on two more behind the router, 6 steps: one engine's process is
+    killed in the middle of step 1's rollout. Its requests fail over to the other engine (each is the same
+    request again), Ray restarts its actor, the engine starts again outside the rotation and joins it
+    at the next weight update with the current weights: nothing fails, no token comes from weights
+    the run did not mean, every group is trained once, the restart is counted, and the run trains as
+    the same run under torchrun (its 3 steps)."""
+    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
+    three_nodes.wait_for_nodes()
+    try:
+        cmd = ray_cmd(geo3k, tmp_path, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "2", steps=6)
+        out = tmp_path / "driver.out"
+        with out.open("w") as stdout:
+            env = repo_env()
+            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 300
+            while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:
+                assert time.time() < deadline, "no step was logged"
+                time.sleep(0.05)
+            (victim, _) = engine_processes(three_nodes)
+            os.kill(victim, signal.SIGKILL)
+            _, stderr = child.communicate(timeout=600)
+        assert child.returncode == 0, stderr[-3000:]
+    finally:
+        three_nodes.remove_node(fourth)
+    assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()
+    rows, reference = metrics(tmp_path), metrics(torchrun_tp2)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert sum(r["engine/restarts"] for r in rows) == 1
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 12
+    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+
+
+DIES_ONCE_ENV = """
+import os
+import signal
+
+from slime_mt.plugins import load_module
+
+geo3k = load_module("{path}")
+
+
+class DiesOnce(geo3k.Geo3kEnv):
+    \"\"\"geo3k, whose worker process is killed in the middle of the run's first step (once: the first
+    step to create the marker file).\"\"\"
+
+    def step(self, response_text):
+        try:
+            os.close(os.open("{marker}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().step(response_text)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build_env(sample=None, args=None, **kw):
+    return DiesOnce(sample.label)
+"""
+
+
+def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_without(
+    geo3k, three_nodes, straight, tmp_path
+):
+    """One environment worker's process is killed in the middle of a step, on the three-node cluster:
+    Ray restarts it, the episode is rebuilt there and its earlier steps replayed, the step is tried
+    again; nothing fails, every group is trained once, the restart is counted, and the run trains
+    exactly as the in-process run with the same seed."""
+    marker = tmp_path / "killed"
+    env_file = tmp_path / "dies_once.py"
+    env_file.write_text(DIES_ONCE_ENV.format(path=REPO / "envs/geo3k.py", marker=marker))
+    flags = ["--rollout-interaction-env-path", str(env_file), *ENV_WORKERS, "--ray-address", three_nodes.address]
+    proc = run(geo3k_train_cmd(geo3k, tmp_path, *DETERMINISTIC, *flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists()
+    rows, reference = metrics(tmp_path), metrics(straight)[:2]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert sum(r["env/worker_restarts"] for r in rows) == 1
+    assert sum(r["rollout/env_retries"] for r in rows) == 1  # the killed step, tried again
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 4
+    assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+    # the workers' calls in the trace: each worker a process, each episode's calls on its trajectory's lane
+    events = json.loads((tmp_path / "trace.json").read_text())
+    assert_nested(events)
+    workers = {process for process, _ in lanes_by_name(events) if process.startswith("env worker ")}
+    assert workers == {"env worker 0", "env worker 1"}
+    lanes = lanes_by_name(events)
+    calls = [(lane, e) for (process, lane), spans in lanes.items() if process in workers for e in spans]
+    assert {e["name"] for _, e in calls} >= {"env.build", "env.reset", "env.step"}
+    for lane, call in calls:  # a worker's step lies inside the trajectory's env.step that asked for it
+        if call["name"] == "env.step":
+            outer = [e for e in lanes[("rollout side", lane)] if e["name"] == "env.step"]
+            assert any(o["ts"] <= call["ts"] and call["ts"] + call["dur"] <= o["ts"] + o["dur"] for o in outer)
+
+
+def greedy(url: str) -> tuple[list[int], list[float], str]:
+    """Eight greedy tokens after a fixed prompt -> (tokens, log-probs, the weight version that served them)."""
+    import httpx
+
+    body = {
+        "input_ids": [3, 17, 29, 101, 7, 64],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+        "return_logprob": True,
+    }
+    meta = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
+    return (
+        [t[1] for t in meta["output_token_logprobs"]],
+        [t[0] for t in meta["output_token_logprobs"]],
+        meta["weight_version"],
+    )
+
+
+@ray.remote
+class RankZero:
+    """Trainer rank 0's end of the weight transport, alone on its node: it reads a step's exported
+    weights and broadcasts them to the engine through ``DistributedWeights``."""
+
+    def __init__(self, url: str) -> None:
+        from engine_helpers import LoopSide
+
+        from slime_mt.engine.weight_sync import DistributedWeights
+
+        self.side = LoopSide(url)
+        self.weights = DistributedWeights(self.side, [1], buffer_bytes=1 << 20)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def push(self, folder: str, version: int) -> None:
+        from slime_mt.backends.megatron.convert import load_hf_state
+
+        self.weights.push(iter(load_hf_state(folder).items()), version, contextlib.nullcontext)
+
+    def close(self) -> None:
+        self.weights.close()
+        self.side.close()

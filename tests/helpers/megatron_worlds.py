@@ -1,0 +1,79 @@
+"""Megatron worlds the integration tests read: the launch of ``megatron_worker.py`` (plain python at world
+size 1, torchrun above), the worlds the backend tests share (tests/integration/backends/conftest.py
+launches each once per session), and the cases the worker and the tests both name. Importing this
+module imports neither megatron nor torch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from train_helpers import HELPERS, repo_env
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")  # every supported family, tiny
+ROPE_CASES = {
+    "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+    "llama-llama3": (
+        "llama",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0}),
+}
+REFUSED_ROPE = {
+    "llama-dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+    "llama-longrope": (
+        "llama",
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+# name: (tensor-parallel size, world size, the checks of megatron_worker.py it runs). Two worlds at
+# TP=1 so that each launch stays well within a test's time budget; reshard_load at TP=2 reads the
+# checkpoint tp1 saved, and at DP=2 the one tp2 saved again.
+WORLDS = {
+    "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload"),
+    "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16"),
+    "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload"),
+    "dp2": (1, 2, "dp,reshard_load"),
+    "tp2dp2": (2, 4, "dp"),
+}
+
+
+def launch(tp: int, world: int, checks: str, out: Path, name: str, *extra: str, timeout: int = 1500) -> dict:
+    """Run ``checks`` in a world of ``world`` processes at TP=``tp`` writing to ``out``; the results the
+    worker wrote (``out/results_NAME.json``)."""
+    worker = [str(HELPERS / "megatron_worker.py")]
+    if world > 1:
+        from slime_mt.engine.launch import free_port
+
+        worker = ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1"]
+        worker += ["--master-port", str(free_port()), str(HELPERS / "megatron_worker.py")]
+    cmd = [sys.executable, *worker, "--tp", str(tp), "--checks", checks, "--out", str(out), "--name", name, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads((out / f"results_{name}.json").read_text())
+
+
+def launch_world(name: str, out: Path) -> dict:
+    """One of ``WORLDS``, its results written under ``out``."""
+    tp, world, checks = WORLDS[name]
+    return launch(tp, world, checks, out, name)
+
+
+def rel(a, b) -> float:
+    """Relative Frobenius difference ||a - b|| / ||b|| of two tensors."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))

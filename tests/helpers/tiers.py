@@ -1,0 +1,271 @@
+"""The test tiers and the time budget (a pytest plugin, loaded by tests/conftest.py).
+
+Tiers by folder: ``tests/unit``, ``tests/integration``, ``tests/e2e``. Each test gets its folder's
+marker at collection (``-m unit`` selects a tier) and the tiers run in that order, so a fast failure
+comes first. A unit test that starts a subprocess or a process, listens or connects on a network
+socket, or starts a torch.distributed group or Ray fails, naming the call: such a test belongs in
+``tests/integration`` (one real part) or ``tests/e2e`` (train runs, torchrun worlds, Ray clusters).
+
+The budget, set in pyproject.toml (``[tool.pytest.ini_options]``): a test whose set-up, call and
+teardown together take longer than ``budget_test_seconds``, or a unit tier longer than
+``budget_unit_seconds`` (its tests' time; from start to end, collection included, when only unit tests
+run), fails the session after the summary, which prints each tier's test count and time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections import defaultdict
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "integration", "e2e")
+TIER = pytest.StashKey[str]()  # an item's tier
+
+
+def tier_of(path: Path) -> str:
+    """The tier of a test file: the first folder under tests/."""
+    try:
+        folder = Path(path).resolve().relative_to(TESTS).parts[0]
+    except ValueError:
+        folder = ""
+    if folder not in TIERS:
+        raise pytest.UsageError(f"{path}: a test lives in tests/unit, tests/integration or tests/e2e")
+    return folder
+
+
+class UnitTierError(RuntimeError):
+    """A unit test reached for something only integration and end-to-end tests may start."""
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise UnitTierError(
+            f"a unit test may not {what}: move the test to tests/integration (one real part: an engine, a "
+            f"server, a Megatron world, a sandbox, a browser) or tests/e2e (train runs, torchrun, Ray)"
+        )
+
+    return refused
+
+
+def _network(family) -> bool:
+    return family in (socket.AF_INET, socket.AF_INET6)
+
+
+def _guarded_socket_method(name: str, original):
+    refuse = _refuse(f"{name} on a network socket")
+
+    def method(self, *args, **kwargs):
+        if _network(self.family):
+            refuse()
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _unit_guard() -> ExitStack:
+    """Patches that make a unit test fail when it starts what it may not; undone by closing the stack."""
+    import multiprocessing.process
+
+    import torch.distributed
+
+    stack = ExitStack()
+    patches = [
+        (subprocess.Popen, "__init__", _refuse("start a subprocess")),
+        (multiprocessing.process.BaseProcess, "start", _refuse("start a process")),
+        (socket.socket, "listen", _guarded_socket_method("listen", socket.socket.listen)),
+        (socket.socket, "connect", _guarded_socket_method("connect", socket.socket.connect)),
+        (socket.socket, "connect_ex", _guarded_socket_method("connect", socket.socket.connect_ex)),
+        (torch.distributed, "init_process_group", _refuse("start a torch.distributed group")),
+    ]
+    try:
+        import ray
+
+        patches.append((ray, "init", _refuse("start or join Ray")))
+    except ImportError:
+        pass
+    for owner, name, replacement in patches:
+        original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
+        setattr(owner, name, replacement)
+        stack.callback(setattr, owner, name, original)
+    return stack
+
+
+def pytest_addoption(parser):
+    parser.addini("budget_test_seconds", "a test's set-up, call and teardown together, at most (s)", default="90")
+    parser.addini("budget_unit_seconds", "the unit tier, at most (s)", default="180")
+    parser.addini(
+        "worker_groups",
+        "lines 'GROUP PREFIX': the tests whose node ids start with a PREFIX of GROUP run as one unit on one "
+        "pytest-xdist worker (they read a costly session set-up, made once there, or use a machine-wide "
+        "resource that no other worker's test may use meanwhile)",
+        type="linelist",
+    )
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its share of the cores, for what it starts
+        workers = int(config.workerinput["workercount"])
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier (tests/{tier}), added by folder")
+    config._setup_clock = SetupClock()
+    config.pluginmanager.register(config._setup_clock, "tier-setup-clock")
+    if not hasattr(config, "workerinput"):  # the process that reports (not a pytest-xdist worker)
+        config.pluginmanager.register(Budget(config), "tier-budget")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its tier's marker; the tiers run in order (a stable sort keeps modules whole)."""
+    for item in items:
+        tier = tier_of(item.path)
+        item.add_marker(tier)
+        item.stash[TIER] = tier
+    # one process: the fast tiers first; pytest-xdist workers: the slow tiers first, so that what runs last
+    # on each worker is short (the worker_groups go before them all)
+    order = TIERS[::-1] if hasattr(config, "workerinput") else TIERS
+    items.sort(key=lambda item: order.index(item.stash[TIER]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    clock = item.config._setup_clock
+    clock.current = item.nodeid
+    try:
+        if item.stash.get(TIER, None) != "unit":
+            return (yield)
+        with _unit_guard():
+            return (yield)
+    finally:
+        clock.current = None
+
+
+class SetupClock:
+    """Where tests run: times each shared (module or session) fixture's set-up and puts what a test's
+    phase set up on that phase's report (``user_properties``), which pytest-xdist carries to the
+    process that reports."""
+
+    def __init__(self):
+        self.current: str | None = None  # the test running now
+        self.nested: list[float] = []  # per shared set-up in progress: the shared set-ups inside it
+        self.shared = 0.0  # this phase's shared set-ups, outermost only
+        self.fixtures: dict[str, float] = {}  # this phase's: "fixture NAME (scope, where)" -> own time
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.scope == "function":
+            return (yield)
+        self.nested.append(0.0)
+        started = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            seconds = time.perf_counter() - started
+            inner = self.nested.pop()
+            name = f"fixture {fixturedef.argname} ({fixturedef.scope}, {fixturedef.baseid or 'tests'})"
+            self.fixtures[name] = max(self.fixtures.get(name, 0.0), seconds - inner)
+            if self.nested:
+                self.nested[-1] += seconds
+            elif self.current is not None:
+                self.shared += seconds
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        report.user_properties.append(("budget_shared_seconds", self.shared))
+        report.user_properties.extend(("budget_fixture", f) for f in self.fixtures.items())
+        self.shared, self.fixtures = 0.0, {}
+        return report
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load-scope scheduling with a work unit per test, and one per group of
+    ``worker_groups`` (xdist's own ``--dist loadgroup`` marks do not group under pytest 9). xdist
+    hands out the largest units first: the groups, then the tests in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = []
+    for line in config.getini("worker_groups"):
+        name, *prefixes = line.split()
+        groups += [(prefix, name) for prefix in prefixes]
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((f"group {name}" for prefix, name in groups if nodeid.startswith(prefix)), nodeid)
+
+    return SharedSetupScheduling(config, log)
+
+
+def _tier_of_nodeid(nodeid: str) -> str:
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+
+
+class Budget:
+    """Where results are reported: each test's own time (its phases, less the shared set-ups it paid
+    for), each shared fixture's set-up, the tiers' times; the limits from the ini file."""
+
+    def __init__(self, config):
+        self.per_test = float(config.getini("budget_test_seconds"))
+        self.unit_tier = float(config.getini("budget_unit_seconds"))
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = defaultdict(float)  # test -> its phases' time
+        self.shared: dict[str, float] = defaultdict(float)  # test -> shared set-ups it paid for
+        self.fixtures: dict[str, float] = {}  # "fixture NAME (scope, where)" -> its own set-up time
+        self.violations: list[str] = []
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] += report.duration
+        for key, value in report.user_properties:
+            if key == "budget_shared_seconds":
+                self.shared[report.nodeid] += value
+            elif key == "budget_fixture":
+                name, seconds = value
+                self.fixtures[name] = max(self.fixtures.get(name, 0.0), seconds)
+
+    def own(self, nodeid: str) -> float:
+        return self.seconds[nodeid] - self.shared.get(nodeid, 0.0)
+
+    def by_tier(self) -> dict[str, tuple[int, float]]:
+        out = {}
+        for tier in TIERS:
+            times = [s for nodeid, s in self.seconds.items() if _tier_of_nodeid(nodeid) == tier]
+            if times:
+                out[tier] = (len(times), sum(times))
+        return out
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        timed = [(self.own(n), n) for n in self.seconds] + [(s, n) for n, s in self.fixtures.items()]
+        over = sorted((s, n) for s, n in timed if s > self.per_test)[::-1]
+        self.violations = [f"{n} took {s:.1f} s (budget_test_seconds = {self.per_test:g})" for s, n in over]
+        tiers = self.by_tier()
+        if "unit" in tiers:
+            unit = tiers["unit"][1]
+            if set(tiers) == {"unit"}:
+                unit = max(unit, time.perf_counter() - self.started)  # alone: collection included
+            if unit > self.unit_tier:
+                self.violations.append(f"the unit tier took {unit:.1f} s (budget_unit_seconds = {self.unit_tier:g})")
+        if self.violations and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        tiers = self.by_tier()
+        if not tiers:
+            return
+        write = terminalreporter.write_line
+        terminalreporter.section("tiers and budget")
+        for tier, (count, seconds) in tiers.items():
+            write(f"{tier:<12} {count:4d} tests {seconds:8.1f} s")
+        wall = time.perf_counter() - self.started
+        write(f"{'session':<12} {sum(c for c, _ in tiers.values()):4d} tests {wall:8.1f} s (collection included)")
+        write(f"budget (pyproject.toml): a test or a shared set-up {self.per_test:g} s, unit tier {self.unit_tier:g} s")
+        for line in self.violations:
+            terminalreporter.write_line(f"OVER BUDGET: {line}", red=True, bold=True)

@@ -1,0 +1,23 @@
+"""Data parallelism: DP=2 and TP=2 x DP=2 take the same update as one rank (tokens, loss, grad norm, the
+step's metrics, the weights after three Adam steps), under both loss reductions."""
+
+import pytest
+import torch
+from megatron_worlds import rel
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2_dp2"])
+def test_data_parallel_gives_the_same_update_as_one_rank(
+    megatron_dir, megatron_tp1, megatron_dp2, megatron_tp2dp2, reduction, layout
+):
+    d = megatron_dir
+    one = torch.load(d / f"dp_{reduction}_tp1_dp1.pt", weights_only=True)
+    many = torch.load(d / f"dp_{reduction}_{layout}.pt", weights_only=True)
+    assert many["tokens"] == one["tokens"]
+    assert abs(many["loss"] - one["loss"]) < 1e-6
+    assert abs(many["grad_norm"] - one["grad_norm"]) <= 1e-5 * one["grad_norm"], (many["grad_norm"], one["grad_norm"])
+    for key in ("train/loss", "train/grad_norm", "train/tokens"):
+        assert abs(many["train"][key] - one["train"][key]) <= 1e-5 * abs(one["train"][key]) + 1e-7, key
+    for name, a in one["weights"].items():  # three Adam steps at lr 1e-5 (see the TP weights test)
+        assert rel(many["weights"][name], a) < 1e-5 and float((many["weights"][name] - a).abs().max()) <= 6e-5, name
