@@ -69,6 +69,14 @@ class TrainerRank:
     def where(self) -> dict:
         return location()
 
+    def prepare(self) -> None:
+        """Import the trainer (torch, transformers, megatron.core) while the engines start: the run's
+        start pays for the slower of the two, not both."""
+        import slime_mt.trainer  # noqa: F401
+        from slime_mt.backends.megatron import import_megatron_core
+
+        import_megatron_core()
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: its node's address and a free port there, for every rank's ``MASTER_ADDR:MASTER_PORT``."""
         from slime_mt.engine.weight_group import free_port

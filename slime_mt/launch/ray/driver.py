@@ -104,6 +104,8 @@ def run(cfg: Config, run_dir: Path) -> None:
     engines, ranks, router = [], [], None
     try:
         placement = place(cfg)
+        ranks = trainer_actors(placement)
+        prepared = [r.prepare.remote() for r in ranks]  # the ranks import while the engines start
         engines, urls = _start_engines(cfg, placement, run_dir)
         if cfg.engine.engine == "vllm":  # no router: the vLLM client keeps its own rotation
             engine_url = urls
@@ -114,7 +116,7 @@ def run(cfg: Config, run_dir: Path) -> None:
                 router.add_worker(url)
             engine_url = [router.url, *urls]
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=engine_url))
-        ranks = trainer_actors(placement)
+        ray.get(prepared)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
         forward = _forward_interrupt(ranks)
