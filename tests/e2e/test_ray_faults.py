@@ -1,5 +1,5 @@
 """On Ray: the placement a dry run prints, weights that reach an engine on another node exactly, and
-faults survived: a lost trainer node (the run stops naming it, ``--load`` resumes), an engine killed
+faults survived: a lost trainer node (the run stops naming it; ``--load`` resumes), an engine killed
 mid-rollout and an environment worker killed mid-step (both restarted; the run trains as without)."""
 
 import contextlib
@@ -79,25 +79,25 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
         ray.shutdown()
 
 
-def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, tmp_path):
-    """On a cluster of its own (a head without devices, three nodes with one each), the node of
-    trainer rank 1 is removed once the first checkpoint is written: the run stops with one line
-    naming the rank, its node and --load; with a node added back, --load resumes it and every group
-    is trained once."""
+@pytest.fixture(scope="module")
+def lost_node(geo3k, session_dir):
+    """On a cluster of its own (a head without devices, three nodes with one each), a 3-step run whose
+    trainer rank 1 loses its node once the first checkpoint is written -> (cluster, run folder, the
+    run's command, its stderr, rank 1's node as its placement line names it)."""
     from ray.cluster_utils import Cluster
 
+    run_dir = session_dir("lost_node")
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
-    cluster.wait_for_nodes()
     try:
-        cmd = ray_cmd(geo3k, tmp_path, cluster, *DETERMINISTIC, "--rollout-num-gpus", "1")
-        out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+        nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+        cluster.wait_for_nodes()
+        cmd = ray_cmd(geo3k, run_dir, cluster, *DETERMINISTIC, "--rollout-num-gpus", "1")
+        out, err = run_dir / "driver.out", run_dir / "driver.err"
         with out.open("w") as stdout, err.open("w") as stderr:
-            env = repo_env()
-            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+            child = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=stdout, stderr=stderr)
             try:
                 deadline = time.time() + 300
-                while not (tmp_path / "ckpt" / "latest").is_file() and child.poll() is None:
+                while not (run_dir / "ckpt" / "latest").is_file() and child.poll() is None:
                     assert time.time() < deadline, "no checkpoint was written"
                     time.sleep(0.2)
                 rank1 = placement_lines(out.read_text())["trainer rank 1"]
@@ -108,22 +108,32 @@ def test_a_lost_trainer_node_stops_the_run_naming_it_and_load_resumes_it(geo3k, 
             finally:
                 if child.poll() is None:
                     child.kill()
-        message = err.read_text()
         node = where.split("placement: trainer rank 1: ", 1)[1].rsplit(" GPU", 1)[0]  # node ADDRESS (id)
-        assert f"TrainerRankLost: trainer rank 1 on {node} was lost" in message, message[-3000:]
-        assert "the node has left the cluster" in message
-        assert f"the run stops; resume from the last checkpoint with --load {tmp_path / 'ckpt'}" in message
-        assert "Traceback" not in message
-        cluster.add_node(num_cpus=2, num_gpus=1)
-        cluster.wait_for_nodes()
-        resumed = run(cmd + ["--load", str(tmp_path / "ckpt")])
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        rows = metrics(tmp_path)
-        assert [r["step"] for r in rows] == [0, 1, 2]
-        trained = [g for r in rows for g in r["trained_groups"]]
-        assert len(trained) == len(set(trained)) == 6
+        yield cluster, run_dir, cmd, err.read_text(), node
     finally:
         cluster.shutdown()
+
+
+def test_a_lost_trainer_node_stops_the_run_naming_it(lost_node):
+    """The run stops with one line naming the rank, its node and --load; no traceback."""
+    _, run_dir, _, message, node = lost_node
+    assert f"TrainerRankLost: trainer rank 1 on {node} was lost" in message, message[-3000:]
+    assert "the node has left the cluster" in message
+    assert f"the run stops; resume from the last checkpoint with --load {run_dir / 'ckpt'}" in message
+    assert "Traceback" not in message
+
+
+def test_load_resumes_the_run_of_the_lost_node_and_every_group_trains_once(lost_node):
+    """With a node added back, --load resumes the stopped run: each step once, each group once."""
+    cluster, run_dir, cmd, _, _ = lost_node
+    cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    resumed = run(cmd + ["--load", str(run_dir / "ckpt")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 6
 
 
 def engine_processes(cluster) -> list[int]:

@@ -57,10 +57,10 @@ def launch(tp: int, world: int, checks: str, out: Path, name: str, *extra: str, 
     worker wrote (``out/results_NAME.json``)."""
     worker = [str(HELPERS / "megatron_worker.py")]
     if world > 1:
-        from slime_mt.engine.launch import free_port
-
-        worker = ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1"]
-        worker += ["--master-port", str(free_port()), str(HELPERS / "megatron_worker.py")]
+        # --standalone: the rendezvous binds a free port itself (a port picked here first may be taken
+        # by another worker's server before torchrun binds it)
+        worker = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+        worker += [str(HELPERS / "megatron_worker.py")]
     cmd = [sys.executable, *worker, "--tp", str(tp), "--checks", checks, "--out", str(out), "--name", name, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]

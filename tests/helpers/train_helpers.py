@@ -74,7 +74,6 @@ def geo3k_train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int
     """``slime-mt train`` of the tiny Qwen2.5-VL on ``geo3k`` (``make_geo3k``) with the geo3k env, writing to
     ``run``: TP=``tp`` (under torchrun when > 1), ``steps`` steps, ``extra`` flags last."""
     from slime_mt.assets import tiny_model_dir
-    from slime_mt.engine.launch import free_port
 
     launch = [sys.executable, "-m", "slime_mt.cli"]
     if tp > 1:
@@ -82,12 +81,9 @@ def geo3k_train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",  # the rendezvous binds a port of its own: no race with another run's
             "--nproc-per-node",
             str(tp),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
             "-m",
             "slime_mt.cli",
         ]

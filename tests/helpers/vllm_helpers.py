@@ -8,8 +8,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # vLLM's server for the tiny Qwen2 at head size 64: float32 as the other engines, a context for the
 # longest test request (3000 new tokens), and no torch.compile (-O0): on this model the compiled and
-# eager servers generate at the same speed, and compiling costs each start about 15 s of CPU
-VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32 -O0"
+# eager servers generate at the same speed, and compiling costs each start about 15 s of CPU. A KV
+# cache of 1 GiB (524k tokens, 128 requests of 4096): vLLM's CPU backend otherwise takes 90% of the
+# machine's memory for it (20 GiB here, 31 s to allocate and warm up at each start, and the page cache
+# of every other process evicted)
+VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32 -O0 --kv-cache-memory-bytes 1073741824"
 
 
 def vllm_python() -> str:

@@ -203,3 +203,27 @@ def test_rm_type_is_checked_with_the_flags():
     with pytest.raises(ConfigError, match="--rm-type='remote_rm': needs --rm-url"):
         parse_config(["--rm-type", "remote_rm"])
     assert parse_config(["--rm-type", "boxed_math", "--slime-compat"]).rollout.slime_compat
+
+
+def test_rm_hub_calls_the_custom_rm_for_a_sample_or_a_batch_else_the_rm_type_grader(tmp_path):
+    import asyncio
+
+    from slime.rollout.rm_hub import async_rm, batched_async_rm, extract_boxed_answer
+
+    plugin = tmp_path / "my_rm.py"
+    plugin.write_text(
+        "async def one(args, sample, **kw):\n    return len(sample.response) + kw.get('bonus', 0)\n"
+        "async def many(args, samples, **kw):\n    return [s.index * 10 for s in samples]\n"
+    )
+    samples = [slime_sample([1], index=i, response="\\boxed{Paris}" * (i + 1), label="Paris") for i in range(2)]
+    graded = Namespace(rm_type="boxed_f1", custom_rm_path=None, rollout_seed=0)
+    assert asyncio.run(async_rm(graded, samples[0])) == 1.0
+    assert asyncio.run(batched_async_rm(graded, samples)) == [1.0, 1.0]
+    custom = Namespace(rm_type=None, custom_rm_path=f"{plugin}:one")
+    assert asyncio.run(async_rm(custom, samples[1], bonus=1)) == len(samples[1].response) + 1
+    assert asyncio.run(batched_async_rm(Namespace(rm_type=None, custom_rm_path=f"{plugin}:many"), samples)) == [0, 10]
+    samples[0].custom_rm_path = f"{plugin}:one"  # a sample's own reward function wins over the flags
+    assert asyncio.run(async_rm(graded, samples[0])) == len(samples[0].response)
+    assert extract_boxed_answer("a \\boxed{1} then \\boxed{x^{2}}") == "x^{2}"
+    with pytest.raises(RewardError, match="no reward: set --rm-type"):
+        asyncio.run(async_rm(Namespace(rm_type=None, custom_rm_path=None), slime_sample([1])))
