@@ -151,7 +151,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def kill_after_two_steps(cmd, run_dir: Path) -> None:
-    """Start a run and SIGKILL it half a second after its second metrics line (the third step runs)."""
+    """Start a run saving every step into ``run_dir/ckpt`` and SIGKILL it half a second after its second
+    metrics line and its second checkpoint (written after that line, later on a loaded machine): the
+    third step runs."""
     child = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -162,7 +164,9 @@ def kill_after_two_steps(cmd, run_dir: Path) -> None:
     )
     deadline = time.time() + 300
     while time.time() < deadline and child.poll() is None:
-        if (run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2:
+        lines, latest = run_dir / "metrics.jsonl", run_dir / "ckpt" / "latest"
+        logged = lines.is_file() and len(lines.read_text().splitlines()) >= 2
+        if logged and latest.is_file() and int(latest.read_text().removeprefix("iter_") or 0) >= 2:
             break
         time.sleep(0.2)
     time.sleep(0.5)
