@@ -101,6 +101,12 @@ def pytest_addoption(parser):
     parser.addini("budget_test_seconds", "a test's set-up, call and teardown together, at most (s)", default="90")
     parser.addini("budget_unit_seconds", "the unit tier, at most (s)", default="180")
     parser.addini(
+        "budget_exceptions",
+        "lines 'NODEID SECONDS': a test allowed more than budget_test_seconds, up to SECONDS (a debt: every "
+        "summary prints it)",
+        type="linelist",
+    )
+    parser.addini(
         "worker_groups",
         "lines 'GROUP PREFIX': the tests whose node ids start with a PREFIX of GROUP run as one unit on one "
         "pytest-xdist worker (they read a costly session set-up, made once there, or use a machine-wide "
@@ -215,6 +221,10 @@ class Budget:
     def __init__(self, config):
         self.per_test = float(config.getini("budget_test_seconds"))
         self.unit_tier = float(config.getini("budget_unit_seconds"))
+        self.exceptions = {}  # node id -> its own limit
+        for line in config.getini("budget_exceptions"):
+            nodeid, _, seconds = line.rpartition(" ")
+            self.exceptions[nodeid] = float(seconds)
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = defaultdict(float)  # test -> its phases' time
         self.shared: dict[str, float] = defaultdict(float)  # test -> shared set-ups it paid for
@@ -230,6 +240,11 @@ class Budget:
                 name, seconds = value
                 self.fixtures[name] = max(self.fixtures.get(name, 0.0), seconds)
 
+    def limit_of(self, nodeid: str) -> str:
+        if nodeid in self.exceptions:
+            return f"budget_exceptions: {self.exceptions[nodeid]:g} s"
+        return f"budget_test_seconds = {self.per_test:g}"
+
     def own(self, nodeid: str) -> float:
         return self.seconds[nodeid] - self.shared.get(nodeid, 0.0)
 
@@ -244,8 +259,8 @@ class Budget:
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
         timed = [(self.own(n), n) for n in self.seconds] + [(s, n) for n, s in self.fixtures.items()]
-        over = sorted((s, n) for s, n in timed if s > self.per_test)[::-1]
-        self.violations = [f"{n} took {s:.1f} s (budget_test_seconds = {self.per_test:g})" for s, n in over]
+        over = sorted((s, n) for s, n in timed if s > self.exceptions.get(n, self.per_test))[::-1]
+        self.violations = [f"{n} took {s:.1f} s ({self.limit_of(n)})" for s, n in over]
         tiers = self.by_tier()
         if "unit" in tiers:
             unit = tiers["unit"][1]
@@ -267,5 +282,8 @@ class Budget:
         wall = time.perf_counter() - self.started
         write(f"{'session':<12} {sum(c for c, _ in tiers.values()):4d} tests {wall:8.1f} s (collection included)")
         write(f"budget (pyproject.toml): a test or a shared set-up {self.per_test:g} s, unit tier {self.unit_tier:g} s")
+        for nodeid, limit in self.exceptions.items():
+            if nodeid in self.seconds:
+                write(f"allowed up to {limit:g} s (budget_exceptions): {nodeid} took {self.own(nodeid):.1f} s")
         for line in self.violations:
             terminalreporter.write_line(f"OVER BUDGET: {line}", red=True, bold=True)

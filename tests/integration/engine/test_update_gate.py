@@ -54,9 +54,11 @@ def run(coro):
 
 
 def generated(engine) -> int:
-    """Tokens of the request running now (the engine runs one)."""
-    (seq,) = engine.scheduler._batch.seqs or [None]
-    return len(seq.output_ids) if seq is not None else 0
+    """Tokens of the request running now (the engine runs one). Read from the running requests, not
+    the batch: a request already answered stays in the batch until the engine thread next runs, which
+    on a loaded machine is after the next request was sent."""
+    (job,) = list(engine.scheduler._running.values()) or [None]
+    return len(job.seq.output_ids) if job is not None else 0
 
 
 async def generate(url, ids, **params):
