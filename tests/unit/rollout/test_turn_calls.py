@@ -1,12 +1,6 @@
-"""One turn, several engine calls: how a turn is put together when an engine aborts it.
-
-A chain model (the tiny Qwen3 made to emit a fixed sentence token by token, round and round,
-``chain_model``) gives every call a known output, whichever token the abort lands on. An abort that no weight update
-caused (an operator's ``/abort_request``) is made again within the engine retry budget, resumed
-from the turn's tokens with ``--partial-rollout``, and fails the sample past the budget; a turn of
-several calls ends at the first stop string of its joined output and its text is the decode of all
-its ids. The engine reports SGLang's ``"default"`` version (launched without ``--weight-version``),
-which a run reads as its starting version."""
+"""One turn, several engine calls, without an engine: a turn resumed across calls ends at the first stop
+string of its joined output and its text is the decode of all its ids (tests/integration/rollout/
+test_turn_calls.py aborts real calls on the embedded engine)."""
 
 import pytest
 
