@@ -6,6 +6,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM on CPU runs its worker in the engine-core process (not a third process that imports vLLM again):
+# each vLLM server the tests start is ready about 10 s sooner (46.6 s -> 36.3 s on this machine).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402

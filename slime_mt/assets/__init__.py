@@ -45,7 +45,7 @@ QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2/Qwen3 models (151669 tokens,
 
 # Bump when a builder changes what it writes; cache folders are named with it (and the chat
 # template's hash), so an edit never serves a stale asset.
-ASSET_VERSION = "1"
+ASSET_VERSION = "2"  # 2: tokenizer_config.json lists the added tokens
 
 
 def _tag(variant: str) -> str:
@@ -78,7 +78,19 @@ def _save_qwen_tokenizer(out: Path, variant: str) -> None:
         model_max_length=131072,
     )
     tokenizer.chat_template = TEMPLATES[variant]
+    _save_tokenizer(tokenizer, out)
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """``save_pretrained`` (a tokenizer or a processor), then the added tokens written into
+    ``tokenizer_config.json`` as the Hub's Qwen and SmolLM2 folders have them: without them
+    transformers parses the whole ``tokenizer.json`` (18 MB for Qwen) a second time on every load."""
     tokenizer.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def smollm2_dir() -> Path:
@@ -98,7 +110,7 @@ def smollm2_dir() -> Path:
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
         model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+        _save_tokenizer(tokenizer, out)
 
     return cached_dir(f"smollm2-135m-instruct-v{ASSET_VERSION}", build)
 
@@ -174,7 +186,7 @@ def _build_tiny_llama(out: Path) -> None:
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    transformers.AutoTokenizer.from_pretrained(str(smollm2_dir())).save_pretrained(out)
+    _save_tokenizer(transformers.AutoTokenizer.from_pretrained(str(smollm2_dir())), out)
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": "llama", "random_weights": True, "seed": 0}))
 
 
@@ -249,9 +261,9 @@ def _build_tiny(out: Path, kind: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if kind in ("qwen2", "qwen2-h64", "qwen3"):
-        tokenizer.save_pretrained(out)
+        _save_tokenizer(tokenizer, out)
     else:
-        QwenVLProcessor(tokenizer, image_processor).save_pretrained(out)
+        _save_tokenizer(QwenVLProcessor(tokenizer, image_processor), out)
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": kind, "random_weights": True, "seed": 0}))
 
 

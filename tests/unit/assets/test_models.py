@@ -106,3 +106,30 @@ def test_tiny_vlms_forward_on_images(tiny_paths, kind):
     logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2.5-vl"])
+def test_tokenizer_folders_list_their_added_tokens_as_the_hub_ones_do(tiny_paths, kind, tmp_path):
+    """Every asset's ``tokenizer_config.json`` lists ``tokenizer.json``'s added tokens (so a load does
+    not parse the 18 MB file twice), and a copy without the list loads the same tokenizer."""
+    import json
+    import shutil
+
+    folder = tiny_paths[kind]
+    listed = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    assert {int(i): t["content"] for i, t in listed.items()} == {t["id"]: t["content"] for t in added}
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = (AutoTokenizer.from_pretrained(str(p)) for p in (folder, bare))
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>x = 2 <tool_call>{}</tool_call><|im_end|>\n"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder
+    assert (ours.all_special_ids, ours.eos_token_id, ours.pad_token_id) == (
+        theirs.all_special_ids,
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+    )
