@@ -20,8 +20,6 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-import torch
-
 from slime_mt.assets.cache import cache_root, cached_dir
 from slime_mt.assets.chat_templates import TEMPLATES
 from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
@@ -97,6 +95,7 @@ def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a HF folder (config, float32 safetensors, tokenizer)."""
 
     def build(out: Path) -> None:
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         gguf = _smollm2_gguf()
@@ -167,6 +166,7 @@ def _tiny_text_config(kind: str) -> dict:
 def _build_tiny_llama(out: Path) -> None:
     """SmolLM2's architecture (Llama: GQA, tied embeddings, rope theta 1e5) at a tiny size, with
     SmolLM2's real tokenizer."""
+    import torch
     import transformers
 
     torch.manual_seed(0)
@@ -191,6 +191,7 @@ def _build_tiny_llama(out: Path) -> None:
 
 
 def _build_tiny(out: Path, kind: str) -> None:
+    import torch
     import transformers
 
     from slime_mt.processing import QwenVLProcessor, image_processor_class
@@ -329,6 +330,7 @@ def sized_model_dir(name: str) -> Path:
         raise AssetError(f"unknown model {name!r}; choose from {sorted(SIZED_MODELS)}")
 
     def build(out: Path) -> None:
+        import torch
         import transformers
 
         cls, kwargs = SIZED_MODELS[name]
