@@ -214,6 +214,9 @@ def _tier_of_nodeid(nodeid: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
 
 
+NEAREST = 8  # the summary's list of the tests and shared set-ups with the most own time
+
+
 class Budget:
     """Where results are reported: each test's own time (its phases, less the shared set-ups it paid
     for), each shared fixture's set-up, the tiers' times; the limits from the ini file."""
@@ -285,5 +288,10 @@ class Budget:
         for nodeid, limit in self.exceptions.items():
             if nodeid in self.seconds:
                 write(f"allowed up to {limit:g} s (budget_exceptions): {nodeid} took {self.own(nodeid):.1f} s")
+        timed = [(self.own(n), n) for n in self.seconds if n not in self.exceptions] + [
+            (s, n) for n, s in self.fixtures.items()
+        ]
+        for seconds, name in sorted(timed, reverse=True)[:NEAREST]:  # what drifts past the budget next
+            write(f"nearest the budget: {seconds:6.1f} s {name}")
         for line in self.violations:
             terminalreporter.write_line(f"OVER BUDGET: {line}", red=True, bold=True)
