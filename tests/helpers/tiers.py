@@ -214,7 +214,7 @@ def _tier_of_nodeid(nodeid: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
 
 
-NEAREST = 8  # the summary's list of the tests and shared set-ups with the most own time
+NEAREST = 8  # the summary lists this many tests and shared set-ups past half the budget, the longest first
 
 
 class Budget:
@@ -291,7 +291,8 @@ class Budget:
         timed = [(self.own(n), n) for n in self.seconds if n not in self.exceptions] + [
             (s, n) for n, s in self.fixtures.items()
         ]
-        for seconds, name in sorted(timed, reverse=True)[:NEAREST]:  # what drifts past the budget next
+        near = [(s, n) for s, n in timed if self.per_test / 2 <= s <= self.per_test]
+        for seconds, name in sorted(near, reverse=True)[:NEAREST]:  # what drifts past the budget next
             write(f"nearest the budget: {seconds:6.1f} s {name}")
         for line in self.violations:
             terminalreporter.write_line(f"OVER BUDGET: {line}", red=True, bold=True)

@@ -1,0 +1,64 @@
+"""The tiers and the budget (tests/helpers/tiers.py), run on a small project of their own: a test over
+its budget fails the run after its summary, a listed debt passes within its own limit, a unit test that
+starts a subprocess fails naming where it belongs, and a test outside a tier folder is refused.
+Integration tier: five pytest runs in subprocesses, about 20 s."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+
+SLOW = "import time\n\n\ndef test_slow():\n    time.sleep(0.8)\n"
+STARTS_A_PROCESS = (
+    "import subprocess\nimport sys\n\n\n"
+    "def test_starts_a_process():\n"
+    "    subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+)
+
+
+def run_project(root: Path, files: dict[str, str], ini: str) -> subprocess.CompletedProcess:
+    """A project with the tiers plugin (``tests/helpers/tiers.py``), ``files`` under it and ``ini`` as
+    its pytest.ini options; pytest run in it."""
+    (root / "tests" / "helpers").mkdir(parents=True)
+    shutil.copy(HELPERS / "tiers.py", root / "tests" / "helpers" / "tiers.py")
+    (root / "tests" / "conftest.py").write_text('pytest_plugins = ["tiers"]\n')
+    options = "-p no:cacheprovider -p no:hypothesispytest -p no:xdist -p no:anyio --import-mode=importlib"
+    (root / "pytest.ini").write_text(f"[pytest]\npythonpath = tests/helpers\naddopts = {options}\n{ini}\n")
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return subprocess.run([sys.executable, "-m", "pytest", "tests"], cwd=root, capture_output=True, text=True)
+
+
+def test_a_test_over_the_budget_fails_the_run_and_a_listed_debt_passes_within_its_limit(tmp_path):
+    budget = "budget_test_seconds = 0.5\nbudget_unit_seconds = 100"
+    over = run_project(tmp_path / "over", {"tests/unit/test_slow.py": SLOW}, budget)
+    assert over.returncode == 1, over.stdout[-2000:]
+    assert "1 passed" in over.stdout  # the test itself passed: the budget failed the run
+    assert "unit            1 tests" in over.stdout
+    assert "OVER BUDGET: tests/unit/test_slow.py::test_slow took 0.8 s (budget_test_seconds = 0.5)" in over.stdout
+
+    debt = budget + "\nbudget_exceptions =\n    tests/unit/test_slow.py::test_slow 5"
+    allowed = run_project(tmp_path / "debt", {"tests/unit/test_slow.py": SLOW}, debt)
+    assert allowed.returncode == 0, allowed.stdout[-2000:]
+    assert "allowed up to 5 s (budget_exceptions): tests/unit/test_slow.py::test_slow took 0.8 s" in allowed.stdout
+    assert "OVER BUDGET" not in allowed.stdout
+
+    tier = run_project(tmp_path / "tier", {"tests/unit/test_slow.py": SLOW}, "budget_unit_seconds = 0.5")
+    assert tier.returncode == 1, tier.stdout[-2000:]
+    assert "OVER BUDGET: the unit tier took" in tier.stdout and "(budget_unit_seconds = 0.5)" in tier.stdout
+
+
+def test_a_unit_test_that_starts_a_process_fails_and_a_test_outside_the_tiers_is_refused(tmp_path):
+    files = {"tests/unit/test_p.py": STARTS_A_PROCESS, "tests/integration/test_p.py": STARTS_A_PROCESS}
+    proc = run_project(tmp_path / "guard", files, "")
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "1 failed, 1 passed" in proc.stdout
+    assert "FAILED tests/unit/test_p.py::test_starts_a_process" in proc.stdout
+    assert "UnitTierError: a unit test may not start a subprocess: move the test to tests/integration" in proc.stdout
+
+    outside = run_project(tmp_path / "outside", {"tests/test_loose.py": SLOW}, "")
+    assert outside.returncode == 4, outside.stdout[-2000:] + outside.stderr[-2000:]  # usage error
+    assert "test_loose.py: a test lives in tests/unit, tests/integration or tests/e2e" in outside.stderr
