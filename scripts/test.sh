@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install slime_mt with test extras, run the checks (ruff lint and format,
-# configured in pyproject.toml), then the tests: every tier, unit first (tests/unit, tests/integration,
+# configured in pyproject.toml), then the tests: every tier (tests/unit, tests/integration,
 # tests/e2e; README "Development"). It is what CI runs.
 #
 #   bash scripts/test.sh                 every tier (CI), on two pytest workers
