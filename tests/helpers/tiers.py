@@ -251,6 +251,11 @@ class Budget:
     def own(self, nodeid: str) -> float:
         return self.seconds[nodeid] - self.shared.get(nodeid, 0.0)
 
+    def timed(self) -> list[tuple[float, str]]:
+        """(own seconds, name) of every test and every shared set-up, the longest first."""
+        tests = [(self.own(n), n) for n in self.seconds]
+        return sorted(tests + [(s, n) for n, s in self.fixtures.items()], reverse=True)
+
     def by_tier(self) -> dict[str, tuple[int, float]]:
         out = {}
         for tier in TIERS:
@@ -261,8 +266,7 @@ class Budget:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        timed = [(self.own(n), n) for n in self.seconds] + [(s, n) for n, s in self.fixtures.items()]
-        over = sorted((s, n) for s, n in timed if s > self.exceptions.get(n, self.per_test))[::-1]
+        over = [(s, n) for s, n in self.timed() if s > self.exceptions.get(n, self.per_test)]
         self.violations = [f"{n} took {s:.1f} s ({self.limit_of(n)})" for s, n in over]
         tiers = self.by_tier()
         if "unit" in tiers:
@@ -288,11 +292,8 @@ class Budget:
         for nodeid, limit in self.exceptions.items():
             if nodeid in self.seconds:
                 write(f"allowed up to {limit:g} s (budget_exceptions): {nodeid} took {self.own(nodeid):.1f} s")
-        timed = [(self.own(n), n) for n in self.seconds if n not in self.exceptions] + [
-            (s, n) for n, s in self.fixtures.items()
-        ]
-        near = [(s, n) for s, n in timed if self.per_test / 2 <= s <= self.per_test]
-        for seconds, name in sorted(near, reverse=True)[:NEAREST]:  # what drifts past the budget next
+        near = [(s, n) for s, n in self.timed() if n not in self.exceptions and self.per_test / 2 <= s <= self.per_test]
+        for seconds, name in near[:NEAREST]:  # what drifts past the budget next
             write(f"nearest the budget: {seconds:6.1f} s {name}")
         for line in self.violations:
             terminalreporter.write_line(f"OVER BUDGET: {line}", red=True, bold=True)
