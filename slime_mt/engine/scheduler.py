@@ -36,6 +36,8 @@ from slime_mt.engine.prefix_cache import PrefixCache
 from slime_mt.engine.protocol import GenerateRequest, ProtocolError, finish_abort, finish_length, finish_stop
 from slime_mt.engine.runner import Batch, ModelRunner, Sequence
 
+PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's /pause_generation modes
+
 logger = logging.getLogger(__name__)
 
 
@@ -147,7 +149,7 @@ class Scheduler:
 
     def pause(self, mode: str = "abort") -> None:
         """``abort``: abort in-flight requests then pause; ``in_place``/``retract``: keep them waiting."""
-        if mode not in ("abort", "in_place", "retract"):
+        if mode not in PAUSE_MODES:
             raise ProtocolError(f"pause mode must be abort, in_place or retract, got {mode!r}")
         if mode == "abort":
             self.abort(abort_all=True)

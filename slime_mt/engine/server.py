@@ -61,7 +61,7 @@ from slime_mt.engine.protocol import (
     show,
 )
 from slime_mt.engine.runner import ModelRunner, WeightUpdateError
-from slime_mt.engine.scheduler import EngineAsleep, EngineFault, MemoryBusy, Scheduler
+from slime_mt.engine.scheduler import PAUSE_MODES, EngineAsleep, EngineFault, MemoryBusy, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -312,11 +312,11 @@ class EngineApp:
 
     async def pause_generation(self, request: Request):
         body = await _json_body(request, required=False)
-        mode = body.get("mode")
-        if mode is not None and not isinstance(mode, str):
+        mode = "abort" if body.get("mode") is None else body["mode"]  # SGLang's default
+        if mode not in PAUSE_MODES:  # refused before anything closes: a bad pause changes nothing
             raise ProtocolError(f"pause_generation: mode must be abort, in_place or retract, got {show(mode)}")
         self._admission.clear()
-        self.scheduler.pause(mode or "abort")
+        self.scheduler.pause(mode)
         while self.scheduler.aborting() and self.scheduler.alive:  # SGLang answers once they are all answered
             await asyncio.sleep(PAUSE_POLL_SECONDS)
         return _JSON({"success": True, "message": "Generation paused."})

@@ -259,8 +259,8 @@ async def _round(url: str, fuzz: list[tuple], valid: dict, reference: list[int],
 
         async def fuzzed(method, path, body):
             response = await _send(http, url, method, path, body)
-            if path == "/pause_generation":  # a pause that took effect is lifted at once
-                await http.post(url + "/continue_generation")
+            if path == "/pause_generation" and response.status_code == 200:  # a pause that took effect is
+                await http.post(url + "/continue_generation")  # lifted at once; a refused one must change nothing
             return response
 
         answers = await asyncio.gather(

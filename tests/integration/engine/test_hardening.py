@@ -23,6 +23,7 @@ PROMPT = [9707, 1879, 11, 1128, 525, 498, 30]
 EOS = 151645
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 TIMEOUT = 60.0
+GREEDY_BODY = {"input_ids": PROMPT, "return_logprob": True, "sampling_params": GREEDY}
 
 
 @pytest.fixture(scope="module")
@@ -507,6 +508,54 @@ def test_abort_all_is_read_as_a_boolean(engine, flag, aborts):
     assert finish == {"type": "abort", "message": "Abort requested" if aborts else "Abort requested for rid long"}
     bad = post(engine.url, "/abort_request", {"rid": "x", "abort_all": "maybe"})
     assert bad.status_code == 400 and "abort_all" in bad.json()["error"]["message"]
+
+
+BAD_CONTROL_BODIES = [
+    ("/pause_generation", {"mode": "bogus"}),
+    ("/pause_generation", {"mode": 3}),
+    ("/pause_generation", {"mode": ["abort"]}),
+    ("/pause_generation", b"[1, 2]"),
+    ("/pause_generation", b"{not json"),
+    ("/abort_request", {"rid": 5}),
+    ("/abort_request", {"abort_all": "maybe"}),
+    ("/abort_request", {}),
+    ("/update_weights_from_disk", {"model_path": "/no/such/folder", "weight_version": "9"}),
+    ("/update_weights_from_disk", {"model_path": 7}),
+    ("/update_weights_from_disk", {"model_path": "/dev", "weight_version": "9"}),
+    ("/init_weights_update_group", {"master_address": "", "master_port": 1, "rank_offset": 1, "world_size": 2}),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 0}),
+    ("/update_weights_from_distributed", {"group_name": "never-joined", "names": ["x"]}),
+    ("/destroy_weights_update_group", {"group_name": "never-joined"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": "not a list"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["garbage"], "weight_version": "9"}),
+    ("/release_memory_occupation", {"tags": ["weights", "everything"]}),
+    ("/release_memory_occupation", {"tags": "weights"}),
+    ("/resume_memory_occupation", {"tags": [1]}),
+]
+BODILESS = ("/flush_cache", "/continue_generation")  # as SGLang's, they read no body: garbage is ignored
+
+
+def test_a_refused_control_request_changes_nothing(engine):
+    """Issue 44 item 0: every control endpoint with bad bodies, each refused (4xx naming the cause),
+    then a valid generation served at once and alike: nothing paused, released, aborted or loaded."""
+    reference = greedy(engine.url)
+    assert_idle(engine.url)
+    for path, body in [*BAD_CONTROL_BODIES, *((path, b"\xff{") for path in BODILESS)]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        refused = post(engine.url, path, content=content, timeout=10)
+        if path in BODILESS:
+            assert refused.status_code == 200, (path, refused.text)
+        else:
+            answer = refused.json()  # weight calls answer as SGLang's do: success false and the message
+            message = answer["message"] if answer.get("success") is False else answer["error"]["message"]
+            assert 400 <= refused.status_code < 500 and message, (path, body, refused.text)
+        state = httpx.get(engine.url + "/server_info", timeout=10).json()["internal_states"][0]
+        assert not state["paused"], (path, body)
+        after = post(engine.url, "/generate", GREEDY_BODY, timeout=10)  # 10 s: a closed admission hangs here
+        assert after.status_code == 200, (path, body, after.text)
+        assert after.json()["output_ids"] == reference["output_ids"], (path, body)
+        assert after.json()["meta_info"]["weight_version"] == reference["meta_info"]["weight_version"], (path, body)
+    assert_idle(engine.url)
 
 
 def test_update_without_weight_version_keeps_the_version(tiny_paths, tmp_path):
