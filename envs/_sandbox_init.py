@@ -21,6 +21,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 
 MNT_DETACH = 2
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 38, 24, 28
+REPORT_FD = 3
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -54,8 +55,11 @@ def build_root(config: dict) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['workdir_bytes']},mode=0755")
     for path in config["read_only"]:
-        if os.path.islink(path):  # /lib -> usr/lib on merged-/usr systems
-            os.symlink(os.readlink(path), root + path)
+        if os.path.lexists(root + path):
+            continue  # under a folder bound already
+        if os.path.islink(path):  # /lib -> usr/lib on merged-/usr systems, an env reached through a link
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(os.readlink(path), root + path)  # its target is in read_only too
         elif os.path.exists(path):
             bind(path, root)
     os.makedirs(root + "/dev", exist_ok=True)
@@ -95,6 +99,11 @@ def drop_privileges() -> None:
 def run_code(config: dict, workdir: str) -> None:
     """In the child: limits, privileges, a clean environment, then the interpreter on main.py."""
     os.chdir(workdir)
+    if config["report_fd"] is not None:  # the report channel, at fd 3 for the code
+        if config["report_fd"] != REPORT_FD:
+            os.dup2(config["report_fd"], REPORT_FD)
+            os.close(config["report_fd"])
+        os.set_inheritable(REPORT_FD, True)
     for name, value in config["rlimits"].items():
         # the CPU limit's soft value sends SIGXCPU (named in the result); a second more, SIGKILL
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
@@ -127,8 +136,8 @@ def main() -> None:
     if child == 0:
         try:
             run_code(config, workdir)
-        except BaseException as e:
-            os.write(2, f"sandbox: could not start the code: {e}\n".encode())
+        except BaseException as e:  # said on the status pipe: the sandbox's failure, not the code's
+            os.write(status_fd, f"start-failed {type(e).__name__}: {e}"[:1000].replace("\n", " ").encode() + b"\n")
         os._exit(127)
     while True:
         try:

@@ -28,8 +28,11 @@ isolation are missing (logged once as a warning).
 
 ``PythonSandboxEnv``: the model writes code in a fenced ```python block; each turn the code runs and
 its output is the observation; a turn with ``<submit>``, or the last valid turn of ``--max-turns``,
-runs its code and then the row's hidden tests (``metadata["tests"]``: Python asserts) and ends the
-episode with reward 1 / 0.
+is graded: ``grade()`` runs its code under ``_grade_harness.py``, then the row's hidden tests
+(``metadata["tests"]``: Python asserts on plain data), and ends the episode with reward 1 / 0. The
+grade is a per-run random token only the harness can report, after the last test passed; never the
+exit code or the output, which the code controls (see ``_grade_harness.py`` for what it refuses).
+A sandbox that cannot run the code raises ``SandboxError`` (the sample is FAILED, not scored 0).
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -52,10 +57,17 @@ from envs.base import BaseInteractionEnv, InvalidActionError
 logger = logging.getLogger(__name__)
 
 INIT = Path(__file__).with_name("_sandbox_init.py")
+HARNESS = Path(__file__).with_name("_grade_harness.py")
 MAX_CODE_BYTES = 64 * 1024
+REPORT_BYTES = 4096
 KILL_GRACE_SECONDS = 5.0
 WORKDIR = "/sandbox"  # the code's working folder under isolation (the tmpfs root's only writable place)
 SYSTEM_READ_ONLY = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache"]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not run the code (no interpreter inside it, no isolation where it is required):
+    the environment's failure, so the sample is FAILED with this reason, never scored 0."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +89,7 @@ class SandboxResult:
     exit_code: int | None  # None: killed at the wall time
     timed_out: bool
     truncated: bool  # stdout or stderr was cut at output_bytes
+    report: bytes = b""  # what the code wrote to fd 3 (run_python(report=True)), up to REPORT_BYTES
 
     @property
     def ok(self) -> bool:
@@ -160,9 +173,14 @@ async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes,
 
 
 async def run_python(
-    code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None, stdin: str = ""
+    code: str,
+    limits: SandboxLimits = SandboxLimits(),
+    files: dict[str, str] | None = None,
+    stdin: str = "",
+    report: bool = False,
 ) -> SandboxResult:
-    """Run ``code`` (and ``files`` beside it, by name) in a sandbox -> its output and how it ended."""
+    """Run ``code`` (and ``files`` beside it, by name) in a sandbox -> its output and how it ended;
+    with ``report``, the code also has a report channel at fd 3 (``SandboxResult.report``)."""
     if len(code.encode()) > MAX_CODE_BYTES:
         return SandboxResult("", f"[refused: the code is over {MAX_CODE_BYTES} bytes]", 1, False, False)
     for name in files or {}:
@@ -170,11 +188,11 @@ async def run_python(
             raise ValueError(f"sandbox file name {name!r}: a plain name other than main.py")
     isolate = sandbox_mode() == "isolated"
     root = tempfile.mkdtemp(prefix="slime-mt-sandbox-")
-    prefixes = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
-    read_only = [*SYSTEM_READ_ONLY, *prefixes]
+    read_only = [*SYSTEM_READ_ONLY, *interpreter_paths()]
     if isolate and any(p == WORKDIR or p.startswith(WORKDIR + "/") for p in read_only):
         raise RuntimeError(f"python sandbox: the interpreter lives under {WORKDIR}, the sandbox's working folder")
     status_read, status_write = os.pipe()
+    report_read, report_write = os.pipe() if report else (None, None)
     config = {
         "isolate": isolate,
         "root": root,
@@ -184,6 +202,7 @@ async def run_python(
         "read_only": read_only,
         "workdir": WORKDIR,
         "status_fd": status_write,
+        "report_fd": report_write,
         "workdir_bytes": limits.workdir_mb * 2**20,
         "pid_max": max(limits.processes, 301) if isolate else 0,
         "rlimits": _rlimits(limits),
@@ -198,9 +217,11 @@ async def run_python(
         stderr=asyncio.subprocess.PIPE,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         start_new_session=True,  # its own process group: the wall-time kill takes all of it
-        pass_fds=(status_write,),
+        pass_fds=(status_write,) if report_write is None else (status_write, report_write),
     )
     os.close(status_write)
+    if report_write is not None:
+        os.close(report_write)
     timed_out = False
     try:
         reading = asyncio.ensure_future(
@@ -222,26 +243,64 @@ async def run_python(
         raise
     finally:
         status = _read_status(status_read)
+        reported = _read_report(report_read) if report_read is not None else b""
         await asyncio.to_thread(shutil.rmtree, root, True)
-    if status is None and not timed_out:  # the sandbox itself failed before the code ran
-        return SandboxResult(out.decode(errors="replace"), err.decode(errors="replace"), 127, False, False)
+    if isinstance(status, str) or (status is None and not timed_out):  # the sandbox failed, not the code
+        why = status if isinstance(status, str) else err.decode(errors="replace").strip()[-1000:] or "no reason given"
+        raise SandboxError(
+            f"python sandbox ({'isolated' if isolate else 'limits-only'}): could not run {sys.executable}: {why}"
+        )
     return SandboxResult(
         out.decode(errors="replace"),
         err.decode(errors="replace"),
         None if timed_out else os.waitstatus_to_exitcode(status),
         timed_out,
         out_cut or err_cut,
+        reported,
     )
 
 
-def _read_status(fd: int) -> int | None:
-    """The code's wait status the sandbox's init reported (None: it reported none), closing ``fd``."""
+def _read_status(fd: int) -> int | str | None:
+    """The code's wait status the sandbox's init reported, or why the code could not start (str), or
+    None when it reported nothing; closes ``fd``."""
     try:
         os.set_blocking(fd, False)
-        text = os.read(fd, 64).decode().strip()
-        return int(text) if text else None
-    except (BlockingIOError, ValueError):
+        lines = os.read(fd, 4096).decode(errors="replace").splitlines()
+    except BlockingIOError:
         return None
+    finally:
+        os.close(fd)
+    failed = [line.removeprefix("start-failed ") for line in lines if line.startswith("start-failed ")]
+    if failed:
+        return failed[0]
+    try:
+        return int(lines[-1]) if lines else None
+    except ValueError:
+        return None
+
+
+def interpreter_paths() -> list[str]:
+    """The folders the interpreter needs, as named and as resolved: the environment's prefixes and
+    every hop of the executable's symlinks (a venv or conda env reached through a link is common; a
+    link bound without its target leaves nothing to run)."""
+    paths = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    hop = sys.executable
+    for _ in range(40):  # the kernel's own limit on a chain of links
+        paths.add(os.path.dirname(hop))
+        paths.add(os.path.realpath(os.path.dirname(hop)))
+        if not os.path.islink(hop):
+            break
+        hop = os.path.join(os.path.dirname(hop), os.readlink(hop))
+    return sorted(paths)
+
+
+def _read_report(fd: int) -> bytes:
+    """What is in the report pipe now (up to REPORT_BYTES; a writer still alive cannot hold us), closing ``fd``."""
+    try:
+        os.set_blocking(fd, False)
+        return os.read(fd, REPORT_BYTES)
+    except BlockingIOError:
+        return b""
     finally:
         os.close(fd)
 
@@ -263,6 +322,20 @@ def _kill(process) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+async def grade(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> tuple[SandboxResult, float]:
+    """Run ``code`` then the hidden ``tests`` under the grading harness (``_grade_harness.py``) ->
+    the run and 1.0 when every test passed, else 0.0. A pass is a per-run random token that only the
+    harness can report, after the last test: an early exit, a closed stdout, a printed marker or a
+    patched builtin of the code earns nothing."""
+    if len(code.encode()) > MAX_CODE_BYTES:
+        return SandboxResult("", f"[refused: the code is over {MAX_CODE_BYTES} bytes]", 1, False, False), 0.0
+    token, grade_file = secrets.token_hex(16), f".grade-{secrets.token_hex(8)}"
+    files = {"solution.py": code, grade_file: token}
+    stdin = json.dumps({"tests": tests, "grade_file": grade_file})
+    result = await run_python(HARNESS.read_text(), limits, files=files, stdin=stdin, report=True)
+    return result, float(hmac.compare_digest(result.report, token.encode()))
 
 
 _CODE = "```python"
@@ -294,8 +367,7 @@ class PythonSandboxEnv(BaseInteractionEnv):
             raise InvalidActionError("Write your code in a ```python block (add <submit> when it is final).")
         last = self.max_turns is not None and self.runs + 1 >= self.max_turns  # the episode's last valid turn
         if "<submit>" in response_text or last:
-            result = await run_python(code + "\n\n" + self.tests, self.limits)
-            passed = float(result.ok)
+            result, passed = await grade(code, self.tests, self.limits)
             return {"text": result.describe()}, True, {"reward": passed, "passed": passed, "runs": self.runs}
         self.runs += 1
         result = await run_python(code, self.limits)

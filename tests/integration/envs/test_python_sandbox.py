@@ -7,6 +7,7 @@ import asyncio
 import glob
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -184,3 +185,133 @@ def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
     assert asyncio.run(env.step("```python\nprint(7)\n```"))[1:] == (False, {"timed_out": 0.0, "exit_code": 0})
     observation, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```"))
     assert done and info["reward"] == 1.0 and info["passed"] == 1.0
+
+
+# ---------------------------------------------------------------- grading that the code cannot fake (issue 44, 1)
+
+HIDDEN = """assert add(2, 3) == 5
+assert add(-1, 1) == 0
+import math
+assert math.isclose(add(0.1, 0.2), 0.3)
+assert abs(add(1, 1) - 2) < 1e-9
+assert all(add(x, x) == 2 * x for x in range(3))
+assert add(2, 2)
+"""
+WRONG = "def add(a, b):\n    return a - b\n"
+GRADE_FILE = "[f for f in os.listdir('.') if f.startswith('.grade')][0]"
+HACKS = {
+    "os._exit(0)": "import os\nos._exit(0)",
+    "sys.exit(0)": "import sys\nsys.exit(0)",
+    "SystemExit(0) in an atexit hook": "import atexit, sys\natexit.register(lambda: sys.exit(0))\nraise SystemExit(0)",
+    "a kill of itself with a clean status": (
+        "import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\nos.kill(os.getpid(), signal.SIGTERM)"
+    ),
+    "closing stdout and stderr": "import os\nos.close(1)\nos.close(2)",
+    "printing a success marker and a forged report": (
+        "import os\nprint('All tests passed. OK')\nos.write(3, b'0' * 32)\nos.write(3, open('main.py', 'rb').read())"
+    ),
+    "an object equal to everything": (
+        "class Any:\n    __eq__ = lambda s, o: True\n    __lt__ = lambda s, o: True\n    __bool__ = lambda s: True\n"
+        "    __sub__ = lambda s, o: s\n    __abs__ = lambda s: s\n"
+        "def add(a, b):\n    return Any()"
+    ),
+    "an int subclass equal to everything": (
+        "class Int(int):\n    __eq__ = lambda s, o: True\n    __lt__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+        "    __sub__ = lambda s, o: s\n    __abs__ = lambda s: s\n"
+        "def add(a, b):\n    return Int(a - b)"
+    ),
+    "redefined builtins": (
+        "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda xs: True\ndef abs(x):\n    return 0\n"
+        "class AssertionError(Exception):\n    pass\nbuiltins.AssertionError = AssertionError"
+    ),
+    "a monkeypatched module the tests use": "import math\nmath.isclose = lambda *a, **k: True",
+    "a patched test runner": (
+        "import builtins, __main__\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None\n"
+        "__main__.plain = lambda v: v\n__main__.REFUSED_EVENTS = ()"
+    ),
+    "reading the token file": f"import os\nprint(open({GRADE_FILE}).read())",
+    "reading the token file by a folder descriptor": (
+        f"import os\nd = os.open('/', os.O_RDONLY)\nos.chdir('/tmp')\n"
+        f"print(os.read(os.open(os.path.relpath(os.path.abspath({GRADE_FILE}), '/'), os.O_RDONLY, dir_fd=d), 99))"
+    ),
+    "a link to the token file": f"import os\nos.link({GRADE_FILE}, 'x')\nprint(open('x').read())",
+    "reading its own memory": "print(open('/proc/self/mem', 'rb').read(1))",
+    "the harness's frames": "import sys\nprint(sys._getframe(1).f_locals)",
+    "frames through a traceback": (
+        "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    print(e.__traceback__.tb_frame.f_back.f_locals)"
+    ),
+    "walking every object": "import gc\nprint([o for o in gc.get_objects() if isinstance(o, str) and len(o) == 32])",
+    "ctypes": "import ctypes\nctypes.memmove",
+    "a fresh interpreter": "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import os; os._exit(0)'])",
+    "an audit hook of its own": "import sys\nsys.addaudithook(lambda *a: None)",
+    "a thread left running": (
+        "import threading, time, os\n"
+        f"def steal():\n    while True:\n        try:\n            os.write(3, open({GRADE_FILE}, 'rb').read())\n"
+        "        except Exception:\n            time.sleep(0.001)\n"
+        "threading.Thread(target=steal, daemon=True).start()"
+    ),
+}
+
+
+@pytest.mark.parametrize("hack", HACKS)
+def test_a_wrong_solution_with_a_reward_hack_earns_nothing(mode, hack):
+    """Each hack after a wrong solution is graded 0."""
+    result, passed = asyncio.run(sandbox.grade(WRONG + "\n" + HACKS[hack], HIDDEN, LIMITS))
+    assert passed == 0.0, (hack, result)
+
+
+@pytest.mark.parametrize(
+    "hack", ["sys.exit(0)", "closing stdout and stderr", "an audit hook of its own", "os._exit(0)"]
+)
+def test_a_right_solution_with_the_same_tricks_is_graded_on_its_tests(mode, hack):
+    """The grade follows the tests alone: a trick that leaves them to run (an exit the harness catches,
+    closed output, a hook the harness silently refuses) leaves a right solution right; one that ends
+    the process before them fails it."""
+    right = "def add(a, b):\n    return a + b\n"
+    _, passed = asyncio.run(sandbox.grade(right + HACKS[hack], HIDDEN, LIMITS))
+    assert passed == (0.0 if hack == "os._exit(0)" else 1.0)
+
+
+def test_right_solutions_pass_whatever_they_print_or_define(mode):
+    """What a real solution does: print a lot, use a namedtuple, a class, its own main block."""
+    code = """import collections, sys
+Pair = collections.namedtuple("Pair", "a b")
+class Solution:
+    def add(self, a, b):
+        return Pair(a, b).a + b
+def add(a, b):
+    return Solution().add(a, b)
+print("x" * 10000)
+if __name__ == "__main__":
+    print(add(int(input()), 1))
+    sys.exit(3)
+"""
+    result, passed = asyncio.run(sandbox.grade(code, HIDDEN, LIMITS))
+    assert passed == 1.0 and result.truncated, result
+    result, passed = asyncio.run(sandbox.grade(WRONG, HIDDEN, LIMITS))
+    assert passed == 0.0 and "hidden test 1 of 7 failed: AssertionError" in result.stderr
+
+
+def test_an_interpreter_reached_through_a_symlinked_env_runs(mode, tmp_path, monkeypatch):
+    """Issue 44 item 2: a venv or conda env that is a link (the link and its target are bound)."""
+    link = tmp_path / "env-link"
+    link.symlink_to(sys.prefix, target_is_directory=True)
+    monkeypatch.setattr(sys, "prefix", str(link))
+    monkeypatch.setattr(sys, "executable", str(link / "bin" / os.path.basename(sys.executable)))
+    result, _ = run("import sys\nprint(sys.version_info[0])")
+    assert result.ok and result.stdout == "3\n", result
+    _, passed = asyncio.run(sandbox.grade("def add(a, b):\n    return a + b\n", HIDDEN, LIMITS))
+    assert passed == 1.0
+
+
+@needs_isolation
+def test_a_sandbox_that_cannot_start_the_interpreter_fails_the_sample_not_scores_it(monkeypatch):
+    """No interpreter inside the sandbox: an environment error naming why (the sample is FAILED by
+    the rollout, as for any environment exception), never a run with exit code 127 graded 0."""
+    monkeypatch.setattr(sandbox, "sandbox_mode", lambda: "isolated")
+    monkeypatch.setattr(sandbox, "interpreter_paths", lambda: [])
+    with pytest.raises(sandbox.SandboxError, match="could not run .*No such file"):
+        run("print(1)")
+    env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
+    with pytest.raises(sandbox.SandboxError, match="could not run"):
+        asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```<submit>"))
