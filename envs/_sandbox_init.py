@@ -7,7 +7,8 @@ system's library folders bound read-only at their own paths, ``/dev`` with null/
 ``/proc`` (and the namespace's ``pid_max``, which bounds its processes where the kernel keeps one per
 namespace, 6.14+), the code in ``/sandbox``; then it moves into that root (``pivot_root``, the old root
 detached, so nothing else of the host is reachable) and gives up every capability. In every mode it
-sets the resource limits, clears the environment and executes the interpreter on the code.
+sets the resource limits and the lowest CPU share (nice 19, SCHED_IDLE, no way back), clears the
+environment and executes the interpreter on the code.
 """
 
 import ctypes
@@ -104,6 +105,11 @@ def run_code(config: dict, workdir: str) -> None:
             os.dup2(config["report_fd"], REPORT_FD)
             os.close(config["report_fd"])
         os.set_inheritable(REPORT_FD, True)
+    # the lowest CPU share there is, for good: nice 19, no way back (RLIMIT_NICE 0), and SCHED_IDLE (it
+    # runs only on a core nothing else wants), so spinning processes cannot starve the rollout's
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     for name, value in config["rlimits"].items():
         # the CPU limit's soft value sends SIGXCPU (named in the result); a second more, SIGKILL
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))

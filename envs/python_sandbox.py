@@ -15,6 +15,8 @@ the rollout's event loop; and an environment that grades code by hidden tests.
   nothing of the host's files but the            isolation: a mount namespace whose root is the tmpfs,
   interpreter and system libraries               with only the interpreter's and the system's library
                                                  folders bound read-only (pivot_root; old root detached)
+  CPU share                                      always: nice 19 and SCHED_IDLE, which the code cannot
+                                                 undo (RLIMIT_NICE 0): it runs on cores nothing else wants
   processes                                      RLIMIT_NPROC (enforced for a user other than root);
                                                  under isolation also the PID namespace's ``pid_max``
                                                  (kernels 6.14+; at least 301 by the kernel's floor)
@@ -80,6 +82,10 @@ class SandboxLimits:
     workdir_mb: int = 64
     output_bytes: int = 4096
     open_files: int = 64
+    # where the kernel refuses unprivileged user namespaces, run anyway with the limits alone
+    # (--sandbox-allow-unisolated): host files, other processes' memory, the network, setuid programs
+    # stay reachable and a daemon may outlive the run; by default such a run is a SandboxError
+    allow_unisolated: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +96,8 @@ class SandboxResult:
     timed_out: bool
     truncated: bool  # stdout or stderr was cut at output_bytes
     report: bytes = b""  # what the code wrote to fd 3 (run_python(report=True)), up to REPORT_BYTES
+    isolated: bool = True  # run in its own namespaces (False: limits only, --sandbox-allow-unisolated)
+    escaped: bool = False  # a process of the code kept its output open past the run (limits only)
 
     @property
     def ok(self) -> bool:
@@ -102,6 +110,8 @@ class SandboxResult:
             parts.append(self.stderr)
         if self.truncated:
             parts.append("[output truncated]")
+        if self.escaped:
+            parts.append("[a process the code started kept running after it; its output was not waited for]")
         if self.timed_out:
             parts.append("[killed: the wall-time limit was reached]")
         elif self.exit_code not in (0, None):
@@ -161,15 +171,21 @@ def _own_processes() -> int:
     return count
 
 
-async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
-    """Everything ``stream`` gives, keeping the first ``limit`` bytes (the rest is read and dropped,
-    so the writer never blocks on a full pipe)."""
-    kept, dropped = bytearray(), False
-    while chunk := await stream.read(65536):
-        room = limit - len(kept)
-        kept += chunk[: max(room, 0)]
-        dropped = dropped or len(chunk) > room
-    return bytes(kept), dropped
+class _Capped:
+    """One output stream of a run: its first ``limit`` bytes (the rest is read and dropped, so the
+    writer never blocks on a full pipe), kept as they come so a read given up on still has them."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kept, self.dropped = limit, bytearray(), False
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - len(self.kept)
+            self.kept += chunk[: max(room, 0)]
+            self.dropped = self.dropped or len(chunk) > room
+
+    def text(self) -> str:
+        return self.kept.decode(errors="replace")
 
 
 async def run_python(
@@ -187,6 +203,15 @@ async def run_python(
         if "/" in name or name in ("", ".", "..", "main.py"):
             raise ValueError(f"sandbox file name {name!r}: a plain name other than main.py")
     isolate = sandbox_mode() == "isolated"
+    if not isolate and not limits.allow_unisolated:
+        raise SandboxError(
+            "python sandbox: this machine refuses unprivileged user namespaces (unshare), so model code would "
+            "run without isolation: host files, other processes' memory, the network and setuid programs "
+            "reachable, daemons surviving the run. Enable user namespaces (e.g. sysctl "
+            "kernel.unprivileged_userns_clone=1, or kernel.apparmor_restrict_unprivileged_userns=0), or pass "
+            "--sandbox-allow-unisolated to run it with resource limits, a wall time, a fresh folder and a "
+            "cleared environment only"
+        )
     root = tempfile.mkdtemp(prefix="slime-mt-sandbox-")
     read_only = [*SYSTEM_READ_ONLY, *interpreter_paths()]
     if isolate and any(p == WORKDIR or p.startswith(WORKDIR + "/") for p in read_only):
@@ -222,21 +247,23 @@ async def run_python(
     os.close(status_write)
     if report_write is not None:
         os.close(report_write)
-    timed_out = False
+    timed_out = escaped = False
+    out, err = _Capped(limits.output_bytes), _Capped(limits.output_bytes)
     try:
-        reading = asyncio.ensure_future(
-            asyncio.gather(
-                _read_capped(process.stdout, limits.output_bytes),
-                _read_capped(process.stderr, limits.output_bytes),
-                _feed(process, stdin),
-            )
-        )
+        reading = asyncio.ensure_future(asyncio.gather(out.read(process.stdout), err.read(process.stderr)))
+        feeding = asyncio.ensure_future(_feed(process, stdin))
         done, _ = await asyncio.wait({reading}, timeout=limits.wall_seconds)
         if not done:
             timed_out = True
             _kill(process)
-        # a killed run's pipes close with its processes; one that escaped the group cannot hold us
-        (out, out_cut), (err, err_cut), _ = await asyncio.wait_for(reading, KILL_GRACE_SECONDS)
+        # a killed run's pipes close with its processes; one that escaped the group (a daemon in its own
+        # session, possible without namespaces) cannot hold us: its output so far is kept
+        done, _ = await asyncio.wait({reading}, timeout=KILL_GRACE_SECONDS)
+        if not done:
+            escaped = True
+            reading.cancel()
+            _kill_escaped(root)
+        feeding.cancel()
         await asyncio.wait_for(process.wait(), KILL_GRACE_SECONDS)
     except BaseException:
         _kill(process)
@@ -246,17 +273,19 @@ async def run_python(
         reported = _read_report(report_read) if report_read is not None else b""
         await asyncio.to_thread(shutil.rmtree, root, True)
     if isinstance(status, str) or (status is None and not timed_out):  # the sandbox failed, not the code
-        why = status if isinstance(status, str) else err.decode(errors="replace").strip()[-1000:] or "no reason given"
+        why = status if isinstance(status, str) else err.text().strip()[-1000:] or "no reason given"
         raise SandboxError(
             f"python sandbox ({'isolated' if isolate else 'limits-only'}): could not run {sys.executable}: {why}"
         )
     return SandboxResult(
-        out.decode(errors="replace"),
-        err.decode(errors="replace"),
+        out.text(),
+        err.text(),
         None if timed_out else os.waitstatus_to_exitcode(status),
         timed_out,
-        out_cut or err_cut,
+        out.dropped or err.dropped,
         reported,
+        isolated=isolate,
+        escaped=escaped,
     )
 
 
@@ -315,6 +344,18 @@ async def _feed(process, stdin: str) -> None:
         pass
 
 
+def _kill_escaped(root: str) -> None:
+    """SIGKILL what is left of a run outside its process group (a daemon, possible without namespaces):
+    the processes whose working folder is still the run's."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry.name}/cwd").startswith(root):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
+
+
 def _kill(process) -> None:
     """SIGKILL the run's process group (under isolation, the PID namespace's first process dies with
     it, and the kernel kills everything else in the namespace)."""
@@ -368,10 +409,15 @@ class PythonSandboxEnv(BaseInteractionEnv):
         last = self.max_turns is not None and self.runs + 1 >= self.max_turns  # the episode's last valid turn
         if "<submit>" in response_text or last:
             result, passed = await grade(code, self.tests, self.limits)
-            return {"text": result.describe()}, True, {"reward": passed, "passed": passed, "runs": self.runs}
+            info = {"reward": passed, "passed": passed, "runs": self.runs, "isolated": float(result.isolated)}
+            return {"text": result.describe()}, True, info
         self.runs += 1
         result = await run_python(code, self.limits)
-        info = {"timed_out": float(result.timed_out), "exit_code": result.exit_code if result.exit_code else 0}
+        info = {
+            "timed_out": float(result.timed_out),
+            "exit_code": result.exit_code if result.exit_code else 0,
+            "isolated": float(result.isolated),  # the run's isolation, a metric (env/isolated)
+        }
         return {"text": result.describe() or "[no output]"}, False, info
 
 
@@ -380,4 +426,5 @@ def build_env(sample=None, args=None, **kw) -> PythonSandboxEnv:
     if not isinstance(metadata.get("tests"), str):
         raise ValueError("envs.python_sandbox: the row needs metadata['tests'] (Python asserts, as text)")
     max_turns = getattr(args, "max_turns", None)
-    return PythonSandboxEnv(metadata["tests"], max_turns=int(max_turns) if max_turns else None)
+    limits = SandboxLimits(allow_unisolated=bool(getattr(args, "sandbox_allow_unisolated", False)))
+    return PythonSandboxEnv(metadata["tests"], limits, max_turns=int(max_turns) if max_turns else None)

@@ -448,6 +448,13 @@ class JudgeConfig:
     judge_pass_score: float | None = _opt(
         None, "envs.llm_judge episodes end when the judge's score reaches this (default: --judge-max-score)."
     )
+    sandbox_allow_unisolated: bool = _opt(
+        False,
+        "envs.python_sandbox where the kernel refuses unprivileged user namespaces: run model code anyway, with "
+        "resource limits, a wall time, a fresh folder and a cleared environment only (host files, other "
+        "processes, the network and setuid programs stay reachable; daemons may outlive a run). Default: refuse "
+        "(the sample FAILS).",
+    )
 
 
 @dataclass

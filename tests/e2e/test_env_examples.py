@@ -56,7 +56,12 @@ def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
 
 
 def test_the_code_agent_example_trains_two_steps(tmp_path, smollm2_path):
-    rows = train_example("code_agent", smollm2_path, tmp_path, *SMALL, "--max-turns", "2")
+    from envs.python_sandbox import sandbox_mode
+
+    # the sandbox refuses model code without namespaces unless told (then env/isolated says 0)
+    unisolated = ["--sandbox-allow-unisolated"] if sandbox_mode() != "isolated" else []
+    rows = train_example("code_agent", smollm2_path, tmp_path, *SMALL, "--max-turns", "2", *unisolated)
+    assert all(r["env/isolated"] == float(not unisolated) for r in rows if "env/isolated" in r)
     assert any("env/exit_code" in r for r in rows)  # the model's code ran in the sandbox
     assert all(r["rollout/finish_reason/stop"] > 0 for r in rows)  # turns ended at the code's closing fence
 

@@ -18,7 +18,10 @@ from envs.base import InvalidActionError
 from envs.python_sandbox import PythonSandboxEnv, SandboxLimits, build_env, code_block, run_python, sandbox_mode
 from slime_mt.types import Sample
 
-LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=5, memory_mb=256, file_mb=8, workdir_mb=32, output_bytes=2048)
+# allow_unisolated: the limits-only mode is tested too (refused without it: see the isolation tests)
+LIMITS = SandboxLimits(
+    cpu_seconds=2, wall_seconds=5, memory_mb=256, file_mb=8, workdir_mb=32, output_bytes=2048, allow_unisolated=True
+)
 ISOLATED = sandbox_mode() == "isolated"
 needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no unprivileged user namespaces on this machine")
 
@@ -67,7 +70,7 @@ def test_an_infinite_loop_stops_at_the_cpu_limit(mode):
 
 
 def test_a_sleeper_stops_at_the_wall_time(mode):
-    result, seconds = run("import time\ntime.sleep(60)", SandboxLimits(wall_seconds=1.5))
+    result, seconds = run("import time\ntime.sleep(60)", SandboxLimits(wall_seconds=1.5, allow_unisolated=True))
     assert result.timed_out and result.exit_code is None and 1.5 <= seconds < 4
     assert result.describe() == "[killed: the wall-time limit was reached]"
 
@@ -165,6 +168,7 @@ def test_16_concurrent_runs_do_not_stall_the_event_loop():
     assert len(gaps) > 30 and max(gaps) < 0.5  # the loop kept ticking while 16 sandboxes ran
 
 
+@needs_isolation  # the env's default: no model code without isolation
 def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
     env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0"}))
     assert isinstance(env, PythonSandboxEnv)
@@ -182,7 +186,8 @@ def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
         build_env(Sample(metadata={}))
     # with --max-turns 2 the second valid turn is the last: it is graded without <submit>
     env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}), argparse.Namespace(max_turns=2))
-    assert asyncio.run(env.step("```python\nprint(7)\n```"))[1:] == (False, {"timed_out": 0.0, "exit_code": 0})
+    _, done, info = asyncio.run(env.step("```python\nprint(7)\n```"))
+    assert not done and info == {"timed_out": 0.0, "exit_code": 0, "isolated": float(ISOLATED)}
     observation, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```"))
     assert done and info["reward"] == 1.0 and info["passed"] == 1.0
 
@@ -315,3 +320,75 @@ def test_a_sandbox_that_cannot_start_the_interpreter_fails_the_sample_not_scores
     env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
     with pytest.raises(sandbox.SandboxError, match="could not run"):
         asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```<submit>"))
+
+
+# ---------------------------------------------------------------- isolation required, CPU share (issue 44, 3-4)
+
+
+def test_without_isolation_model_code_is_refused_unless_allowed(monkeypatch):
+    """Issue 44 item 3: no namespaces -> a SandboxError naming the opt-in flag (the sample FAILS);
+    with --sandbox-allow-unisolated the run goes on and says it was not isolated, as a metric too."""
+    monkeypatch.setattr(sandbox, "sandbox_mode", lambda: "limits-only")
+    with pytest.raises(sandbox.SandboxError, match="--sandbox-allow-unisolated"):
+        run("print(1)", SandboxLimits())
+    tests = {"tests": "assert add(2, 3) == 5"}
+    with pytest.raises(sandbox.SandboxError, match="--sandbox-allow-unisolated"):
+        asyncio.run(build_env(Sample(metadata=tests)).step("```python\nprint(1)\n```"))
+    env = build_env(Sample(metadata=tests), argparse.Namespace(max_turns=None, sandbox_allow_unisolated=True))
+    observation, done, info = asyncio.run(env.step("```python\nprint(1)\n```"))
+    assert observation == {"text": "1"} and not done and info["isolated"] == 0.0
+    _, done, info = asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```<submit>"))
+    assert done and info["reward"] == 1.0 and info["isolated"] == 0.0
+
+
+@needs_isolation
+def test_an_isolated_run_says_so():
+    env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
+    assert asyncio.run(env.step("```python\nprint(1)\n```"))[2]["isolated"] == 1.0
+
+
+def test_a_daemon_holding_stdout_open_does_not_fail_the_caller(monkeypatch):
+    """Without namespaces a daemon in its own session outlives the run's process group: the run ends at
+    the wall time plus the grace with the output it had, marked, instead of a TimeoutError."""
+    monkeypatch.setattr(sandbox, "sandbox_mode", lambda: "limits-only")
+    monkeypatch.setattr(sandbox, "KILL_GRACE_SECONDS", 1.0)
+    code = (
+        "import os, time\nprint('before', flush=True)\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)\n"
+        "time.sleep(30)"
+    )
+    limits = SandboxLimits(wall_seconds=2, allow_unisolated=True)
+    result, took = run(code, limits)
+    assert result.timed_out and result.escaped and result.stdout == "before\n", result
+    assert "kept running" in result.describe() and took < 10
+    assert not sandbox_processes()  # the daemon, found by its working folder, was killed too
+
+
+def test_sandboxed_code_runs_at_the_lowest_cpu_share_and_cannot_raise_it(mode):
+    """Issue 44 item 4: nice 19 and SCHED_IDLE, inherited by every process the code starts, and no way
+    back (RLIMIT_NICE 0), so spinning processes only take cores nothing else wants."""
+    code = """import os
+def state():
+    return os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) == os.SCHED_IDLE
+child = os.fork()
+if child == 0:
+    print("child", *state(), flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+print("code", *state())
+back = lambda: os.setpriority(os.PRIO_PROCESS, 0, 0)
+other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+for attempt in (back, other):
+    try:
+        attempt()
+        print("raised")
+    except PermissionError:
+        print("refused")
+print(*state())
+"""
+    result, _ = run(code)
+    assert result.ok, result
+    lines = result.stdout.split("\n")[:5]
+    assert lines[:2] == ["child 19 True", "code 19 True"], lines
+    if mode == "isolated" or os.getuid() != 0:  # root without namespaces keeps CAP_SYS_NICE
+        assert lines[2:] == ["refused", "refused", "19 True"], lines
