@@ -112,12 +112,25 @@ def _user_errors() -> tuple[type, ...]:
     )
 
 
+INTERRUPTED = 130  # a run stopped by Ctrl-C (saved when --save is set): 128 + SIGINT, as a shell's
+
+
+def _interrupted(cfg, done: int) -> str:
+    """The last line of a run stopped by Ctrl-C: where it stopped and how it goes on."""
+    total = cfg.rollout.num_rollout
+    if cfg.checkpoint.save:
+        how = f"resume it with the same flags and --load {cfg.checkpoint.save}"
+    else:
+        how = "nothing was saved (no --save), so it cannot be resumed"
+    return f"slime-mt train: stopped by Ctrl-C after step {done} of {total}; {how}"
+
+
 def run_train(cfg) -> int:
     """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
     from slime_mt.rollout.failures import RolloutFailedError
-    from slime_mt.run_dir import LOG_FILE, run_dir_of, tee_output, write_config
+    from slime_mt.run_dir import LOG_FILE, claim_run_dir, run_dir_of, tee_output, write_config
     from slime_mt.trainer import preflight, rollout_only, train
 
     preflight(cfg)
@@ -134,15 +147,19 @@ def run_train(cfg) -> int:
         stops += (TrainerRankLost,)
     elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
         try:
-            train(cfg, run_dir)
+            done = train(cfg, run_dir)
         except RolloutFailedError:
             return 1  # rank 0 says why
-        return 0
+        return INTERRUPTED if done is not None and done < cfg.rollout.num_rollout else 0
+    lock = claim_run_dir(run_dir, cfg)  # noqa: F841 (held until this process ends)
     write_config(run_dir, cfg)
     with tee_output(run_dir / LOG_FILE):
         print(f"slime-mt train: run folder {run_dir}", flush=True)
         try:
-            train(cfg, run_dir)
+            done = train(cfg, run_dir)
+            if done is not None and done < cfg.rollout.num_rollout:
+                print(_interrupted(cfg, done), file=sys.stderr)
+                return INTERRUPTED
         except stops as e:
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1

@@ -380,6 +380,11 @@ class CheckpointConfig:
     save_interval: int | None = _opt(None, "Save every N steps (and at the end).")
     eval_interval: int | None = _opt(None, "Evaluate every N steps.")
     log_dir: str | None = _opt(None, "Run directory for metrics JSONL, TensorBoard and plots.")
+    overwrite_run_dir: bool = _opt(
+        False,
+        "Start over in a run folder that holds an earlier run (without --load it is refused): the earlier "
+        "run's files and --save checkpoints move into RUN_DIR/earlier-<time>/, nothing is deleted.",
+    )
     use_wandb: bool = _opt(False, "Log metrics to Weights & Biases.")
     wandb_project: str | None = _opt(None, "W&B project.")
 

@@ -221,8 +221,9 @@ def train(
     run_dir: Path | None = None,
     engine_actors: list | None = None,
     stop_requested: threading.Event | None = None,
-) -> None:
-    """The RL loop; ``run_dir``: the run folder (default: ``run_dir_of(cfg)``). Every rank runs its
+) -> int:
+    """The RL loop -> the steps done when it stopped (``num_rollout`` unless Ctrl-C stopped it early);
+    ``run_dir``: the run folder (default: ``run_dir_of(cfg)``). Every rank runs its
     ``TrainLoop``; rank 0 also runs the ``RolloutSide`` and the mode's ``NextBatch``. ``engine_actors``
     (``--ray``, rank 0): the engines' actors, to start again one that dies. ``stop_requested`` (``--ray``:
     the driver's Ctrl-C) acts as Ctrl-C does: rank 0's request, shared with every rank after the step's
@@ -249,7 +250,7 @@ def train(
     loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async), timeline=timeline)
     side = _rollout_side(cfg, run_dir, engine_actors) if info.is_main else None
     batches = None
-    start = 0
+    start = done = 0
     stop = {"requested": False}
 
     def request_stop(signum, frame):
@@ -331,8 +332,11 @@ def train(
                 side.log_step(step, batch, metrics)
             if not colocated:
                 save_if_due(step)
+            done = step + 1
             if stop["requested"]:
                 break
+        else:
+            done = max(start, r.num_rollout)
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous)
@@ -341,3 +345,4 @@ def train(
         if side is not None:
             side.close()
         destroy_parallel()
+    return done

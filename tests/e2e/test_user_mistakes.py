@@ -273,7 +273,7 @@ def test_input_mistakes_stop_before_the_run_with_one_line(tmp_path, case):
 
 def test_the_run_folder_explains_and_reproduces_the_run(tmp_path):
     """A 2-step run's folder: config.yaml runs the same settings again with --config (same rewards,
-    tokens and losses), train.log holds what the terminal showed."""
+    tokens and losses), train.log holds what the terminal showed, and a second run into it is refused."""
     run, cmd = setup_run(tmp_path, "some_fail")
     cmd[cmd.index("--num-rollout") + 1] = "2"
     first = train(cmd + ["--rollout-concurrency", "1"])
@@ -286,3 +286,15 @@ def test_the_run_folder_explains_and_reproduces_the_run(tmp_path):
     keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/env_failures", "train/loss", "train/grad_norm")
     for a, b in zip(metrics(run), metrics(tmp_path / "again"), strict=True):
         assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-6, abs=1e-9)
+    # issue 44 item 9: the same command again into the same folder is refused before anything is written
+    names = ("metrics.jsonl", "config.yaml", "train.log", "turns.jsonl", "errors.jsonl", "trace.json")
+    before = {name: (run / name).read_bytes() for name in names}
+    mixed = train(cmd + ["--rollout-concurrency", "1"])
+    assert mixed.returncode == 2, mixed.stderr[-3000:]
+    assert lines(mixed.stderr, "slime-mt train: error:") == [
+        f"slime-mt train: error: RunDirError: run folder {run} holds an earlier run (config.yaml, train.log, "
+        "errors.jsonl, metrics.jsonl, turns.jsonl, trace.json): resume it with --load <its --save folder>, start "
+        f"over with --overwrite-run-dir (its files move to {run}/earlier-<time>/, nothing is deleted), or give this "
+        "run another --log-dir"
+    ]
+    assert {name: (run / name).read_bytes() for name in before} == before

@@ -84,8 +84,9 @@ class TrainerRank:
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
 
-    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int], engines=None) -> None:
-        """``trainer.train`` as rank ``rank``; rank 0 gets the engine actors, to start again one that dies."""
+    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int], engines=None) -> int:
+        """``trainer.train`` as rank ``rank`` -> its steps done; rank 0 gets the engine actors, to start
+        again one that dies."""
         from slime_mt.trainer import train
 
         os.environ.update(
@@ -95,7 +96,7 @@ class TrainerRank:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        train(cfg, Path(run_dir), engine_actors=engines, stop_requested=self.stop_requested)
+        return train(cfg, Path(run_dir), engine_actors=engines, stop_requested=self.stop_requested)
 
 
 @ray.remote

@@ -92,8 +92,9 @@ def dry_run_placement(cfg: Config) -> list[str]:
         ray.shutdown()
 
 
-def run(cfg: Config, run_dir: Path) -> None:
-    """Train ``cfg`` on the Ray cluster; raises what the first failing rank raised."""
+def run(cfg: Config, run_dir: Path) -> int:
+    """Train ``cfg`` on the Ray cluster -> the steps done (rank 0's); raises what the first failing rank
+    raised."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -127,6 +128,7 @@ def run(cfg: Config, run_dir: Path) -> None:
         previous = signal.signal(signal.SIGINT, forward)
         try:
             _wait_all(refs)
+            return ray.get(refs[0])
         except ray.exceptions.RayActorError as e:
             raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
         finally:
