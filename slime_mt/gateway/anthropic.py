@@ -131,6 +131,11 @@ def parse_anthropic(body: dict, allow_paths: bool) -> ChatRequest:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if choice is not None and kind not in ("auto", "none"):
         raise bad("tool_choice", 'only {"type": "auto"} and {"type": "none"} are supported')
+    if isinstance(choice, dict) and set(choice) - {"type", "disable_parallel_tool_use"}:
+        raise bad("tool_choice", f"{sorted(set(choice) - {'type', 'disable_parallel_tool_use'})[0]} is not supported")
+    single = choice.get("disable_parallel_tool_use", False) if isinstance(choice, dict) else False
+    if not isinstance(single, bool):
+        raise bad("tool_choice.disable_parallel_tool_use", "must be true or false")
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled")):
         raise bad("thinking", 'must be {"type": "enabled", ...} or {"type": "disabled"}')
@@ -162,6 +167,7 @@ def parse_anthropic(body: dict, allow_paths: bool) -> ChatRequest:
         messages=messages,
         tools=_tools(body.get("tools")),
         tool_choice=kind or "auto",
+        parallel_tool_calls=not single,  # at most one tool_use block when disabled, as Anthropic answers
         max_tokens=max_tokens,
         **sampling_fields(body, "stop_sequences"),
     )

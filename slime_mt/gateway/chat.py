@@ -93,6 +93,39 @@ class Completion:
 # ---------------------------------------------------------------- validation helpers
 
 
+def check_text(body: Any, where: str = "body") -> None:
+    """Every string of a decoded body is Unicode text (JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no answer that echoes them, no tokenizer and no log can encode): else 400 naming it."""
+    stack = [(body, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(path.removeprefix("body."), "holds a lone surrogate, which is not Unicode text") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, f"{path} (a key)"))
+                stack.append((item, f"{path}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def text_chars(messages: list[dict], tools: list[dict] | None) -> int:
+    """The characters of text a request asks the template to render (images not counted)."""
+    total = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+        total += len(message.get("reasoning_content") or "")
+        total += sum(len(json.dumps(c, ensure_ascii=False)) for c in message.get("tool_calls") or [])
+    return total
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

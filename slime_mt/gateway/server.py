@@ -18,7 +18,11 @@ request needs the API key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``; 
 ``--gateway-api-key`` is unset), and images given as file paths are refused. Sessions exist only while
 their agent runs; an unknown or closed one is a 404.
 
-Bounds: bodies up to ``MAX_BODY_BYTES``, the message, image, stop and choice counts of ``chat.py``,
+Bounds: bodies up to ``MAX_BODY_BYTES`` (a larger one is read through and dropped before its 413), every
+string in them Unicode text (a lone surrogate is a 400 naming the field), text up to
+``session.MAX_CHARS_PER_TOKEN`` characters a token of the context budget (refused before tokenizing;
+rendering runs in a worker thread, so one huge request does not stall the other sessions), the
+message, image, stop and choice counts of ``chat.py``,
 ``max_tokens`` clamped to the run's limits (reported under ``slime_mt.applied``),
 ``--gateway-session-concurrency`` requests in flight per session (beyond: 429). A refusal is a 4xx
 naming the field; an engine that fails past its retries is a 502; either way the gateway goes on
@@ -45,12 +49,14 @@ from starlette.routing import Route
 from slime_mt.engine.client import EngineError, EngineRequestError
 from slime_mt.engine.protocol import ProtocolError, decode_json_body
 from slime_mt.gateway.anthropic import anthropic_events, anthropic_response, parse_anthropic
-from slime_mt.gateway.chat import GatewayError, openai_chunks, openai_response, parse_openai
+from slime_mt.gateway.chat import GatewayError, check_text, openai_chunks, openai_response, parse_openai
 from slime_mt.gateway.session import Session
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+DRAIN_BYTES = 4 * MAX_BODY_BYTES  # an oversized upload read through (and dropped) before its 413, up to this
+OFF_LOOP_BYTES = 1024 * 1024  # bodies from this size are decoded in a worker thread
 
 
 def is_loopback(host: str) -> bool:
@@ -176,21 +182,31 @@ class Gateway:
         return session
 
     async def _body(self, request: Request) -> dict:
+        """The request's JSON object, every string of it Unicode text. A body over ``MAX_BODY_BYTES`` is
+        413, answered after the upload is read through (and dropped, up to ``DRAIN_BYTES``): a client
+        still sending when the answer comes would often see the connection reset instead."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            await _drain(request, int(declared))
             raise GatewayError(413, f"the body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
+                await _drain(request, size)
                 raise GatewayError(413, f"the body is larger than the {MAX_BODY_BYTES} bytes accepted")
             chunks.append(chunk)
+        raw = b"".join(chunks)
+        del chunks
         try:
-            body = decode_json_body(b"".join(chunks))
+            body = (
+                decode_json_body(raw) if len(raw) < OFF_LOOP_BYTES else await asyncio.to_thread(decode_json_body, raw)
+            )
         except ProtocolError as e:
             raise GatewayError(400, f"body: {e}") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "body: must be a JSON object")
+        check_text(body)
         return body
 
     async def _complete(self, session: Session, chat):
@@ -218,13 +234,13 @@ class Gateway:
         finally:
             session.in_flight.discard(task)
 
-    async def _serve(self, request: Request, parse, error) -> tuple | Response:
-        """A call through one API -> (its request, the completion), or the error answer in that API's
-        format (a bug answers 500 and the gateway goes on)."""
+    async def _serve(self, request: Request, parse, answer, error) -> Response:
+        """A call through one API -> ``answer(request, completion)``, or the error answer in that API's
+        format (a bug, the answer's own included, answers 500 and the gateway goes on)."""
         try:
             session = self._session(request)
             chat = parse(await self._body(request), self.loopback)
-            return chat, await self._complete(session, chat)
+            return answer(chat, await self._complete(session, chat))
         except GatewayError as e:
             return error(e)
         except Exception as e:
@@ -232,27 +248,10 @@ class Gateway:
             return error(GatewayError(500, f"the gateway failed: {type(e).__name__}: {e}", "api_error"))
 
     async def chat_completions(self, request: Request) -> Response:
-        served = await self._serve(request, parse_openai, _openai_error)
-        if isinstance(served, Response):
-            return served
-        chat, completion = served
-        if not chat.stream:
-            return _json(openai_response(completion, chat))
-        lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in openai_chunks(completion, chat)]
-        return _stream([*lines, b"data: [DONE]\n\n"])
+        return await self._serve(request, parse_openai, _openai_answer, _openai_error)
 
     async def messages(self, request: Request) -> Response:
-        served = await self._serve(request, parse_anthropic, _anthropic_error)
-        if isinstance(served, Response):
-            return served
-        chat, completion = served
-        if not chat.stream:
-            return _json(anthropic_response(completion))
-        events = [
-            f"event: {name}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
-            for name, data in anthropic_events(completion)
-        ]
-        return _stream(events)
+        return await self._serve(request, parse_anthropic, _anthropic_answer, _anthropic_error)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -264,6 +263,34 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         return Response(b"", status_code=200)
+
+
+def _openai_answer(chat, completion) -> Response:
+    if not chat.stream:
+        return _json(openai_response(completion, chat))
+    lines = [b"data: " + orjson.dumps(c) + b"\n\n" for c in openai_chunks(completion, chat)]
+    return _stream([*lines, b"data: [DONE]\n\n"])
+
+
+def _anthropic_answer(chat, completion) -> Response:
+    if not chat.stream:
+        return _json(anthropic_response(completion))
+    events = [
+        f"event: {name}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+        for name, data in anthropic_events(completion)
+    ]
+    return _stream(events)
+
+
+async def _drain(request: Request, seen: int) -> None:
+    """Read what is left of an upload and drop it (up to ``DRAIN_BYTES`` in all), so that the 413
+    reaches a client that is still sending."""
+    if seen > DRAIN_BYTES:
+        return
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > DRAIN_BYTES:
+            return
 
 
 def _stream(pieces: list[bytes]) -> StreamingResponse:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
-from slime_mt.gateway.chat import ChatRequest, Choice, Completion, GatewayError, bad
+from slime_mt.gateway.chat import ChatRequest, Choice, Completion, GatewayError, bad, text_chars
 from slime_mt.gateway.parsers import ParsedOutput, parse_output
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
@@ -39,6 +39,10 @@ from slime_mt.rollout.finalize import image_rows
 from slime_mt.rollout.multi_turn import generate_turn, turn_seed, version_name
 from slime_mt.tokenization import EncodingError
 from slime_mt.types import Sample, Turn
+
+# a request with more characters of text than this many per token of the context budget is refused
+# unread: no tokenizer's tokens are that long on average (a real context is 3-5 characters a token)
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -202,9 +206,22 @@ class Session:
 
     async def complete(self, request: ChatRequest) -> Completion:
         """Render, generate (``n`` choices), record -> the answer. GatewayError for what the request
-        asks that cannot be served (the context budget included)."""
-        rendered = self.render(request)
-        room = self.ctx.rollout.rollout_max_context_len - len(rendered.ids)
+        asks that cannot be served (the context budget included). A request whose text cannot fit the
+        context budget is refused before it is tokenized; the rest is rendered in a worker thread (the
+        tokenizer lets the event loop go on), so one huge request does not stall the other sessions."""
+        budget = self.ctx.rollout.rollout_max_context_len
+        chars = text_chars(request.messages, request.tools)
+        if chars > budget * MAX_CHARS_PER_TOKEN:
+            self.termination = "context_exhausted"
+            raise GatewayError(
+                400,
+                f"messages: {chars} characters of text cannot fit this run's context of {budget} tokens "
+                f"(--rollout-max-context-len; at most {MAX_CHARS_PER_TOKEN} characters a token are taken)",
+                kind="context_length_exceeded",
+                param="messages",
+            )
+        rendered = await asyncio.to_thread(self.render, request)
+        room = budget - len(rendered.ids)
         if room <= 0:
             self.termination = "context_exhausted"
             raise GatewayError(

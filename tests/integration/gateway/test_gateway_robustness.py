@@ -3,6 +3,10 @@ or a hang, and the gateway keeps serving valid sessions."""
 
 import asyncio
 import json
+import socket
+import statistics
+import time
+import urllib.parse
 
 import httpx
 import openai
@@ -180,6 +184,96 @@ def test_a_client_that_leaves_mid_stream_does_not_disturb_the_gateway(harness):
     harness.close(session)
     assert answer.status_code == 200
     assert len(session.sample.turns) == 2  # the left stream's call was generated and is recorded
+
+
+def test_a_huge_request_does_not_stall_the_other_sessions(harness):
+    """Issue 44 item 5: while 4 MiB requests are in flight in one session (text far past the context
+    budget: refused before it is tokenized), another session's calls keep their latency (within 2x of
+    idle, medians), and nothing is recorded for the refused calls."""
+    huge_session, huge_url = harness.open(index=1)
+    session, base_url = harness.open(index=2)
+    huge = {**GOOD, "messages": [{"role": "user", "content": "hello world, " * (4 * 1024 * 1024 // 13)}]}
+
+    async def timed(http, url, body):
+        started = time.perf_counter()
+        response = await http.post(url + "/chat/completions", json=body)
+        return response, time.perf_counter() - started
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as http:
+            await timed(http, base_url, GOOD)  # warm
+            idle = [(await timed(http, base_url, GOOD))[1] for _ in range(7)]
+            huge_calls = asyncio.gather(*(timed(http, huge_url, huge) for _ in range(3)))
+            await asyncio.sleep(0.05)  # the uploads under way
+            busy = [(await timed(http, base_url, GOOD))[1] for _ in range(7)]
+            return idle, busy, await huge_calls
+
+    idle, busy, refused = asyncio.run(scenario())
+    for response, _ in refused:
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert error["type"] == "context_length_exceeded" and "characters of text cannot fit" in error["message"]
+    assert statistics.median(busy) <= 2 * statistics.median(idle), (idle, busy)
+    harness.close(huge_session)
+    harness.close(session)
+    assert huge_session.sample.turns == [] and huge_session.sample.metadata.get("termination") != "error"
+
+
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field_and_records_nothing(harness):
+    """Issue 44 item 6: a field that would be echoed (``model``) or tokenized holding a lone surrogate
+    (JSON's \\ud800 escape) is refused before the engine is called, on both APIs; never a 5xx."""
+    session, base_url = harness.open()
+    messages_url = base_url.removesuffix("/v1") + "/v1/messages"
+    cases = [
+        (base_url + "/chat/completions", {**GOOD, "model": "m\ud800"}, "model"),
+        (base_url + "/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "a\udfffb"}]}, "content"),
+        (base_url + "/chat/completions", {**GOOD, "stop": ["\ud83d"]}, "stop"),
+        (messages_url, {"model": "\ud800", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ]
+    for url, body, name in cases:
+        content = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as its escape
+        response = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert response.status_code == 400, (name, response.status_code, response.text[:300])
+        message = response.json()["error"]["message"]
+        assert name in message and "lone surrogate" in message, message
+    assert session.sample.turns == []  # refused before the engine: nothing generated, nothing recorded
+    assert httpx.post(base_url + "/chat/completions", json=GOOD, timeout=60).status_code == 200
+    harness.close(session)
+    assert len(session.sample.turns) == 1
+
+
+def _raw_post(url: str, body: bytes, chunked: bool) -> bytes:
+    """POST ``body`` over a plain socket as a client that sends all of it before reading (what most
+    HTTP clients do) -> the bytes of the answer ('' when the connection was reset first)."""
+    parsed = urllib.parse.urlsplit(url)
+    head = f"POST {parsed.path} HTTP/1.1\r\nHost: {parsed.netloc}\r\ncontent-type: application/json\r\n"
+    head += "transfer-encoding: chunked\r\n\r\n" if chunked else f"content-length: {len(body)}\r\n\r\n"
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=60) as sock:
+        try:
+            sock.sendall(head.encode())
+            for start in range(0, len(body), 1 << 20):
+                piece = body[start : start + (1 << 20)]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer and (data := sock.recv(65536)):
+                answer += data
+            return answer
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+
+
+def test_an_oversized_body_gets_its_413_every_time(harness):
+    """Issue 44 item 7: the 413 comes after the upload is read through, declared or chunked, so a client
+    that sends everything before it reads always gets it (before, the connection was often reset)."""
+    session, base_url = harness.open()
+    body = b'{"messages": "' + b"x" * (65 * 1024 * 1024) + b'"}'
+    for chunked in (False, True, False, True):
+        answer = _raw_post(base_url + "/chat/completions", body, chunked)
+        assert answer.startswith(b"HTTP/1.1 413"), (chunked, answer[:200])
+    assert httpx.post(base_url + "/chat/completions", json=GOOD, timeout=60).status_code == 200
+    harness.close(session)
 
 
 @pytest.fixture(scope="module")

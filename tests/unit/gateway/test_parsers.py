@@ -89,3 +89,36 @@ def _contains(ids: list[int], part: list[int]) -> bool:
 
 def test_tool_call_arguments_serialise_as_a_json_object():
     assert ToolCall("f", {"x": [1, "é"]}).arguments_json() == '{"x": [1, "é"]}'
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_anthropic_disable_parallel_tool_use_answers_one_tool_use_block(qwen_tokenizer, disable):
+    """Issue 44 item 8: ``tool_choice.disable_parallel_tool_use`` keeps the first of the model's tool
+    calls (one ``tool_use`` block), as OpenAI's ``parallel_tool_calls: false`` does."""
+    from types import SimpleNamespace
+
+    from slime_mt.gateway.anthropic import anthropic_response, parse_anthropic
+    from slime_mt.gateway.chat import Completion
+    from slime_mt.gateway.session import Session
+
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "add twice"}],
+        "tools": [{"name": "add", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": disable},
+    }
+    request = parse_anthropic(body, allow_paths=False)
+    assert request.parallel_tool_calls is not disable
+    two = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    ids = qwen_tokenizer(two, add_special_tokens=False)["input_ids"]
+    session = SimpleNamespace(
+        ctx=SimpleNamespace(tokenizer=qwen_tokenizer),
+        settings=SimpleNamespace(reasoning_parser="none", tool_call_parser="qwen"),
+    )
+    choice = Session._choice(session, request, ids, [0.0] * len(ids), {"finish_reason": {"type": "stop"}})
+    answer = anthropic_response(Completion("chatcmpl-x", "m", [1], [choice], {}))
+    blocks = [(b["name"], b["input"]) for b in answer["content"] if b["type"] == "tool_use"]
+    assert blocks == ([("add", {"a": 1})] if disable else [("add", {"a": 1}), ("add", {"a": 2})])
+    with pytest.raises(Exception, match="disable_parallel_tool_use"):
+        parse_anthropic({**body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}, False)
