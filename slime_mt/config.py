@@ -94,6 +94,11 @@ class RolloutConfig:
     max_turns: int = _opt(8, "Maximum LLM turns per trajectory.")
     rollout_max_response_len: int = _opt(1024, "Maximum new tokens per turn.")
     rollout_max_context_len: int = _opt(4096, "Maximum prompt + response tokens per trajectory.")
+    rollout_max_prompt_len: int | None = _opt(
+        None,
+        "Leave out, at load, prompts longer than this many tokens (as rendered, tools and images included; "
+        "slime's flag). Prompts that leave no room in --rollout-max-context-len are always left out.",
+    )
     rollout_temperature: float = _opt(1.0, "Sampling temperature (> 0).")
     rollout_top_p: float = _opt(1.0, "Nucleus sampling threshold in (0, 1].")
     rollout_top_k: int = _opt(-1, "Top-k sampling; -1 disables.")

@@ -227,6 +227,13 @@ class PromptDataset:
     def from_config(cls, path: str, cfg: DataConfig, n_samples_per_prompt: int) -> PromptDataset:
         return cls(load_rows(path, cfg), n_samples_per_prompt, cfg.rollout_shuffle, cfg.rollout_seed)
 
+    def keep_rows(self, keep) -> list[PromptRow]:
+        """Keep the rows for which ``keep(row)`` holds (before the first draw) -> the rows left out."""
+        dropped = [row for row in self.rows if not keep(row)]
+        self.rows = [row for row in self.rows if keep(row)]
+        self._order = self._epoch_order()
+        return dropped
+
     def _epoch_order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:

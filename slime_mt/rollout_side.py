@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.batches import next_batch_for
 from slime_mt.config import Config
-from slime_mt.data import PromptDataset
+from slime_mt.data import DatasetError, PromptDataset
 from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.engine.weight_sync import transport_for
 from slime_mt.inspection.records import RunRecords
@@ -30,6 +31,8 @@ from slime_mt.rollout.staleness import mask_stale, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
 from slime_mt.timeline import maybe_span
 from slime_mt.types import Status
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -45,6 +48,41 @@ class TrainBatch:
     metrics: dict[str, float]  # weight versions, staleness, the batch source's timings
     trained_groups: list[int]  # the groups' indices (metrics.jsonl records them)
     note: str  # the step's failures in one line
+
+
+def drop_long_prompts(dataset: PromptDataset, ctx, path: str) -> None:
+    """Leave out the prompts longer than ``--rollout-max-prompt-len`` tokens, and always those that leave
+    no room in ``--rollout-max-context-len`` (they would never reach the model): one line per dataset."""
+    r = ctx.rollout
+    limit = r.rollout_max_context_len - 1
+    if r.rollout_max_prompt_len is not None:
+        limit = min(limit, r.rollout_max_prompt_len)
+    as_messages = ctx.data.apply_chat_template
+
+    def length(row) -> int:
+        encoder = ctx.encoder(row.metadata.get("tools"))
+        return len(encoder.encode_prompt(row.prompt, as_messages or not isinstance(row.prompt, str)).ids)
+
+    total = len(dataset.rows)
+    dropped = dataset.keep_rows(lambda row: length(row) <= limit)
+    if not dropped:
+        return
+    if limit == r.rollout_max_prompt_len:
+        why = f"--rollout-max-prompt-len {limit}"
+    else:
+        why = f"no room left in --rollout-max-context-len {r.rollout_max_context_len}"
+    if not dataset.rows:
+        raise DatasetError(f"{path}: every one of its {total} prompts is longer than {limit} tokens ({why})")
+    rows = ", ".join(str(row.index) for row in dropped[:10]) + (", ..." if len(dropped) > 10 else "")
+    logger.warning(
+        "%s: %d of %d prompts are longer than %d tokens (%s) and are left out (rows %s)",
+        path,
+        len(dropped),
+        total,
+        limit,
+        why,
+        rows,
+    )
 
 
 @dataclasses.dataclass
@@ -94,6 +132,13 @@ class RolloutSide:
             engines.stop()
             raise
         ctx.client.gate = UpdateGate()
+        try:
+            for dataset, path in ((data, cfg.data.prompt_data), (eval_data, cfg.data.eval_prompt_data)):
+                if dataset is not None:
+                    drop_long_prompts(dataset, ctx, path)
+        except BaseException:
+            engines.stop()
+            raise
         if cfg.rollout.rollout_num_processes > 1:
             from slime_mt.rollout.rollout_workers import RolloutWorkerPool
 

@@ -434,6 +434,15 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             return
         engine_ids, image_data, context_ids, image_indices = await traj.context(policy, r.retokenize_chat_history)
         room = r.rollout_max_context_len - (len(sample.tokens) if context_ids is None else len(context_ids))
+        if room <= 0 and not sample.turns:  # the prompt alone fills the context: the model never saw it
+            used = len(sample.tokens) if context_ids is None else len(context_ids)
+            fail(
+                sample,
+                "prompt longer than the context",
+                f"the prompt is {used} tokens and --rollout-max-context-len is {r.rollout_max_context_len}: it never "
+                "reached the model (such rows are left out at load; --rollout-max-prompt-len leaves out more)",
+            )
+            return
         if room <= 0:
             sample.status = Status.TRUNCATED
             sample.metadata["termination"] = "context_exhausted"

@@ -89,6 +89,51 @@ def test_context_exhausted_before_a_turn(target):
     assert len(ctx.client.calls) == 1 and len(sample.tokens) == limit
 
 
+def test_a_prompt_longer_than_the_context_fails_and_is_never_scored(target):
+    """Issue 44 item 11: a prompt that leaves no room never reaches the model: the sample FAILS (out of its
+    group and of reward_mean), it is not a 0-reward TRUNCATED sample."""
+    sample, ctx = episode(target, ScriptedEnv([{"text": "x"}]), rollout_max_context_len=5)
+    assert sample.status == Status.FAILED and ctx.client.calls == []
+    assert sample.metadata["error_cause"] == "prompt longer than the context"
+    assert "never reached the model" in sample.metadata["error"] and sample.reward is None
+
+
+def test_prompts_past_the_limits_are_left_out_at_load_with_one_line(target, tmp_path, caplog):
+    """Issue 44 item 11: --rollout-max-prompt-len (slime's flag), and always the prompts that leave no
+    room in the context, are left out when the data is loaded, counted in one warning per dataset."""
+    from slime_mt.config import DataConfig
+    from slime_mt.data import DatasetError, PromptDataset, write_jsonl
+    from slime_mt.rollout_side import drop_long_prompts
+
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "word " * n} for n in (1, 40, 2, 400)])
+    data_cfg = DataConfig(apply_chat_template=True)
+    ctx = make_ctx(target.url, target.model_path, data_cfg, rollout_max_context_len=200)
+    forty = len(ctx.encoder(None).encode_prompt("word " * 40, True).ids)  # the template's system prompt too
+    assert forty < 199
+    lines = {}
+    for limit, kept in ((None, [0, 1, 2]), (forty - 1, [0, 2])):
+        ctx = make_ctx(
+            target.url, target.model_path, data_cfg, rollout_max_context_len=200, rollout_max_prompt_len=limit
+        )
+        dataset = PromptDataset.from_config(str(path), data_cfg, 2)
+        caplog.clear()
+        drop_long_prompts(dataset, ctx, str(path))
+        assert [row.index for row in dataset.rows] == kept
+        [lines[limit]] = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert [g[0].metadata["row"] for g in dataset.get_samples(len(kept))] == kept  # draws see only these
+    assert lines[None] == (
+        f"{path}: 1 of 4 prompts are longer than 199 tokens (no room left in --rollout-max-context-len 200) "
+        "and are left out (rows 3)"
+    )
+    assert lines[forty - 1] == (
+        f"{path}: 2 of 4 prompts are longer than {forty - 1} tokens (--rollout-max-prompt-len {forty - 1}) and are "
+        "left out (rows 1, 3)"
+    )
+    ctx = make_ctx(target.url, target.model_path, data_cfg, rollout_max_context_len=200, rollout_max_prompt_len=1)
+    with pytest.raises(DatasetError, match="every one of its 4 prompts is longer than 1 tokens"):
+        drop_long_prompts(PromptDataset.from_config(str(path), data_cfg, 2), ctx, str(path))
+
+
 class Broken(BaseInteractionEnv):
     def __init__(self):
         self.closed = False
