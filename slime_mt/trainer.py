@@ -96,6 +96,30 @@ def preflight(cfg: Config) -> None:
         raise TrainSetupError(f"--load {cfg.checkpoint.load}: no checkpoint there (no 'latest' file)")
 
 
+def _check_compat_images(cfg: Config) -> None:
+    """``--slime-compat`` hands the framework's own generate functions the rendered text prompt: with a
+    dataset of images every sample would reach the engine without them (an HTTP 400 each, after the
+    model loaded). Refused here, before anything starts."""
+    from slime_mt.config import RolloutConfig
+    from slime_mt.plugins import load_function
+
+    r = cfg.rollout
+    if (
+        not (r.slime_compat and cfg.data.multimodal_keys)
+        or r.rollout_function_path != RolloutConfig.rollout_function_path
+    ):
+        return
+    generate = load_function(r.custom_generate_function_path)
+    if (getattr(generate, "__module__", None) or "").split(".")[0] == "rollouts":
+        raise TrainSetupError(
+            f"--slime-compat with images (--multimodal-keys) and this project's own generate function "
+            f"(--custom-generate-function-path {r.custom_generate_function_path}): under --slime-compat it gets "
+            "the rendered text prompt, so the images would never reach the engine. Pass a slime-style generate "
+            "function that sends them (slime's examples/geo3k_vlm_multi_turn/rollout.py with its env), or drop "
+            "--slime-compat"
+        )
+
+
 def check_plugins(cfg: Config):
     """Import every plug-in the run names and check it against its contract -> the env module (None
     without ``--rollout-interaction-env-path``)."""
@@ -109,6 +133,7 @@ def check_plugins(cfg: Config):
         install()
     load_function(r.rollout_function_path, _expected_rollout, "--rollout-function-path")
     load_plugins(r)
+    _check_compat_images(cfg)
     if r.context_policy_path:
         load_function(r.context_policy_path, what="--context-policy-path")
     if cfg.judge.judge_parser_path:

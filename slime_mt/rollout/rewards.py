@@ -63,7 +63,7 @@ def _labels(label: Any) -> list[str]:
     return [str(v) for v in values if v is not None]
 
 
-def _math_equal(answer: str, label: str) -> bool:
+def math_equal(answer: str, label: str) -> bool:
     from math_verify import parse, verify
 
     boxed = last_boxed(label)
@@ -75,7 +75,7 @@ def _math_equal(answer: str, label: str) -> bool:
 
 
 def math_reward(response: str, label: Any, metadata: dict) -> float:
-    return float(any(_math_equal(response, gold) for gold in _labels(label)))
+    return float(any(math_equal(response, gold) for gold in _labels(label)))
 
 
 def deepscaler_reward(response: str, label: Any, metadata: dict) -> float:
@@ -84,7 +84,7 @@ def deepscaler_reward(response: str, label: Any, metadata: dict) -> float:
     answer = last_boxed(response.split("</think>", 1)[1])
     if answer is None:
         return 0.0
-    return float(any(_math_equal(f"\\boxed{{{answer}}}", gold) for gold in _labels(label)))
+    return float(any(math_equal(f"\\boxed{{{answer}}}", gold) for gold in _labels(label)))
 
 
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")

@@ -142,3 +142,31 @@ def test_a_slime_plugin_without_the_flag_is_caught_before_the_run_with_the_hint(
     proc = subprocess.run([*cmd, "--slime-compat"], capture_output=True, text=True, timeout=120, cwd=PLUGINS, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "# dry run: plug-ins: imported and checked" in proc.stdout
+
+
+def test_images_under_compat_with_the_frameworks_own_generate_are_refused_before_the_run(tmp_path, data, tiny_paths):
+    """Issue 44 item 13: --slime-compat hands rollouts.multi_turn the rendered text prompt, so a dataset of
+    images would reach the engine without them (an HTTP 400 per sample after the model loaded): --dry-run
+    (and preflight) refuse it naming the combination; slime's own VLM generate function is accepted."""
+    cmd = [
+        *(sys.executable, "-m", "slime_mt.cli", "train", "--dry-run", "--slime-compat"),
+        *("--hf-checkpoint", str(tiny_paths["qwen2.5-vl"]), "--prompt-data", str(data / "figures.jsonl")),
+        *("--input-key", "messages", "--multimodal-keys", '{"image": "images"}'),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=PLUGINS, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "slime-mt train: error: TrainSetupError: --slime-compat with images (--multimodal-keys) and this project's "
+        "own generate function (--custom-generate-function-path rollouts.multi_turn.generate)"
+    ), last
+    proc = subprocess.run(
+        [*cmd, "--custom-generate-function-path", "vlm_rollout.generate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=PLUGINS,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

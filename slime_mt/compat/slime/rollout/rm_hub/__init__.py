@@ -1,14 +1,15 @@
-"""slime.rollout.rm_hub: ``async_rm`` (``--custom-rm-path``, else the ``--rm-type`` grader) and
-``batched_async_rm``."""
+"""slime.rollout.rm_hub: ``async_rm`` (``--custom-rm-path``, else the ``--rm-type`` grader),
+``batched_async_rm``, and the graders slime's examples import from here (``grade_answer_verl``,
+``extract_boxed_answer``; see ``math_utils``)."""
 
 import asyncio
 
 from slime_mt.plugins import load_function
-from slime_mt.rollout.rewards import last_boxed, remote_rm, rule_based_rm
+from slime_mt.rollout.rewards import remote_rm, rule_based_rm
 
-__all__ = ["async_rm", "batched_async_rm", "extract_boxed_answer", "remote_rm"]
+from .math_utils import extract_boxed_answer, grade_answer_verl
 
-extract_boxed_answer = last_boxed
+__all__ = ["async_rm", "batched_async_rm", "extract_boxed_answer", "grade_answer_verl", "remote_rm"]
 
 
 async def async_rm(args, sample, **kwargs):
