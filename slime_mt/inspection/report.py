@@ -195,7 +195,7 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 "index": s["index"],
                 "group": s["group_index"],
                 "status": s["status"],
-                "reward": _finite(s["reward"]),
+                "reward": None if s["status"] == FAILED else _finite(s["reward"]),  # a FAILED sample has none
                 "termination": s["metadata"].get("termination"),
                 "error": s["metadata"].get("error"),
                 "ids": s["tokens"],
@@ -271,6 +271,15 @@ def write_report(run_dir: Path, out: Path | None = None, step: int | None = None
 # ---------------------------------------------------------------- the terminal summary
 
 
+FAILED = "failed"  # Status.FAILED as a dump spells it
+
+
+def scored_rewards(samples: list[dict]) -> list[float]:
+    """The rewards ``rollout/reward_mean`` averages: every sample but the FAILED ones (no reward: None
+    counts 0), so the summary's mean is the metric's."""
+    return [float(s["reward"] or 0.0) for s in samples if s["status"] != FAILED]
+
+
 def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = None) -> str:
     """The run in lines: its curves' last values, then per dumped step its samples (one line each
     with ``--step``)."""
@@ -289,7 +298,7 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
         data = load_dump(path)
         samples = data["samples"]
         statuses = Counter(s["status"] for s in samples)
-        rewards = [float(s["reward"]) for s in samples if isinstance(s["reward"], (int, float))]
+        rewards = scored_rewards(samples)
         turns = [len(s["turns"]) for s in samples]
         groups = {s["group_index"] for s in samples}
         finishes = Counter(t["finish_reason"] for s in samples for t in s["turns"])
@@ -306,7 +315,8 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
             for s in samples:
                 generated = sum(s["loss_mask"])
                 lines.append(
-                    f"  sample {s['index']} (group {s['group_index']}): {s['status']}, reward {s['reward']}, "
+                    f"  sample {s['index']} (group {s['group_index']}): {s['status']}, "
+                    f"reward {'none' if s['status'] == FAILED else s['reward']}, "
                     f"{len(s['turns'])} turns, {generated} generated + {s['response_length'] - generated} observation "
                     f"tokens, termination {s['metadata'].get('termination')}"
                 )

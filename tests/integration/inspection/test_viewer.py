@@ -8,6 +8,7 @@ two-step run of the demo recipe that a train-only run replays."""
 
 import time
 
+import pytest
 from inspection_helpers import open_page
 from train_helpers import REPO
 
@@ -39,3 +40,95 @@ def test_a_10000_trajectory_step_opens_within_seconds(browser, tmp_path):
     print(f"10,000 trajectories: page written in {written:.1f} s ({size:.0f} MB), opened in {opened:.1f} s")
     assert opened < 10.0 and written < 60.0
     assert errors == []
+
+
+def mixed_step(run_dir):
+    """A dumped step of 8 trajectories in 2 groups: completed ones with rewards and per-turn rewards, a
+    truncated one, two FAILED ones; and its metrics row as the run logs it."""
+    import json
+    import math
+
+    from slime_mt.rollout.finalize import finalize
+    from slime_mt.rollout.metrics import rollout_metrics
+    from slime_mt.rollout_side import TrainBatch
+    from slime_mt.types import Sample, Status
+
+    groups = []
+    for g in range(2):
+        group = []
+        for k in range(4):
+            s = Sample(index=4 * g + k, group_index=g, prompt="p")
+            s.set_prompt_tokens(list(range(100, 110)))
+            s.append_turn([200 + k, 201, 202, 203], [-0.05 * (k + 1), -1.5, -0.2 * k, -3.0], weight_version="1")
+            s.turns[-1].reward = 0.25 * k
+            s.append_observation([300, 301])
+            s.append_turn([240 + g, 241, 242], [-0.01, -2.5, -0.7], weight_version="1")
+            s.status, s.reward = Status.COMPLETED, float(k % 2)
+            group.append(s)
+        groups.append(group)
+    groups[0][2].status, groups[0][2].metadata["termination"] = Status.TRUNCATED, "engine_length"
+    for s in (groups[0][3], groups[1][1]):
+        s.status, s.reward, s.metadata["error"] = Status.FAILED, 0.0, "env step raised ValueError: boom"
+    samples = [s for g in groups for s in g]
+    live = [s for s in samples if s.status != Status.FAILED]
+    sequences, _ = finalize(live, "concat", False)
+    batch = TrainBatch(sequences, [1.0] * len(sequences), {}, {}, 0.0, 0.0, {}, [0, 1], "")
+    save_dump(dump_path(str(run_dir / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
+    row = {"step": 0, **rollout_metrics(groups)}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert math.isclose(row["rollout/reward_mean"], 2 / 6)
+    return samples, row
+
+
+def test_the_page_filters_sorts_searches_and_draws_the_log_prob_heat_map_of_the_dump(browser, tmp_path):
+    """Issue 44 item 14: filter to the FAILED rows (their reward shown as none), sort by reward, search
+    tokens, per-turn rewards in the table, the truncation marked where the stream ends, each image once,
+    labelled curve axes, and the log-prob heat map's values equal to the dump's; the text summary's
+    reward mean is the metrics'."""
+    from slime_mt.inspection.dumps import load_dump
+    from slime_mt.inspection.report import text_summary
+
+    samples, row = mixed_step(tmp_path)
+    dump = load_dump(dump_path(str(tmp_path / "dumps/rollout_{rollout_id}.pt"), 0))
+    path = write_report(tmp_path, tmp_path / "mixed.html", dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"))
+    page, errors = open_page(browser, path)
+    rows = page.locator("tr.sample-row")
+    assert rows.count() == 8
+    page.select_option("#filter-status", "failed")
+    failed = [s["index"] for s in dump["samples"] if s["status"] == "failed"]
+    assert rows.count() == len(failed) == 2 and page.locator("#counts").get_attribute("data-shown") == "2"
+    assert rows.locator("td:nth-child(1)").all_inner_texts() == [str(i) for i in failed]
+    assert rows.locator("td.reward").all_inner_texts() == ["none", "none"]
+    page.select_option("#filter-status", "")
+    page.select_option("#sort", "reward-desc")
+    rewards = rows.locator("td.reward").all_inner_texts()
+    assert rewards == ["1", "1", "0", "0", "0", "0", "none", "none"]
+    assert rows.first.locator("td.turn-rewards").inner_text() == "0.2500 \u2013"  # sample 1: turn 0 was given 0.25
+    page.select_option("#sort", "index")
+    # the heat map: every generated token's log-prob as the dump holds it (4 decimals), coloured by it
+    page.select_option("#color", "lp")
+    record = dump["samples"][1]
+    rows.nth(1).click()
+    heat = page.locator("tr.detail .tokens .tok.heat")
+    values = [float(v) for v in heat.evaluate_all("nodes => nodes.map(n => n.dataset.lp)")]
+    expected = [round(lp, 4) for lp, m in zip(record["rollout_log_probs"], record["loss_mask"]) if m]
+    assert values == pytest.approx(expected, abs=1e-9) and len(values) == 7
+    greens = heat.evaluate_all("nodes => nodes.map(n => Number(getComputedStyle(n).backgroundColor.split(',')[1]))")
+    order = sorted(range(len(values)), key=lambda j: values[j])
+    assert [greens[j] for j in order] == sorted(greens)  # the less likely, the redder
+    rows.nth(1).click()
+    # the truncated trajectory ends in the mark; search keeps the samples holding a token
+    rows.nth(2).click()
+    assert page.locator("tr.detail .tokens .trunc").inner_text() == "\u27c2 truncated: engine_length"
+    rows.nth(2).click()
+    page.fill("#search", "\u27e8240\u27e9")  # no tokenizer here: pieces are shown by id; 240 is group 0's
+    assert rows.locator("td:nth-child(2)").all_inner_texts() == ["0"] * 4
+    rows.first.click()
+    assert page.locator("tr.detail .tok.match").count() == 1
+    rows.first.click()
+    page.fill("#search", "")
+    assert page.locator(".curve .x-label").first.text_content() == "step"  # an SVG text: not an HTMLElement
+    assert errors == []
+    summary = text_summary(tmp_path, dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"), step=0)
+    assert f"reward mean {row['rollout/reward_mean']:.4g}" in summary  # 0.3333, FAILED ones left out
+    assert "sample 3 (group 0): failed, reward none" in summary
