@@ -2,7 +2,8 @@
 # geo3k VLM multi-turn GRPO on CPU: tiny Qwen2.5-VL (random weights, real Qwen tokenizer and image
 # processor), the embedded engine, Megatron TP=1 or 2, synthetic geo3k problems, a few steps.
 # It checks the whole pipeline (images in prompts, calc_score tool turns, M-RoPE training); a random
-# model does not learn geometry.
+# model does not learn geometry: it earns no reward, so every group's rewards are equal (0) and each
+# step's grad norm is 0. For a learning signal, run the GPU recipe with a real model.
 #   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh [TP] [extra slime-mt flags]
 # The run folder (data, metrics, config.yaml, train.log, checkpoint) is $RUN_DIR, by default
 # ${TMPDIR:-/tmp}/slime_mt_runs/geo3k_cpu_tp$TP (printed first); RUN_DIR=runs/geo3k_cpu keeps it in the repository.

@@ -41,6 +41,11 @@ def test_cpu_recipe_runs(tmp_path):
     assert len(rows) == 3 and "eval/reward_mean" in rows[1]
     held_out = (tmp_path / "data" / "test.jsonl").read_text().splitlines()
     assert rows[1]["eval/samples"] == 2 * len(held_out)  # --n-samples-per-eval-prompt 2, none failed
+    # what a random model's run shows (the recipe's header says so): the pipeline, not learning. The
+    # env's tool turns (more than one turn a trajectory), no failure, and no reward to learn from
+    for row in rows:
+        assert row["rollout/turns_mean"] > 1 and "rollout/status/failed" not in row
+        assert row["rollout/reward_mean"] == 0.0 and row["train/grad_norm"] == 0.0
 
 
 FAILING_ENV = """
