@@ -272,6 +272,7 @@ def train(
     )
     timeline = Timeline(f"trainer rank {info.rank}") if cfg.debug.trace != "off" else None
     actor.timeline = timeline
+    actor.keep_log_probs = bool(cfg.debug.save_debug_rollout_data)
     loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async), timeline=timeline)
     side = _rollout_side(cfg, run_dir, engine_actors) if info.is_main else None
     batches = None
@@ -318,7 +319,12 @@ def train(
                 raise batch
             if offload:
                 actor.onload()  # the engines released their memory in collect
+            actor.kept_log_probs = {}  # a skipped step trains nothing and keeps none
             t_metrics, train_started, train_finished = loop.train(step, batch)
+            if actor.keep_log_probs:  # every rank's share into the step's dump (TP ranks hold the same)
+                kept = _gather(actor.kept_log_probs, info)
+                if side is not None:
+                    side.records.trained(step, {i: lp for part in kept for i, lp in part.items()})
             drained_seconds = batches.drain() if batches is not None else 0.0
             sync_seconds = loop.export_weights(receive, step + 1)
             trainer_events = _gather(timeline.drain() if timeline is not None else [], info)

@@ -20,7 +20,10 @@ place in the records, such as ``samples/3/multimodal_train_inputs/pixel_values``
   train         what the step trained (``rollout_side.TrainBatch``): samples (the finalized sequences:
                 prompt_ids, response_ids, loss_mask, rollout_log_probs, token_versions, reward,
                 trajectory_id = "group/index", group_id, is_last_step, turns (the trajectory's turns the
-                sequence holds; None: all), stop_reason, status, multimodal_train_inputs), advantages
+                sequence holds; None: all), stop_reason, status, multimodal_train_inputs, and
+                train_log_probs: the trainer's log-probs of its response tokens under the weights the
+                step started from, at the rollout temperature, written after the step trained, None
+                when it did not train), advantages
                 (one per sequence), merge_metrics, rollout_metrics, metrics, rollout_seconds,
                 rollout_started, trained_groups, note
   settings      the settings the sequences and advantages were made with (sample format, merge,
@@ -137,6 +140,7 @@ def training_record(ts, advantage: float) -> dict:
     record["status"] = getattr(ts.status, "value", ts.status)
     record["multimodal_train_inputs"] = _tensors(ts.multimodal_train_inputs)
     record["advantage"] = float(advantage)
+    record["train_log_probs"] = None  # add_train_log_probs fills it once the step has trained
     return record
 
 
@@ -176,6 +180,20 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
     torch.save(data, tmp)
     os.replace(tmp, path)
     return path
+
+
+def add_train_log_probs(path: Path, log_probs: dict[int, list[float]]) -> None:
+    """The trainer's log-probs of the dump's training sequences (by their place in ``train.samples``)
+    into the dump at ``path``, rewritten whole as ``save_dump`` writes it."""
+    path = Path(path)
+    data = torch.load(path, weights_only=True)
+    records = json.loads(data["records"])
+    for i, values in log_probs.items():
+        records["train"]["samples"][i]["train_log_probs"] = [float(v) for v in values]
+    data["records"] = json.dumps(records, default=repr)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
 
 
 def load_dump(path: Path) -> dict:
@@ -222,7 +240,7 @@ def train_batch_of(data: dict):
     train = data["train"]
     samples = []
     for record in train["samples"]:
-        kw = {k: v for k, v in record.items() if k not in ("advantage", "status")}
+        kw = {k: v for k, v in record.items() if k not in ("advantage", "status", "train_log_probs")}
         samples.append(TrainingSample(**kw, status=Status(record["status"])))
     return TrainBatch(
         samples,

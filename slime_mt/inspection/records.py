@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slime_mt.inspection.dumps import dump_path, save_dump, settings_of
+from slime_mt.inspection.dumps import add_train_log_probs, dump_path, save_dump, settings_of
 from slime_mt.inspection.turn_records import TurnRecords
 from slime_mt.timeline import TraceWriter
 
@@ -18,12 +18,19 @@ class RunRecords:
         self.settings = settings_of(cfg)
         self.turns = TurnRecords(run_dir, d.turn_records, cfg.data.rollout_seed)
         self.trace = TraceWriter(run_dir) if d.trace != "off" else None
+        self.dumped: set[int] = set()  # the steps whose dump this run wrote
 
     def step(self, step: int, groups: list[list], batch) -> None:
         """Step ``step``'s trajectories (``groups``) and the batch made of them."""
         self.turns.write(step, groups)
         if self.dump_template:
             save_dump(dump_path(self.dump_template, step), step, groups, batch, self.settings)
+            self.dumped.add(step)
+
+    def trained(self, step: int, log_probs: dict[int, list[float]]) -> None:
+        """The trainer's log-probs of step ``step``'s sequences (by index in its batch) into its dump."""
+        if step in self.dumped and log_probs:
+            add_train_log_probs(dump_path(self.dump_template, step), log_probs)
 
     def write_trace(self, events: list[dict]) -> None:
         if self.trace is not None:

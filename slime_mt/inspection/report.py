@@ -21,6 +21,7 @@ import math
 import re
 import statistics
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -93,29 +94,51 @@ def _context_length(turn: dict) -> int:
     return len(turn["context_ids"]) if turn["context_ids"] is not None else turn["output_start"]
 
 
+def _positions(sample: dict, seq: dict) -> Iterator[tuple[int, int | None]]:
+    """Where a training sequence holds a dumped trajectory's output tokens: (the token's index in the
+    trajectory's response, its index in the sequence's response, None past the sequence's end)."""
+    n, length, turns = sample["response_length"], len(seq["loss_mask"]), sample["turns"]
+    if seq["turns"] is None:  # concat: the response itself
+        yield from ((j, j) for j in range(min(n, length)))
+        return
+    start, first = sample["prompt_length"], _context_length(turns[seq["turns"][0]])
+    cursor = 0
+    for position, k in enumerate(seq["turns"]):
+        turn = turns[k]
+        for j in range(turn["output_end"] - turn["output_start"]):
+            yield turn["output_start"] - start + j, cursor if cursor < length else None
+            cursor += 1
+        if position + 1 < len(seq["turns"]):  # a merge put the next step's context delta here
+            cursor = _context_length(turns[seq["turns"][position + 1]]) - first
+
+
 def trained_flags(sample: dict, sequences: list[dict]) -> list[int]:
     """Per response token of a dumped trajectory: 1 if a training sequence trained it (loss mask 1
     there), else 0. ``sequences``: the step's training records of this trajectory."""
-    n = sample["response_length"]
-    flags = [0] * n
-    start = sample["prompt_length"]
-    turns = sample["turns"]
+    flags = [0] * sample["response_length"]
     for seq in sequences:
-        mask = seq["loss_mask"]
-        if seq["turns"] is None:  # concat: the response itself
-            for j in range(min(n, len(mask))):
-                flags[j] = int(mask[j])
-            continue
-        first = _context_length(turns[seq["turns"][0]])
-        cursor = 0
-        for position, k in enumerate(seq["turns"]):
-            turn = turns[k]
-            for j in range(turn["output_end"] - turn["output_start"]):
-                flags[turn["output_start"] - start + j] = int(mask[cursor]) if cursor < len(mask) else 0
-                cursor += 1
-            if position + 1 < len(seq["turns"]):  # a merge put the next step's context delta here
-                cursor = _context_length(turns[seq["turns"][position + 1]]) - first
+        for r, c in _positions(sample, seq):
+            flags[r] = int(seq["loss_mask"][c]) if c is not None else 0
     return flags
+
+
+def log_prob_gaps(sample: dict, sequences: list[dict]) -> list[float | None] | None:
+    """Per response token of a dumped trajectory: the trainer's log-prob (the sequence's
+    ``train_log_probs``) minus the engine's, to 4 decimals, where a sequence trained it and both are
+    known; None when no sequence of it has the trainer's (a step that did not train, an older dump)."""
+    rollout = sample["rollout_log_probs"]
+    if rollout is None:
+        return None
+    gaps: list[float | None] = [None] * sample["response_length"]
+    found = False
+    for seq in sequences:
+        values = seq.get("train_log_probs")
+        if not values:
+            continue
+        for r, c in _positions(sample, seq):
+            if c is not None and seq["loss_mask"][c] and math.isfinite(rollout[r]) and math.isfinite(values[c]):
+                gaps[r], found = round(values[c] - rollout[r], 4), True
+    return gaps if found else None
 
 
 def token_classes(sample: dict, trained: list[int]) -> str:
@@ -201,6 +224,7 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 "ids": s["tokens"],
                 "cls": token_classes(s, trained),
                 "lp": _round(s["rollout_log_probs"]),
+                "gap": log_prob_gaps(s, sequences),
                 "ver": s["token_versions"],
                 "pl": s["prompt_length"],
                 "turns": turns,

@@ -152,6 +152,7 @@ def test_dumps_hold_every_field_and_load_without_slime_mt(rollout_only):
         assert record["multimodal_train_inputs"]["pixel_values"].shape[0] == int(grid.prod(dim=-1).sum())
     for record in data["train"]["samples"]:
         assert set(record) == SEQUENCE_FIELDS
+        assert record["train_log_probs"] is None  # a rollout-only run trains nothing
     # and with the project's types: valid Samples, and the batch that trained
     for sample, record in zip(samples_of(data), data["samples"]):
         sample.validate()
@@ -290,6 +291,26 @@ def test_the_demo_recipe_trains_in_bf16(demo_dumped):
         assert 1e-4 < r["train/train_rollout_logprob_abs_diff"] < 0.5  # bf16 training vs the fp32 engine
     assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
     assert rows[1]["rollout/sample_weight_version_min"] == 1.0
+
+
+def test_each_dump_holds_the_trainers_log_probs_and_their_gap_is_the_logged_one(demo_dumped):
+    """Issue 44 item 14: after a step trains, its dump holds the trainer's log-prob of every response
+    token of every training sequence (bf16 here); their gap to the engine's, reduced as the loss
+    reduces it (seq_mean_token_mean), is the step's train/train_rollout_logprob_abs_diff."""
+    original, _ = demo_dumped
+    rows = [json.loads(line) for line in (original / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        sequences = load_dump(dump_path(dump_template(original), row["step"]))["train"]["samples"]
+        live = [seq for seq in sequences if sum(seq["loss_mask"]) > 0]
+        gap = 0.0
+        for seq in sequences:
+            assert len(seq["train_log_probs"]) == len(seq["response_ids"]) == len(seq["rollout_log_probs"])
+            assert all(v <= 0.0 for v in seq["train_log_probs"])
+            trained = [
+                abs(t - r) for t, r, m in zip(seq["train_log_probs"], seq["rollout_log_probs"], seq["loss_mask"]) if m
+            ]
+            gap += sum(trained) / (len(trained) * len(live)) if trained else 0.0
+        assert row["train/train_rollout_logprob_abs_diff"] == pytest.approx(gap, rel=1e-4)
 
 
 def assert_same_training(original: Path, replay: Path) -> None:

@@ -52,6 +52,7 @@ SEQUENCE_FIELDS = {
     "status",
     "multimodal_train_inputs",
     "advantage",
+    "train_log_probs",
 }
 TRAIN_FIELDS = {
     "samples",

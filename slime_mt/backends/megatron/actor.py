@@ -131,6 +131,10 @@ class MegatronActor:
         self.logit_chunk_rows = max(16, LOGIT_CHUNK_BYTES // (4 * local_vocab))
         self.step = 0
         self.timeline = None  # the rank's trace (slime_mt/timeline.py): train phases as spans
+        # --save-debug-rollout-data: the step's log-probs of this rank's sequences (by index in the batch),
+        # under the weights the step started from, for the dump's train-vs-rollout gap
+        self.keep_log_probs = False
+        self.kept_log_probs: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ model
 
@@ -268,9 +272,12 @@ class MegatronActor:
         mine = self.dp_share(samples, list(range(len(samples))))
         need_old = not self.train_cfg.sft and (not on_policy or len(mini_batches) > 1)
         old = ref = None
+        self.kept_log_probs = {}
         if need_old:
             with maybe_span(self.timeline, "old log-probs", "train", lane="train"):
                 old = self.compute_logprobs(samples, mine)
+            if self.keep_log_probs:
+                self.kept_log_probs = {i: old[i].tolist() for i in mine}
         if self.reference is not None:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
                 ref = self.compute_logprobs(samples, mine, reference=True)
@@ -308,6 +315,9 @@ class MegatronActor:
         for row_indices in self._rows(samples, self.dp_share(samples, mb)):
             row = self.pack(samples, row_indices)
             lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
+            if self.keep_log_probs and not old and not self.train_cfg.sft:  # one mini-batch: the step's own
+                for k, i in enumerate(row.sample_index):
+                    self.kept_log_probs[i] = lp.detach()[row.seq_ids == k].tolist()
             inputs = LossInputs(
                 log_probs=lp,
                 old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),

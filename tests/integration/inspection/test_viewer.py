@@ -12,7 +12,7 @@ import pytest
 from inspection_helpers import open_page
 from train_helpers import REPO
 
-from slime_mt.inspection.dumps import dump_path, save_dump
+from slime_mt.inspection.dumps import add_train_log_probs, dump_path, save_dump
 from slime_mt.inspection.report import write_report
 from slime_mt.plugins import load_module
 
@@ -73,7 +73,15 @@ def mixed_step(run_dir):
     live = [s for s in samples if s.status != Status.FAILED]
     sequences, _ = finalize(live, "concat", False)
     batch = TrainBatch(sequences, [1.0] * len(sequences), {}, {}, 0.0, 0.0, {}, [0, 1], "")
-    save_dump(dump_path(str(run_dir / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
+    path = save_dump(dump_path(str(run_dir / "dumps/rollout_{rollout_id}.pt"), 0), 0, groups, batch, {})
+    # the trainer's log-probs, as a trained step adds them: the engine's moved by a varied gap
+    add_train_log_probs(
+        path,
+        {
+            i: [lp - 0.03 * (j % 5) * (i + 1) for j, lp in enumerate(seq.rollout_log_probs)]
+            for i, seq in enumerate(sequences)
+        },
+    )
     row = {"step": 0, **rollout_metrics(groups)}
     (run_dir / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     assert math.isclose(row["rollout/reward_mean"], 2 / 6)
@@ -83,7 +91,8 @@ def mixed_step(run_dir):
 def test_the_page_filters_sorts_searches_and_draws_the_log_prob_heat_map_of_the_dump(browser, tmp_path):
     """Issue 44 item 14: filter to the FAILED rows (their reward shown as none), sort by reward, search
     tokens, per-turn rewards in the table, the truncation marked where the stream ends, each image once,
-    labelled curve axes, and the log-prob heat map's values equal to the dump's; the text summary's
+    labelled curve axes, and the heat maps' values (log-prob, and the train-vs-rollout gap) equal to
+    the dump's; the text summary's
     reward mean is the metrics'."""
     from slime_mt.inspection.dumps import load_dump
     from slime_mt.inspection.report import text_summary
@@ -117,6 +126,23 @@ def test_the_page_filters_sorts_searches_and_draws_the_log_prob_heat_map_of_the_
     order = sorted(range(len(values)), key=lambda j: values[j])
     assert [greens[j] for j in order] == sorted(greens)  # the less likely, the redder
     rows.nth(1).click()
+    # the train-vs-rollout gap: the trainer's log-prob (the dump's training sequence) minus the engine's
+    page.select_option("#color", "gap")
+    rows.nth(1).click()
+    heat = page.locator("tr.detail .tokens .tok.heat")
+    gaps = [float(v) for v in heat.evaluate_all("nodes => nodes.map(n => n.dataset.gap)")]
+    (sequence,) = [t for t in dump["train"]["samples"] if t["trajectory_id"] == "0/1"]
+    expected = [
+        round(t - r, 4)
+        for t, r, m in zip(sequence["train_log_probs"], record["rollout_log_probs"], record["loss_mask"])
+        if m
+    ]
+    assert gaps == pytest.approx(expected, abs=1e-9) and len(set(gaps)) > 3
+    greens = heat.evaluate_all("nodes => nodes.map(n => Number(getComputedStyle(n).backgroundColor.split(',')[1]))")
+    order = sorted(range(len(gaps)), key=lambda j: abs(gaps[j]), reverse=True)
+    assert [greens[j] for j in order] == sorted(greens)  # the wider the gap, the redder
+    rows.nth(1).click()
+    page.select_option("#color", "role")
     # the truncated trajectory ends in the mark; search keeps the samples holding a token
     rows.nth(2).click()
     assert page.locator("tr.detail .tokens .trunc").inner_text() == "\u27c2 truncated: engine_length"
