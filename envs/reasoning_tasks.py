@@ -4,7 +4,8 @@ dataset, a reward function and an environment.
 Data: ``python -m envs.reasoning_tasks OUT --tasks basic_arithmetic,chain_sum --size 64 --seed 1``
 writes ``OUT/train.jsonl``: per row a chat prompt (a system prompt asking for ``<answer>...</answer>``
 and the task's question), the reference answer as ``label``, and in ``metadata`` the task family and
-the generated entry its verifier needs.
+the generated entry its verifier needs. ``--task-config '{"chain_sum": {"max_digits": 1}}'`` passes
+each family's generator its settings (easier tasks for a small model).
 
 Reward: the family's own verifier (``reasoning_gym.get_score_answer_fn``) on the text inside the
 response's last ``<answer>...</answer>`` (the whole response when there is none), in [0, 1]:
@@ -37,13 +38,25 @@ def _gym():
     return reasoning_gym
 
 
-def make_rows(tasks: list[str], size: int, seed: int) -> list[dict]:
-    """``size`` generated entries of each task family -> dataset rows (interleaved by family)."""
+def make_rows(tasks: list[str], size: int, seed: int, config: dict | None = None) -> list[dict]:
+    """``size`` generated entries of each task family -> dataset rows (interleaved by family);
+    ``config``: per family, its generator's settings (``{"chain_sum": {"max_digits": 1}}``)."""
     gym = _gym()
+    config = config or {}
     unknown = sorted(set(tasks) - set(gym.factory.DATASETS))
     if unknown:
         raise ValueError(f"--tasks: unknown reasoning-gym families {unknown}; see reasoning_gym.factory.DATASETS")
-    per_task = [list(gym.create_dataset(task, size=size, seed=seed)) for task in tasks]
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        raise ValueError('--task-config: a JSON object of family -> settings, e.g. {"chain_sum": {"max_digits": 1}}')
+    stray = sorted(set(config) - set(tasks))
+    if stray:
+        raise ValueError(f"--task-config: settings for families not in --tasks: {stray}")
+    per_task = []
+    for task in tasks:
+        try:
+            per_task.append(list(gym.create_dataset(task, size=size, seed=seed, **config.get(task, {}))))
+        except (TypeError, AssertionError, ValueError) as e:
+            raise ValueError(f"--task-config {task}: {config.get(task)} refused by reasoning-gym ({e})") from None
     rows = []
     for k in range(size):
         for task, entries in zip(tasks, per_task):
@@ -108,8 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", default="basic_arithmetic,chain_sum", help="comma-separated task families")
     parser.add_argument("--size", type=int, default=64, help="entries per family")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--task-config",
+        type=json.loads,
+        default={},
+        help='JSON: per family, its generator\'s settings, e.g. \'{"chain_sum": {"max_terms": 2, "max_digits": 1}}\'',
+    )
     given = parser.parse_args(argv)
-    rows = make_rows([t.strip() for t in given.tasks.split(",") if t.strip()], given.size, given.seed)
+    tasks = [t.strip() for t in given.tasks.split(",") if t.strip()]
+    rows = make_rows(tasks, given.size, given.seed, given.task_config)
     path = write_jsonl(given.out / "train.jsonl", rows)  # never a half-written file
     print(f"wrote {len(rows)} rows to {path}")
 

@@ -29,6 +29,20 @@ def test_two_families_are_written_loaded_and_graded_by_their_own_verifiers(tmp_p
     assert asyncio.run(reward(None, sample)) == 1.0  # the last answer counts
 
 
+def test_a_family_generates_with_its_settings_and_bad_settings_are_named():
+    """--task-config: one-digit chain sums of two terms (what a 135M model can answer at the start)."""
+    rows = make_rows(["chain_sum"], 8, 1, {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}})
+    for row in rows:
+        terms = row["metadata"]["entry"]["question"].rsplit(":", 1)[1].strip(" =").split()
+        assert len(terms) == 3 and all(len(t.lstrip("-")) == 1 for t in terms[::2]), terms
+    with pytest.raises(ValueError, match=r"--task-config: settings for families not in --tasks: \['chain_sum'\]"):
+        make_rows(["basic_arithmetic"], 2, 1, {"chain_sum": {"max_digits": 1}})
+    with pytest.raises(ValueError, match=r"--task-config chain_sum: .*refused by reasoning-gym"):
+        make_rows(["chain_sum"], 2, 1, {"chain_sum": {"no_such_setting": 1}})
+    with pytest.raises(ValueError, match=r"--task-config: a JSON object"):
+        make_rows(["chain_sum"], 2, 1, {"chain_sum": 3})
+
+
 def test_bad_families_and_rows_are_named():
     with pytest.raises(ValueError, match=r"unknown reasoning-gym families \['no_such_task'\]"):
         make_rows(["basic_arithmetic", "no_such_task"], 2, 1)
