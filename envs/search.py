@@ -15,7 +15,10 @@ An episode: the model searches, reads, and answers. Each turn it writes one of
 Anything else is an invalid action (``InvalidActionError``) whose feedback says what to write.
 
 Settings: the row's ``metadata["corpus"]`` or the custom setting ``search_corpus`` (a jsonl path),
-``search_top_k`` (default 3), ``search_reward`` (``em`` or ``f1``).
+``search_top_k`` (default 3), ``search_reward`` (``em`` or ``f1``), ``search_format_reward`` (default 0,
+Search-R1's ``structure_format_score``): each well-formed action, a search or an answer, sets the
+episode's reward to at least this much, so a model that has not yet found an answer is still told
+which turns followed the format; a right answer still earns its grade, an invalid action nothing.
 """
 
 from __future__ import annotations
@@ -146,10 +149,15 @@ class SearchEnv(BaseInteractionEnv):
 
     tools = [SEARCH_TOOL]
 
-    def __init__(self, index: SearchIndex, label: Any, top_k: int = 3, reward: str = "em") -> None:
+    def __init__(
+        self, index: SearchIndex, label: Any, top_k: int = 3, reward: str = "em", format_reward: float = 0.0
+    ) -> None:
         if reward not in ("em", "f1"):
             raise ValueError(f"search_reward {reward!r}: one of em, f1")
+        if not 0.0 <= format_reward < 1.0:
+            raise ValueError(f"search_format_reward {format_reward!r}: in [0, 1), below a right answer's 1")
         self.index, self.label, self.top_k, self.reward = index, label, top_k, reward
+        self.format_reward = format_reward
         self.searches = 0
         self.role = "user"
 
@@ -185,7 +193,7 @@ class SearchEnv(BaseInteractionEnv):
             given = answer.group(1).strip()
             em = exact_match(given, self.label)
             f1 = f1_reward(given, self.label, {})
-            reward = em if self.reward == "em" else f1
+            reward = max(em if self.reward == "em" else f1, self.format_reward)
             return {"text": ""}, True, {"reward": reward, "em": em, "f1": f1, "searches": self.searches}
         if query is None:
             raise InvalidActionError(
@@ -194,7 +202,10 @@ class SearchEnv(BaseInteractionEnv):
         text, k, self.role = query
         self.searches += 1
         passages = self.index.search(text, k)
-        return {"text": f"<information>{format_passages(passages)}</information>"}, False, {"found": len(passages)}
+        info: dict[str, Any] = {"found": len(passages)}
+        if self.format_reward:
+            info["reward"] = self.format_reward  # the episode's, unless a later answer sets another
+        return {"text": f"<information>{format_passages(passages)}</information>"}, False, info
 
     def format_observation(self, observation: dict) -> dict:
         return {"role": self.role, "content": observation.get("text", "")}
@@ -210,4 +221,5 @@ def build_env(sample=None, args=None, **kw) -> SearchEnv:
         sample.label if sample is not None else None,
         top_k=int(getattr(args, "search_top_k", 3) or 3),
         reward=str(getattr(args, "search_reward", "em") or "em"),
+        format_reward=float(getattr(args, "search_format_reward", 0.0) or 0.0),
     )

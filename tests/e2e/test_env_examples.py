@@ -49,10 +49,13 @@ SMALL = ["--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-bat
 
 def test_the_search_agent_example_trains_two_steps(tmp_path, smollm2_path):
     rows = train_example("search_agent", smollm2_path, tmp_path, "--max-turns", "3")  # four samples a step
-    # searches were answered: turns that counted (valid actions) and their passages as observations
+    # what the first steps of a 135M model show (README): turns that counted toward --max-turns, the env's
+    # observations (passages, or the feedback on an invalid action), and invalid actions told so; a
+    # reward is an exact match (1), the format's 0.1 or 0
     assert sum(r["rollout/valid_turns_mean"] for r in rows) > 0
     assert all(r["rollout/observation_tokens"] > 0 for r in rows)
     assert all("rollout/invalid_actions_per_turn" in r for r in rows)
+    assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
 
 
 def test_the_code_agent_example_trains_two_steps(tmp_path, smollm2_path):

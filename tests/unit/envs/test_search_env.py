@@ -2,6 +2,7 @@
 two searches and an answer, exact match and F1 against hand-computed values, bad corpora."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,6 +76,23 @@ def test_f1_reward_setting_and_invalid_actions(corpus):
     ]:
         with pytest.raises(InvalidActionError, match=says):
             env.step(bad)
+
+
+def test_a_format_reward_marks_well_formed_turns_and_never_outranks_a_right_answer(corpus):
+    """search_format_reward (Search-R1's structure_format_score): a search sets the episode's reward
+    to it, a wrong answer keeps it, a right one earns 1; without the setting a search sets none."""
+    args = SimpleNamespace(search_format_reward=0.1)
+    env = build_env(Sample(label="Tessin", metadata={"corpus": str(corpus)}), args)
+    assert env.step("<search>capital of Zorvania</search>")[2] == {"found": 3, "reward": 0.1}
+    assert env.step("<answer>Quellport</answer>")[2]["reward"] == 0.1  # well-formed, wrong
+    assert env.step("<answer>Tessin</answer>")[2]["reward"] == 1.0
+    with pytest.raises(InvalidActionError):
+        env.step("no tags")
+    plain = build_env(Sample(label="Tessin", metadata={"corpus": str(corpus)}), None)
+    assert "reward" not in plain.step("<search>capital of Zorvania</search>")[2]
+    assert plain.step("<answer>Quellport</answer>")[2]["reward"] == 0.0
+    with pytest.raises(ValueError, match="search_format_reward 1.0"):
+        SearchEnv(SearchIndex.open(corpus), "Tessin", format_reward=1.0)
 
 
 def test_bad_corpora_name_the_file_and_line(tmp_path):
