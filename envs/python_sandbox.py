@@ -270,7 +270,7 @@ async def run_python(
         raise
     finally:
         status = _read_status(status_read)
-        reported = _read_report(report_read) if report_read is not None else b""
+        reported = _read_pipe(report_read, REPORT_BYTES) if report_read is not None else b""
         await asyncio.to_thread(shutil.rmtree, root, True)
     if isinstance(status, str) or (status is None and not timed_out):  # the sandbox failed, not the code
         why = status if isinstance(status, str) else err.text().strip()[-1000:] or "no reason given"
@@ -292,13 +292,7 @@ async def run_python(
 def _read_status(fd: int) -> int | str | None:
     """The code's wait status the sandbox's init reported, or why the code could not start (str), or
     None when it reported nothing; closes ``fd``."""
-    try:
-        os.set_blocking(fd, False)
-        lines = os.read(fd, 4096).decode(errors="replace").splitlines()
-    except BlockingIOError:
-        return None
-    finally:
-        os.close(fd)
+    lines = _read_pipe(fd, 4096).decode(errors="replace").splitlines()
     failed = [line.removeprefix("start-failed ") for line in lines if line.startswith("start-failed ")]
     if failed:
         return failed[0]
@@ -323,11 +317,11 @@ def interpreter_paths() -> list[str]:
     return sorted(paths)
 
 
-def _read_report(fd: int) -> bytes:
-    """What is in the report pipe now (up to REPORT_BYTES; a writer still alive cannot hold us), closing ``fd``."""
+def _read_pipe(fd: int, limit: int) -> bytes:
+    """What is in the pipe now (up to ``limit`` bytes; a writer still alive cannot hold us), closing ``fd``."""
     try:
         os.set_blocking(fd, False)
-        return os.read(fd, REPORT_BYTES)
+        return os.read(fd, limit)
     except BlockingIOError:
         return b""
     finally:

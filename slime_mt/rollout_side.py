@@ -57,14 +57,8 @@ def drop_long_prompts(dataset: PromptDataset, ctx, path: str) -> None:
     limit = r.rollout_max_context_len - 1
     if r.rollout_max_prompt_len is not None:
         limit = min(limit, r.rollout_max_prompt_len)
-    as_messages = ctx.data.apply_chat_template
-
-    def length(row) -> int:
-        encoder = ctx.encoder(row.metadata.get("tools"))
-        return len(encoder.encode_prompt(row.prompt, as_messages or not isinstance(row.prompt, str)).ids)
-
     total = len(dataset.rows)
-    dropped = dataset.keep_rows(lambda row: length(row) <= limit)
+    dropped = dataset.keep_rows(lambda row: len(ctx.encode_prompt(row.prompt, row.metadata.get("tools")).ids) <= limit)
     if not dropped:
         return
     if limit == r.rollout_max_prompt_len:

@@ -130,10 +130,15 @@ class RolloutContext:
         sees it; ``run_episode`` takes this encoding (``take_prompt_encoding``) instead of encoding again."""
         if sample.tokens:
             return
-        as_messages = self.data.apply_chat_template or not isinstance(sample.prompt, str)
-        encoded = self.encoder((sample.metadata or {}).get("tools")).encode_prompt(sample.prompt, as_messages)
+        encoded = self.encode_prompt(sample.prompt, (sample.metadata or {}).get("tools"))
         sample.set_prompt_tokens(encoded.ids)
         self._prompt_encodings[id(sample)] = encoded
+
+    def encode_prompt(self, prompt, tools=None) -> Encoded:
+        """A row's prompt as the rollout encodes it: through the chat template with
+        ``--apply-chat-template`` or when it is messages, with the row's tools."""
+        as_messages = self.data.apply_chat_template or not isinstance(prompt, str)
+        return self.encoder(tools).encode_prompt(prompt, as_messages)
 
     def take_prompt_encoding(self, sample) -> Encoded | None:
         """The encoding ``prepare_prompt`` made for ``sample`` (once), if its tokens are still that prompt."""
