@@ -176,10 +176,15 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
         "records": json.dumps({"samples": samples, "train": train, "settings": settings}, default=repr),
         "tensors": tensors,
     }
+    _save_whole(data, path)
+    return path
+
+
+def _save_whole(data: dict, path: Path) -> None:
+    """``torch.save`` of a dump's data to ``path``, whole or not at all (a temporary file renamed into place)."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save(data, tmp)
     os.replace(tmp, path)
-    return path
 
 
 def add_train_log_probs(path: Path, log_probs: dict[int, list[float]]) -> None:
@@ -191,9 +196,7 @@ def add_train_log_probs(path: Path, log_probs: dict[int, list[float]]) -> None:
     for i, values in log_probs.items():
         records["train"]["samples"][i]["train_log_probs"] = [float(v) for v in values]
     data["records"] = json.dumps(records, default=repr)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(data, tmp)
-    os.replace(tmp, path)
+    _save_whole(data, path)
 
 
 def load_dump(path: Path) -> dict:
