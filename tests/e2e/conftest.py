@@ -3,6 +3,7 @@ several modules check or compare against (TP=1 in one process, TP=2 under torchr
 the Ray cluster of three loopback nodes."""
 
 import pytest
+from inspection_helpers import dump_template
 from train_helpers import DETERMINISTIC, ENV_WORKERS, ROLLOUT_PROCESSES, geo3k_train_cmd, make_geo3k, ray_cmd, run
 
 
@@ -24,10 +25,11 @@ def straight(geo3k, session_dir):
 
 @pytest.fixture(scope="session")
 def torchrun_tp2(geo3k, session_dir):
-    """A 3-step run at TP=2 under torchrun, one trajectory in flight at a time: the end-to-end checks
-    at TP=2 read it, and the same run on Ray must equal it."""
+    """A 3-step run at TP=2 under torchrun, one trajectory in flight at a time, its steps dumped: the
+    end-to-end checks at TP=2 read it, and the same run on Ray must equal it."""
     run_dir = session_dir("torchrun_tp2")
-    proc = run(geo3k_train_cmd(geo3k, run_dir, *DETERMINISTIC, tp=2, steps=3))
+    dumps = ["--save-debug-rollout-data", dump_template(run_dir)]
+    proc = run(geo3k_train_cmd(geo3k, run_dir, *DETERMINISTIC, *dumps, tp=2, steps=3))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -54,6 +56,7 @@ def ray_tp2(geo3k, three_nodes, session_dir):
     workers and two rollout processes -> (run folder, the driver's output)."""
     run_dir = session_dir("ray_tp2")
     flags = [*DETERMINISTIC, "--rollout-num-gpus", "1", *ENV_WORKERS, *ROLLOUT_PROCESSES]
+    flags += ["--save-debug-rollout-data", dump_template(run_dir)]
     proc = run(ray_cmd(geo3k, run_dir, three_nodes, *flags))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc.stdout

@@ -13,6 +13,7 @@ from inspection_helpers import (
     SAMPLE_FIELDS,
     TRAIN_FIELDS,
     TURN_FIELDS,
+    assert_dumped_train_log_probs,
     assert_engine_calls_in_lanes,
     assert_nested,
     dump_template,
@@ -60,6 +61,12 @@ def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     trained = [g for r in ray_rows for g in r["trained_groups"]]
     assert trained == [g for r in torchrun_rows for g in r["trained_groups"]]
     assert len(trained) == len(set(trained)) == 6
+    # the dumps hold the trainer's log-probs, gathered from both TP ranks (issue 44 item 14), alike
+    ray_lps = assert_dumped_train_log_probs(run_dir, "token_mean")
+    torchrun_lps = assert_dumped_train_log_probs(torchrun_tp2, "token_mean")
+    for ray_step, torchrun_step in zip(ray_lps, torchrun_lps, strict=True):
+        for a, b in zip(ray_step, torchrun_step, strict=True):
+            assert a == pytest.approx(b, abs=1e-6)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray"])

@@ -71,6 +71,36 @@ def dump_template(run_dir: Path) -> str:
     return str(run_dir / "dumps" / "rollout_{rollout_id}.pt")
 
 
+def assert_dumped_train_log_probs(run_dir: Path, reduction: str) -> list[list[list[float]]]:
+    """Each step's dump holds the trainer's log-prob of every response token of every training sequence,
+    and their gap to the engine's, reduced as the loss reduces it (``token_mean`` or
+    ``seq_mean_token_mean``, one mini-batch a step), is the step's logged
+    ``train/train_rollout_logprob_abs_diff`` -> the log-probs, by step and sequence."""
+    import json
+
+    import pytest
+
+    from slime_mt.inspection.dumps import dump_path, load_dump
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kept = []
+    for row in rows:
+        sequences = load_dump(dump_path(dump_template(run_dir), row["step"]))["train"]["samples"]
+        counts = [sum(seq["loss_mask"]) for seq in sequences]
+        live, total = sum(1 for c in counts if c), sum(counts)
+        gap = 0.0
+        for seq, count in zip(sequences, counts):
+            assert len(seq["train_log_probs"]) == len(seq["response_ids"]) == len(seq["rollout_log_probs"])
+            assert all(v <= 0.0 for v in seq["train_log_probs"])
+            pairs = zip(seq["train_log_probs"], seq["rollout_log_probs"], seq["loss_mask"])
+            trained = sum(abs(t - r) for t, r, m in pairs if m)
+            if count:
+                gap += trained / (total if reduction == "token_mean" else count * live)
+        assert row["train/train_rollout_logprob_abs_diff"] == pytest.approx(gap, rel=1e-4, abs=1e-9)
+        kept.append([seq["train_log_probs"] for seq in sequences])
+    return kept
+
+
 def assert_nested(events: list[dict]) -> None:
     """Within each lane, spans nest or are disjoint."""
     lanes: dict[tuple, list[dict]] = {}
