@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slime_mt.assets import tiny_model_dir  # noqa: E402
 from slime_mt.config_parsing import parse_config  # noqa: E402
 from slime_mt.engine.server import wait_healthy  # noqa: E402
-from slime_mt.gateway.server import Gateway  # noqa: E402
+from slime_mt.gateway.server import Gateway, open_gateway  # noqa: E402
 from slime_mt.rollout.context import RolloutContext  # noqa: E402
 from slime_mt.types import Sample  # noqa: E402
 
@@ -98,7 +98,7 @@ async def direct_calls(ctx, ids: list[int], calls: int) -> list[float]:
 
 
 def run(ctx, concurrency: int, calls: int, context_tokens: int, handler_seconds: list[float]):
-    gateway = ctx.run_sync(ctx.open_gateway())
+    gateway = ctx.run_sync(open_gateway(ctx))
 
     async def opened():
         return [

@@ -24,8 +24,7 @@ import torch
 from slime_mt.inspection.dumps import load_dump, save_dump
 from slime_mt.inspection.report import write_report
 from slime_mt.rollout.finalize import finalize
-from slime_mt.rollout_side import TrainBatch
-from slime_mt.types import Sample, Status
+from slime_mt.types import Sample, Status, TrainBatch
 
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 

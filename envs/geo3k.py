@@ -19,24 +19,6 @@ import re
 
 from envs.base import BaseInteractionEnv
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calc_score",
-        "description": "Check a candidate answer to the geometry question; returns whether it is correct.",
-        "parameters": {
-            "type": "object",
-            "properties": {"answer": {"type": "string", "description": "The answer"}},
-            "required": ["answer"],
-        },
-    },
-}
-
-SYSTEM_PROMPT = (
-    "Solve the geometry problem about the diagram. You may check a candidate answer with the "
-    "calc_score tool. Give your final answer as \\boxed{answer}."
-)
-
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the env step's applies
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)

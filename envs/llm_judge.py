@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import BaseInteractionEnv
+from slime_mt.engine.clients import client_for
+from slime_mt.plugins import judge_parser_prototype, load_function
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a task. Compare the answer with the reference and rate it from 0 "
@@ -175,10 +177,6 @@ class Judge:
             self.on_close()
 
 
-def _expected_parser(text: str) -> float | None:
-    """Prototype of ``--judge-parser-path``: the judge's answer -> its score, or None (unparseable)."""
-
-
 def _context(args):
     ctx = getattr(args, "rollout_context", None)
     if ctx is None:
@@ -193,7 +191,6 @@ async def judge_of(ctx) -> Judge:
     """The run's judge (built from the ``--judge-*`` flags on first use, then shared)."""
     if getattr(ctx, "judge", None) is not None:
         return ctx.judge
-    from slime_mt.engine.client import client_for
     from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 
     args = ctx.args
@@ -221,9 +218,7 @@ async def judge_of(ctx) -> Judge:
         client = client_for("local", url, timeout=args.judge_timeout, max_retries=1)
     parse = None
     if args.judge_parser_path:
-        from slime_mt.plugins import load_function
-
-        parse = load_function(args.judge_parser_path, _expected_parser, "--judge-parser-path")
+        parse = load_function(args.judge_parser_path, judge_parser_prototype, "--judge-parser-path")
     ctx.judge = Judge(
         client,
         tokenizer,

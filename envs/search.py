@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import BaseInteractionEnv, InvalidActionError
+from slime_mt.assets.cache import cached_dir
 from slime_mt.rollout.rewards import exact_match, f1_reward
 
 SEARCH_TOOL = {
@@ -106,7 +107,6 @@ class SearchIndex:
             import bm25s
         except ImportError as e:
             raise ImportError("envs.search needs bm25s: pip install 'slime_mt[envs]'") from e
-        from slime_mt.assets.cache import cached_dir
 
         digest = hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest()[:16]
         with cls._lock:

@@ -35,6 +35,7 @@ import os
 import signal
 
 from slime_mt.engine.http import within
+from slime_mt.gateway.server import open_gateway
 from slime_mt.plugins import load_function
 from slime_mt.rollout.failures import fail
 from slime_mt.types import Sample, Status
@@ -145,7 +146,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     cfg = ctx.gateway_config
     if bool(cfg.agent_function_path) == bool(cfg.agent_command):
         raise AgentError("rollouts.agent.generate needs exactly one of --agent-function-path and --agent-command")
-    gateway = await ctx.open_gateway()
+    gateway = await open_gateway(ctx)
     args.gateway_api_key = gateway.api_key or "EMPTY"
     session = gateway.open(sample, sampling_params)
     try:

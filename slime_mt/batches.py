@@ -6,31 +6,20 @@
   ``--fully-async`` ``FullyAsyncBatches`` a ``RolloutManager`` generates without stopping; each step
                                         takes the next finished groups within ``--max-staleness``
 
-Each answers ``take(step)`` with a ``Batch``; ``prefetch`` runs once the step's batch is prepared,
-``drain`` once it has trained (before the weights change), ``weights_changed`` after they have;
-``data_state`` is what a checkpoint saves of the data cursor so that a resumed run draws again what
-was drawn and not trained.
+Each is a ``types.BatchSource``: it answers ``take(step)`` with a ``types.Batch``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
-from dataclasses import dataclass, field
 
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.staleness import drop_metrics
+from slime_mt.types import Batch, BatchSource
 
 
-@dataclass
-class Batch:
-    groups: list
-    started: float  # wall clock when its rollout started
-    seconds: float  # how long the rollout took (fully async: how long the trainer waited)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-class NextBatch:
+class NextBatch(BatchSource):
     """Sync: each step's rollout runs when the step asks for it."""
 
     def __init__(self, side) -> None:
@@ -40,25 +29,12 @@ class NextBatch:
         groups, started, seconds, _ = self.side.timed_rollout(step)
         return Batch(groups, started, seconds, {"time/trainer_idle_seconds": seconds})
 
-    def prefetch(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's batch is prepared and will train (not called when the run stops after it)."""
-
-    def drain(self) -> float:
-        """The step has trained; -> seconds spent waiting before the weights may change."""
-        return 0.0
-
-    def weights_changed(self, version: int) -> None:
-        """The engines now serve ``version``."""
-
     def idle_metrics(self, train_seconds: float, sync_seconds: float) -> dict[str, float]:
         """What the engines waited for this step: sync engines wait while the step trains and syncs."""
         return {"time/rollout_idle_seconds": train_seconds + sync_seconds}
 
     def data_state(self) -> dict:
         return self.side.data.state_dict()
-
-    def close(self) -> None:
-        pass
 
 
 SyncBatches = NextBatch

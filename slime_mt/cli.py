@@ -10,6 +10,10 @@ import traceback
 
 from slime_mt.config import ConfigError
 from slime_mt.config_parsing import add_config_arguments, config_from_namespace, option_strings, unrecognized
+from slime_mt.launch.ray.driver import TrainerRankLost, dry_run_placement, run
+from slime_mt.metrics import plot_run
+from slime_mt.plugins import PluginError
+from slime_mt.run_dir import LOG_FILE, claim_run_dir, run_dir_of, tee_output, write_config
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
@@ -96,7 +100,6 @@ def _user_errors() -> tuple[type, ...]:
     from slime_mt.data import DatasetError
     from slime_mt.engine.launch import LaunchError
     from slime_mt.inspection.dumps import DumpError
-    from slime_mt.plugins import PluginError
     from slime_mt.trainer import TrainSetupError
 
     return (
@@ -130,7 +133,6 @@ def run_train(cfg) -> int:
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
     from slime_mt.rollout.failures import RolloutFailedError
-    from slime_mt.run_dir import LOG_FILE, claim_run_dir, run_dir_of, tee_output, write_config
     from slime_mt.trainer import preflight, rollout_only, train
 
     preflight(cfg)
@@ -141,8 +143,6 @@ def run_train(cfg) -> int:
     run_dir = run_dir_of(cfg)
     stops: tuple[type, ...] = (RolloutFailedError,)  # a run that stops on its way: one line, exit 1
     if cfg.cluster.ray:
-        from slime_mt.launch.ray.driver import TrainerRankLost, run
-
         train = run  # the driver starts every rank as a Ray actor; each runs trainer.train
         stops += (TrainerRankLost,)
     elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
@@ -177,7 +177,7 @@ def run_check_template(ns) -> int:
     from pathlib import Path
 
     from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
-    from slime_mt.template_check import check_template, load_tools, report
+    from slime_mt.rollout.template_check import check_template, load_tools, report
 
     try:
         if not Path(ns.hf_checkpoint).is_dir():
@@ -229,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
         serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed, ns.cache_tokens)
         return 0
     if ns.command == "plot":
-        from slime_mt.metrics import plot_run
-
         try:
             for path in plot_run(ns.run_dir):
                 print(path)
@@ -262,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
             for line in check(cfg):
                 print(f"# dry run: {line}")
             if cfg.cluster.ray:
-                from slime_mt.launch.ray.driver import dry_run_placement
-
                 for line in dry_run_placement(cfg):
                     print(f"# placement: {line}")
             return 0

@@ -2,7 +2,8 @@
 
 Every field of every concern is a CLI flag (``eps_clip`` -> ``--eps-clip``, names follow slime's) and a
 YAML key (``eps_clip`` or ``eps-clip``); ``config_parsing.py`` reads them from argv and YAML files.
-``Config.validate`` rejects impossible values naming the flag (``config_validation.py``).
+``config_validation.validate`` rejects impossible values naming the flag. This module imports nothing of
+the project: every other module may read it.
 
 Library code receives one concern (``cfg.rollout``); user plug-ins receive ``cfg.to_args()``, a
 flat slime-style namespace that also carries the custom keys.
@@ -543,13 +544,6 @@ class Config:
         if self.custom:
             data["custom"] = self.custom
         return yaml.safe_dump(data, sort_keys=False)
-
-    def validate(self) -> Config:
-        """Raise ConfigError naming the flag and value of the first impossible setting."""
-        from slime_mt.config_validation import validate  # the rules read the dataclasses defined here
-
-        validate(self)
-        return self
 
 
 # ---------------------------------------------------------------- field introspection

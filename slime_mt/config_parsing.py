@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from slime_mt.config import ALIASES, FIELDS, GROUPS, Config, ConfigError, flag_name
+from slime_mt.config_validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ def build_config(values: dict[str, Any], custom: dict[str, Any] | None = None) -
             raise ConfigError(f"unknown setting '{key}'{_did_you_mean(key)}")
         per_group[FIELDS[key][0]][key] = value
     cfg = Config(**{g: GROUPS[g](**kv) for g, kv in per_group.items()}, custom=dict(custom or {}))
-    return cfg.validate()
+    validate(cfg)
+    return cfg
 
 
 def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,12 +1,13 @@
 """The rules a configuration must satisfy: values in range, and flags that need or exclude each
-other. ``Config.validate`` applies them; every error is a ConfigError naming the flag and its value,
-and for a combination both flags and what to use instead."""
+other. ``config_parsing.build_config`` applies them (``validate``); every error is a ConfigError naming
+the flag and its value, and for a combination both flags and what to use instead."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from slime_mt.config import Config, ConfigError, RolloutConfig, flag_name
+from slime_mt.inspection.turn_records import TurnRecordsError, parse_setting
 from slime_mt.rollout.context_policy import ContextPolicyError, rewrites_history
 
 
@@ -121,7 +122,6 @@ def _validate_gateway(cfg: Config) -> None:
 def _validate_debug(cfg: Config) -> None:
     """Rollout-only and train-only exclude each other; dump paths hold only ``{rollout_id}``."""
     from slime_mt.inspection.dumps import DumpError, dump_path
-    from slime_mt.inspection.turn_records import TurnRecordsError, parse_setting
 
     d = cfg.debug
     _require(

@@ -19,12 +19,28 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 GEO3K_FIELDS = ("problem", "answer", "images")
+# the geo3k environment's tool and system prompt (envs/geo3k.py), which the rows carry
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc_score",
+        "description": "Check a candidate answer to the geometry question; returns whether it is correct.",
+        "parameters": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "The answer"}},
+            "required": ["answer"],
+        },
+    },
+}
+
+SYSTEM_PROMPT = (
+    "Solve the geometry problem about the diagram. You may check a candidate answer with the "
+    "calc_score tool. Give your final answer as \\boxed{answer}."
+)
 
 
 def _with_chat(row: dict) -> dict:
     """Add the chat form the recipes train on: a system prompt and the problem, plus the tool schema."""
-    from envs.geo3k import SYSTEM_PROMPT, TOOL
-
     return {
         **row,
         "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["problem"]}],

@@ -139,3 +139,8 @@ def check_signature(fn: Callable, expected: Callable, label: str) -> None:
 
 def _is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def judge_parser_prototype(text: str) -> float | None:
+    """Prototype of ``--judge-parser-path`` (read by ``envs/llm_judge.py``, checked before a run): the
+    judge's answer -> its score, or None (unparseable)."""

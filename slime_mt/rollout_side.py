@@ -18,36 +18,27 @@ from pathlib import Path
 
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.batches import next_batch_for
+from slime_mt.cluster.supervisor import EngineSupervisor
+from slime_mt.compat import SlimeCompat
 from slime_mt.config import Config
 from slime_mt.data import DatasetError, PromptDataset
 from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.engine.weight_sync import transport_for
 from slime_mt.inspection.records import RunRecords
+from slime_mt.metrics import MetricsLogger
+from slime_mt.plugins import load_function
+from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import RolloutFailedError, StepReport
 from slime_mt.rollout.finalize import finalize
-from slime_mt.rollout.group_rollout import rollout_output
+from slime_mt.rollout.group_rollout import rollout_groups, rollout_output
 from slime_mt.rollout.metrics import rollout_metrics
+from slime_mt.rollout.rollout_workers import RolloutWorkerPool
 from slime_mt.rollout.staleness import mask_stale, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
 from slime_mt.timeline import maybe_span
-from slime_mt.types import Status
+from slime_mt.types import Status, TrainBatch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainBatch:
-    """What every rank trains on in one step (sent from the rollout side to every rank)."""
-
-    samples: list
-    advantages: list[float]
-    merge_metrics: dict
-    rollout_metrics: dict
-    rollout_seconds: float
-    rollout_started: float
-    metrics: dict[str, float]  # weight versions, staleness, the batch source's timings
-    trained_groups: list[int]  # the groups' indices (metrics.jsonl records them)
-    note: str  # the step's failures in one line
 
 
 def drop_long_prompts(dataset: PromptDataset, ctx, path: str) -> None:
@@ -94,7 +85,7 @@ class RolloutSide:
     failed_steps: int = 0  # consecutive steps in which every sample failed
     asleep: bool = False  # --colocate: the engines' memory is released while the trainer trains
     records: RunRecords | None = None  # the dumps, turn records and trace (inspection/records.py)
-    supervisor: object = None  # --ray: launch/ray/supervisor.py, starts again an engine that dies
+    supervisor: object = None  # --ray: cluster/supervisor.py, starts again an engine that dies
     weights_to: list | None = None  # the engines the weight transport was made for (with a supervisor)
 
     @classmethod
@@ -103,9 +94,6 @@ class RolloutSide:
         gate, the rollout function and the metrics logger; under ``--ray`` (``engine_actors``: the
         driver's EngineActors) the supervisor that starts again an engine that dies."""
         from slime_mt.engine.launch import start_engines
-        from slime_mt.metrics import MetricsLogger
-        from slime_mt.plugins import load_function
-        from slime_mt.rollout.context import RolloutContext
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
         eval_data = None
@@ -134,8 +122,6 @@ class RolloutSide:
             engines.stop()
             raise
         if cfg.rollout.rollout_num_processes > 1:
-            from slime_mt.rollout.rollout_workers import RolloutWorkerPool
-
             try:
                 ctx.rollout_workers = RolloutWorkerPool(cfg, engines.url, engines.worker_urls, ctx.env_workers)
             except BaseException:
@@ -148,8 +134,6 @@ class RolloutSide:
             for line in pool.describe() if pool is not None else []:
                 print(f"placement: {line}", flush=True)
         if cfg.rollout.slime_compat:
-            from slime_mt.compat import SlimeCompat
-
             compat = SlimeCompat.activate(ctx)
             for dataset in (data, eval_data):
                 if dataset is not None:
@@ -166,7 +150,6 @@ class RolloutSide:
         side.records = RunRecords(cfg, run_dir)
         if engine_actors:
             from slime_mt.engine.launch import add_worker, remove_worker
-            from slime_mt.launch.ray.supervisor import EngineSupervisor
 
             def lost(url: str) -> None:
                 if cfg.engine.engine == "vllm":  # no router: the client's own rotation
@@ -375,7 +358,6 @@ class RolloutSide:
         )
         ctx = dataclasses.replace(self.ctx, rollout=eval_rollout)
         self.eval_data.load_state_dict({"epoch": 0, "cursor": 0, "next_group": 0})
-        from slime_mt.rollout.group_rollout import rollout_groups
 
         groups = ctx.run_sync(rollout_groups(ctx, self.eval_data, evaluation=True, rollout_id=10_000_000 + step))
         StepReport(step, groups, label="eval at step").log(self.errors_path)

@@ -42,9 +42,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from slime_mt.config import Config, ConfigError
-from slime_mt.data import PromptDataset
+from slime_mt.backends.megatron.actor import MegatronActor
+from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
+from slime_mt.compat import install
+from slime_mt.config import Config, ConfigError, RolloutConfig
+from slime_mt.data import PromptDataset, load_rows
+from slime_mt.inspection.dumps import dump_path
+from slime_mt.inspection.replay import ReplaySide, checked_dump
+from slime_mt.plugins import judge_parser_prototype, load_function, load_module
 from slime_mt.rollout.failures import RolloutFailedError
+from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 from slime_mt.rollout_side import RolloutSide
 from slime_mt.run_dir import run_dir_of
 from slime_mt.timeline import Timeline
@@ -59,8 +67,6 @@ class TrainSetupError(RuntimeError):
 
 def preflight(cfg: Config) -> None:
     """Check every input before anything is launched or written; one clear error per problem."""
-    from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
-    from slime_mt.data import load_rows
 
     t = cfg.train
     if not t.hf_checkpoint:
@@ -78,9 +84,6 @@ def preflight(cfg: Config) -> None:
     check_plugins(cfg)
     d = cfg.debug
     if d.train_only and not cfg.checkpoint.load:
-        from slime_mt.inspection.dumps import dump_path
-        from slime_mt.inspection.replay import checked_dump
-
         first = dump_path(d.load_debug_rollout_data, 0)
         if not first.is_file():
             raise TrainSetupError(f"--load-debug-rollout-data {d.load_debug_rollout_data}: no dump of step 0 ({first})")
@@ -100,8 +103,6 @@ def _check_compat_images(cfg: Config) -> None:
     """``--slime-compat`` hands the framework's own generate functions the rendered text prompt: with a
     dataset of images every sample would reach the engine without them (an HTTP 400 each, after the
     model loaded). Refused here, before anything starts."""
-    from slime_mt.config import RolloutConfig
-    from slime_mt.plugins import load_function
 
     r = cfg.rollout
     if (
@@ -123,13 +124,9 @@ def _check_compat_images(cfg: Config) -> None:
 def check_plugins(cfg: Config):
     """Import every plug-in the run names and check it against its contract -> the env module (None
     without ``--rollout-interaction-env-path``)."""
-    from slime_mt.plugins import load_function, load_module
-    from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 
     r = cfg.rollout
     if r.slime_compat:
-        from slime_mt.compat import install
-
         install()
     load_function(r.rollout_function_path, _expected_rollout, "--rollout-function-path")
     load_plugins(r)
@@ -137,9 +134,7 @@ def check_plugins(cfg: Config):
     if r.context_policy_path:
         load_function(r.context_policy_path, what="--context-policy-path")
     if cfg.judge.judge_parser_path:
-        from envs.llm_judge import _expected_parser
-
-        load_function(cfg.judge.judge_parser_path, _expected_parser, "--judge-parser-path")
+        load_function(cfg.judge.judge_parser_path, judge_parser_prototype, "--judge-parser-path")
     if not r.rollout_interaction_env_path:
         return None
     module = load_module(r.rollout_interaction_env_path)
@@ -156,8 +151,6 @@ def dry_run(cfg: Config) -> list[str]:
     first prompt row reads, and one environment is built from it (reset, then closed) -> report lines."""
     import asyncio
     import inspect
-
-    from slime_mt.data import load_rows
 
     module = check_plugins(cfg)
     lines = ["plug-ins: imported and checked"]
@@ -191,8 +184,6 @@ def dry_run(cfg: Config) -> list[str]:
 def _rollout_side(cfg: Config, run_dir: Path, engine_actors: list | None):
     """Rank 0's rollout side: engines and rollouts, or the saved rollouts of ``--debug-train-only``."""
     if cfg.debug.train_only:
-        from slime_mt.inspection.replay import ReplaySide
-
         return ReplaySide(cfg, run_dir)
     return RolloutSide.start(cfg, run_dir, engine_actors)
 
@@ -253,8 +244,6 @@ def train(
     (``--ray``, rank 0): the engines' actors, to start again one that dies. ``stop_requested`` (``--ray``:
     the driver's Ctrl-C) acts as Ctrl-C does: rank 0's request, shared with every rank after the step's
     weight export, finishes the step, saves and stops."""
-    from slime_mt.backends.megatron.actor import MegatronActor
-    from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 
     info = init_parallel(cfg.train.tensor_model_parallel_size, cfg.train.seed)
     run_dir = run_dir or run_dir_of(cfg)

@@ -1,4 +1,6 @@
-"""Core data types: Sample (one trajectory, slime's field names), Turn (one LLM call), Status.
+"""Core data types: Sample (one trajectory, slime's field names), Turn (one LLM call), Status,
+TrainingSample (one sequence to train on), and what passes between the roles: a step's groups from a
+``BatchSource`` (``Batch``) and the ``TrainBatch`` the ranks train on.
 
 Invariants of a Sample (``Sample.validate`` asserts them):
   tokens = prompt tokens + response tokens, ``response_length = len(tokens) - prompt_length``;
@@ -357,3 +359,59 @@ class TrainingSample:
     @property
     def num_trainable(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass
+class TrainBatch:
+    """What the ranks train on in one step (made by the rollout side from a ``Batch``)."""
+
+    samples: list[TrainingSample]
+    advantages: list[float]
+    merge_metrics: dict
+    rollout_metrics: dict
+    rollout_seconds: float
+    rollout_started: float
+    metrics: dict[str, float]  # weight versions, staleness, the batch source's timings
+    trained_groups: list[int]  # the groups' indices (metrics.jsonl records them)
+    note: str  # the step's failures in one line
+
+
+@dataclass
+class Batch:
+    """A step's groups as a ``BatchSource`` gives them."""
+
+    groups: list
+    started: float  # wall clock when its rollout started
+    seconds: float  # how long the rollout took (fully async: how long the trainer waited)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class BatchSource:
+    """Where each step's groups come from, one per mode (``batches.py``; a train-only run's dumps:
+    ``inspection/replay.py``). The driver calls ``take(step)`` for the step's groups, ``prefetch`` once
+    the step's batch is prepared, ``drain`` once it has trained (before the weights change) and
+    ``weights_changed`` after they have; ``data_state`` is what a checkpoint saves of the data cursor so
+    that a resumed run draws again what was drawn and not trained. The defaults: nothing in flight."""
+
+    def take(self, step: int) -> Batch:
+        raise NotImplementedError(f"{type(self).__name__} gives no batches")
+
+    def prefetch(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's batch is prepared and will train (not called when the run stops after it)."""
+
+    def drain(self) -> float:
+        """The step has trained; -> seconds spent waiting before the weights may change."""
+        return 0.0
+
+    def weights_changed(self, version: int) -> None:
+        """The engines now serve ``version``."""
+
+    def idle_metrics(self, train_seconds: float, sync_seconds: float) -> dict[str, float]:
+        """What the engines waited for this step."""
+        return {}
+
+    def data_state(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -8,7 +8,7 @@ Qwen3 additionally renders ``<think>`` blocks only for assistant turns after the
 (a user message that is not a ``<tool_response>`` wrapper; the last message always, earlier ones
 when they have reasoning), and honours ``enable_thinking=False`` with an empty think block in the
 generation prompt. On text conversations the Qwen3 template renders byte for byte what Qwen3's
-official template renders (tests/unit/test_template_check.py compares them).
+official template renders (tests/unit/rollout/test_template_check.py compares them).
 """
 
 _CONTENT = """

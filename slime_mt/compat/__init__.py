@@ -43,6 +43,8 @@ from urllib.parse import urlsplit
 
 import torch
 
+from slime_mt.compat.run_state import clear_active, set_active
+from slime_mt.compat.slime.utils.types import Sample as SlimeSample
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.processing import QwenVLProcessor
 from slime_mt.rollout.multi_turn import route_of, turn_seed
@@ -69,7 +71,6 @@ SLIME_ARG_DEFAULTS: dict[str, Any] = {
 
 # (the sample a generate call is for, its requests so far), set around each generate call
 _CALL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("slime_mt_compat_call", default=None)
-_active: SlimeCompat | None = None
 
 
 class _SlimeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -101,20 +102,6 @@ def install() -> None:
     sys.meta_path.insert(0, _SlimeAlias())
 
 
-def active() -> SlimeCompat:
-    """The run's compatibility side; slime's helpers need a running run."""
-    if _active is None:
-        raise RuntimeError(
-            "slime's generation helpers (GenerateState, post to the engine) work inside a "
-            "'slime-mt train --slime-compat' run, once its engines are up"
-        )
-    return _active
-
-
-def current() -> SlimeCompat | None:
-    return _active
-
-
 class SlimeCompat:
     """One per run, on rank 0: the context, slime's per-run state, the text requests per sample."""
 
@@ -130,7 +117,6 @@ class SlimeCompat:
     @classmethod
     def activate(cls, ctx) -> SlimeCompat:
         """Install the aliases, bind ``ctx`` (``ctx.compat``) and give ``ctx.args`` slime's names."""
-        global _active
         install()
         compat = cls(ctx)
         ctx.compat = compat
@@ -140,21 +126,17 @@ class SlimeCompat:
                 setattr(args, key, value.copy() if isinstance(value, dict) else value)
         where = urlsplit(ctx.client.url)
         args.sglang_router_ip, args.sglang_router_port = where.hostname, where.port
-        _active = compat
+        set_active(compat)
         return compat
 
     def close(self) -> None:
-        global _active
-        if _active is self:
-            _active = None
+        clear_active(self)
 
     # ------------------------------------------------------------------ data
 
     def adopt_dataset(self, dataset, apply_chat_template: bool) -> None:
         """slime's samples; with ``apply_chat_template`` every prompt rendered to text (slime's
         dataset: a string prompt becomes one user message; the row's tools go to the template)."""
-        from slime_mt.compat.slime.utils.types import Sample as SlimeSample
-
         dataset.sample_class = SlimeSample
         if not apply_chat_template:
             return

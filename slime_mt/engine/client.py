@@ -476,15 +476,6 @@ class EngineClient:
         return [await self._get(u, "/server_info") for u in self.worker_urls]
 
 
-def client_for(engine: str, url: str, worker_urls: list[str] | None = None, **kw: Any) -> EngineClient:
-    """The client of ``--engine`` ``engine``: vLLM's (``engine/vllm.py``) or SGLang's API (local, sglang)."""
-    if engine == "vllm":
-        from slime_mt.engine.vllm import VLLMClient
-
-        return VLLMClient(url, worker_urls, **kw)
-    return EngineClient(url, worker_urls, **kw)
-
-
 def _json_of(response: Response, where: str) -> Any:
     if not response.body:
         return {}

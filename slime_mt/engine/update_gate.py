@@ -7,15 +7,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from slime_mt.engine.client import EngineClient
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 1.0  # the longest an update waits for requests still out after the engines paused
 DRAIN_ABORT_INTERVAL = 0.25  # seconds between abort-all calls while it waits
+
+
+class PausableEngines(Protocol):
+    """What the gate needs of the engines' client (``EngineClient`` and its vLLM subclass are such)."""
+
+    async def pause(self, mode: str = "in_place", timeout: float | None = None) -> None: ...
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None: ...
+
+    async def resume(self, timeout: float | None = None) -> None: ...
 
 
 class UpdateGate:
@@ -111,7 +118,7 @@ class UpdateGate:
             return False
         return True
 
-    async def close(self, client: EngineClient) -> None:
+    async def close(self, client: PausableEngines) -> None:
         """Stop requests at the gate (and the followers'), abort and pause the engines, wait (bounded)
         for those still out."""
         self.hold()
@@ -135,7 +142,7 @@ class UpdateGate:
             return await self.back(timeout)
         return all(await asyncio.gather(self.back(timeout), self.followers.back(timeout)))
 
-    async def open(self, client: EngineClient) -> None:
+    async def open(self, client: PausableEngines) -> None:
         """Continue generation on every engine and let the waiting requests through."""
         try:
             await client.resume()

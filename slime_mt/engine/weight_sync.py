@@ -41,7 +41,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.engine import weight_group
+from slime_mt.backends.megatron.convert import ShardWriter
+from slime_mt.config import ConfigError
+from slime_mt.engine import tensor_payload, weight_group
+from slime_mt.engine.client import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,6 @@ class WeightFolders:
 
     def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
         """Write HF-named ``tensors`` as version ``version`` -> its folder (complete when it appears)."""
-        from slime_mt.backends.megatron.convert import ShardWriter
 
         folder, tmp = self.folder(version), self.root / f".tmp_v{version}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,7 +103,6 @@ def _is_version(name: str) -> bool:
 def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Path):
     """The run's weight transport from ``--weight-transport`` (``cfg``: the EngineConfig) and where the
     engines are (``engines``: the EngineGroup, ``ctx``: the rollout context with its client)."""
-    from slime_mt.config import ConfigError
 
     mode = cfg.weight_transport
     if mode == "auto":
@@ -215,7 +216,6 @@ class DistributedWeights:
 
     def close(self) -> None:
         """Leave the group on every engine and here; an engine that cannot (it left, or is gone) is logged."""
-        from slime_mt.engine.client import EngineError
 
         try:
             self.ctx.run_sync(self.ctx.client.destroy_weights_update_group(self.name))
@@ -238,7 +238,6 @@ class TensorWeights:
         _sglang_device_reductions()
 
     def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
-        from slime_mt.engine import tensor_payload
 
         with gate_closed():
             for bucket in weight_group.buckets(stream, self.buffer_bytes):

@@ -237,8 +237,7 @@ def samples_of(data: dict) -> list:
 
 def train_batch_of(data: dict):
     """The TrainBatch the dump's step trained on."""
-    from slime_mt.rollout_side import TrainBatch
-    from slime_mt.types import Status, TrainingSample
+    from slime_mt.types import Status, TrainBatch, TrainingSample
 
     train = data["train"]
     samples = []

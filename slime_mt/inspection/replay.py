@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from slime_mt.batches import NextBatch
 from slime_mt.inspection.dumps import DumpError, dump_path, load_dump, settings_of, train_batch_of
 from slime_mt.inspection.records import RunRecords
+from slime_mt.metrics import MetricsLogger
 from slime_mt.timeline import Timeline
+from slime_mt.types import BatchSource
 
 
 def checked_dump(cfg, step: int) -> dict:
@@ -32,21 +33,10 @@ def checked_dump(cfg, step: int) -> dict:
     return data
 
 
-class ReplayBatches(NextBatch):
-    """Nothing generates: the batch of a step is read in ``ReplaySide.collect``."""
-
-    def idle_metrics(self, train_seconds: float, sync_seconds: float) -> dict[str, float]:
-        return {}
-
-    def data_state(self) -> dict:
-        return {}
-
-
 class ReplaySide:
     """The rollout side's part that a train-only run keeps: batches (from the dumps), metrics, records."""
 
     def __init__(self, cfg, run_dir: Path) -> None:
-        from slime_mt.metrics import MetricsLogger
 
         self.cfg = cfg
         c = cfg.checkpoint
@@ -54,8 +44,9 @@ class ReplaySide:
         self.records = RunRecords(cfg, run_dir)
         self.timeline = Timeline("rollout side") if cfg.debug.trace != "off" else None
 
-    def begin(self, start: int) -> NextBatch:
-        return ReplayBatches(self)
+    def begin(self, start: int) -> BatchSource:
+        """Nothing generates: the batch of a step is read in ``collect``."""
+        return BatchSource()
 
     def resume(self, data_state: dict, step: int) -> None:
         self.metrics.truncate_after(step)

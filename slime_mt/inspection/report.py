@@ -28,6 +28,7 @@ import yaml
 
 from slime_mt.inspection.dumps import load_dump
 from slime_mt.metrics import read_metrics
+from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.retokenize import common_ends
 
 VIEWER = Path(__file__).with_name("viewer.html")
@@ -249,8 +250,6 @@ def _pieces(tokenizer_path: str | None, ids: set[int]) -> dict[int, str]:
     if not tokenizer_path or not ids:
         return {}
     try:
-        from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
-
         tokenizer = tokenizer_of(load_tokenizer_or_processor(tokenizer_path))
     except Exception:
         return {}

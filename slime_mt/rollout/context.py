@@ -17,12 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient, client_for, output_of
+from slime_mt.config import Config, ConfigError, DataConfig, GatewayConfig, RolloutConfig
+from slime_mt.engine.client import EngineClient, output_of
+from slime_mt.engine.clients import client_for
 from slime_mt.plugins import PluginError, load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
-from slime_mt.template_check import path_of, warn_if_inexact
+from slime_mt.rollout.env_workers import EnvWorkerPool
+from slime_mt.rollout.template_check import path_of, warn_if_inexact
 from slime_mt.timeline import Timeline
 from slime_mt.tokenization import Encoded, ObservationEncoder
 from slime_mt.types import parse_version
@@ -46,7 +48,7 @@ class RolloutContext:
     env_workers: Any = None  # rollout.env_workers.EnvWorkerPool under --env-num-workers
     rollout_workers: Any = None  # rollout.rollout_workers.RolloutWorkerPool under --rollout-num-processes
     gateway_config: GatewayConfig = field(default_factory=GatewayConfig)
-    gateway: Any = None  # gateway.server.Gateway, started by the first agent (``open_gateway``)
+    gateway: Any = None  # this process's agent gateway, started by the first agent (``gateway.server.open_gateway``)
     _gateway_lock: asyncio.Lock | None = None
     judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
     timeline: Timeline | None = None  # this process's spans for RUN_DIR/trace.json (None: --trace off)
@@ -72,7 +74,6 @@ class RolloutContext:
         )
         processor = load_tokenizer_or_processor(model_path)
         if e.engine == "vllm" and getattr(processor, "image_token_id", None) is not None:
-            from slime_mt.config import ConfigError
             from slime_mt.engine.vllm import IMAGES_REFUSED
 
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
@@ -82,8 +83,6 @@ class RolloutContext:
             ctx.timeline = client.timeline = Timeline(process, trajectories=cfg.debug.trace == "all")
         r = cfg.rollout
         if r.env_num_workers:
-            from slime_mt.rollout.env_workers import EnvWorkerPool
-
             ctx.env_workers = EnvWorkerPool(
                 r.env_num_workers,
                 r.env_worker_num_cpus,
@@ -220,17 +219,6 @@ class RolloutContext:
         if r.rollout_stop_token_ids:
             params["stop_token_ids"] = list(r.rollout_stop_token_ids)
         return params
-
-    async def open_gateway(self):
-        """The agent gateway of this process, started on the running loop the first time (then shared)."""
-        if self._gateway_lock is None:
-            self._gateway_lock = asyncio.Lock()
-        async with self._gateway_lock:
-            if self.gateway is None:
-                from slime_mt.gateway.server import Gateway  # only runs with agents load the server
-
-                self.gateway = await Gateway(self, self.gateway_config).start()
-        return self.gateway
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -1,7 +1,7 @@
 """An episode's calls into its environment: steps retried on transient faults, resets retried, and
 recovery from faults that lose the environment's state.
 
-Three kinds of fault, three answers (``envs/base.py`` states the contract):
+Three kinds of fault, three answers (``slime_mt/environment.py`` states the contract):
 
   RetryableEnvError, a step timeout, info["retryable"]   the same step again, at most
                                                           --max-env-retries-per-turn times
@@ -24,8 +24,8 @@ import asyncio
 import inspect
 from typing import Any
 
-from envs.base import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of, opening_text
 from slime_mt.engine.http import within
+from slime_mt.environment import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of, opening_text
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.timeline import maybe_span
 from slime_mt.types import Sample

@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from envs.base import RetryableEnvError, opening_of, opening_text
-from slime_mt.launch.ray.pool import ActorPool
+from slime_mt.cluster.pool import ActorPool
+from slime_mt.environment import RetryableEnvError, opening_of, opening_text
+from slime_mt.plugins import load_module
 from slime_mt.timeline import current_lane, maybe_span
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,9 @@ class EnvWorker:
     """One worker process: the environments of the episodes given to it, by episode key."""
 
     def __init__(self, cwd: str, paths: list[str], env_path: str, args: argparse.Namespace) -> None:
-        from slime_mt.launch.ray.actors import enter
+        from slime_mt.cluster.runtime import enter
 
         enter(cwd, paths)
-        from slime_mt.plugins import load_module
 
         self.module = load_module(env_path)
         self.args = args
@@ -61,7 +61,7 @@ class EnvWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        from slime_mt.launch.ray.actors import location
+        from slime_mt.cluster.runtime import location
 
         return {**location(), "incarnation": self.incarnation}
 
@@ -136,7 +136,7 @@ class EnvWorkerPool(ActorPool):
     ) -> None:
         import ray
 
-        from slime_mt.launch.ray.actors import connect
+        from slime_mt.cluster.runtime import connect
 
         self.started_ray = connect(ray_address)
         self.owned = True

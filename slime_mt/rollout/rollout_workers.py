@@ -32,7 +32,9 @@ import sys
 import uuid
 from typing import Any
 
-from slime_mt.launch.ray.pool import ActorPool
+from slime_mt.cluster.pool import ActorPool
+from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.rollout.env_workers import EnvWorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +59,9 @@ class RolloutWorker:
         concurrency: int,
         env_workers: dict | None,
     ) -> None:
-        from slime_mt.launch.ray.actors import enter
+        from slime_mt.cluster.runtime import enter
 
         enter(cwd, paths)
-        from slime_mt.engine.update_gate import UpdateGate
         from slime_mt.rollout.context import RolloutContext
 
         rollout = dataclasses.replace(cfg.rollout, rollout_num_processes=1, env_num_workers=0)
@@ -70,8 +71,6 @@ class RolloutWorker:
         )
         self.ctx.client.gate = UpdateGate()
         if env_workers is not None:
-            from slime_mt.rollout.env_workers import EnvWorkerPool
-
             self.ctx.env_workers = EnvWorkerPool.attached(env_workers)
             self.ctx.env_workers.timeline = self.ctx.timeline
         self.semaphore = asyncio.Semaphore(concurrency)  # used on the context's loop only
@@ -79,7 +78,7 @@ class RolloutWorker:
         self.incarnation = uuid.uuid4().hex
 
     def where(self) -> dict:
-        from slime_mt.launch.ray.actors import location
+        from slime_mt.cluster.runtime import location
 
         return {**location(), "incarnation": self.incarnation}
 
@@ -129,7 +128,7 @@ class RolloutWorkerPool(ActorPool):
     def __init__(self, cfg, url: str, worker_urls: list[str] | None, env_workers=None) -> None:
         import ray
 
-        from slime_mt.launch.ray.actors import connect
+        from slime_mt.cluster.runtime import connect
 
         r = cfg.rollout
         n = r.rollout_num_processes

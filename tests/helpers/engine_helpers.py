@@ -8,7 +8,7 @@ import threading
 
 from PIL import Image, ImageDraw
 
-from slime_mt.engine.client import client_for
+from slime_mt.engine.clients import client_for
 
 
 def run(coro):

@@ -25,11 +25,12 @@ class Harness:
 
     def __init__(self, model_path: Path, url: str, flags: list[str], worker_urls: list[str] | None = None):
         from slime_mt.config_parsing import parse_config
+        from slime_mt.gateway.server import open_gateway
         from slime_mt.rollout.context import RolloutContext
 
         self.cfg = parse_config(["--hf-checkpoint", str(model_path), *flags])
         self.ctx = RolloutContext.create(self.cfg, str(model_path), url, worker_urls)
-        self.gateway = self.ctx.run_sync(self.ctx.open_gateway())
+        self.gateway = self.ctx.run_sync(open_gateway(self.ctx))
 
     def open(self, index: int = 0, rollout_id: int = 0):
         from slime_mt.types import Sample

@@ -35,6 +35,7 @@ from slime_mt.algo.batching import (
     reduction_weights,
 )
 from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
+from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.convert import (
     CheckpointReader,
     TPGather,
@@ -55,6 +56,8 @@ from slime_mt.backends.megatron.models import (
 )
 from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
+from slime_mt.backends.megatron.prefix_tree import PrefixTrie
+from slime_mt.backends.megatron.vlm import build_vlm
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
@@ -140,8 +143,6 @@ class MegatronActor:
 
     def _build(self, reader: CheckpointReader, frozen: bool = False) -> torch.nn.Module:
         if self.spec.mrope_section is not None:
-            from slime_mt.backends.megatron.vlm import build_vlm
-
             model = build_vlm(
                 self.hf_config,
                 self.spec,
@@ -212,8 +213,6 @@ class MegatronActor:
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
         if budget and self.train_cfg.shared_prefix_training:  # in order (a group's samples stay together), by tree size
-            from slime_mt.backends.megatron.prefix_tree import PrefixTrie
-
             rows: list[list[int]] = []
             trie = PrefixTrie()
             for i in indices:
@@ -466,12 +465,10 @@ class MegatronActor:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, root: str | Path, extra: dict) -> Path:
-        from slime_mt.backends.megatron.checkpoint import save_checkpoint
 
         return save_checkpoint(self, root, extra)
 
     def load(self, root: str | Path) -> dict:
-        from slime_mt.backends.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self, root)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slime_mt.backends.megatron.parallel import current_device
 from slime_mt.backends.megatron.rope import PositionRotary, RopeConfigError, rope_frequencies
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
@@ -252,8 +253,6 @@ def build_gpt(
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
     ``attention``: the core attention without Transformer Engine (``layer_spec``)."""
     from megatron.core.models.gpt import GPTModel
-
-    from slime_mt.backends.megatron.parallel import current_device
 
     device = device or current_device()
     te = have_transformer_engine() if te is None else te

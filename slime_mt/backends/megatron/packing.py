@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from slime_mt.backends.megatron.layouts import Segments, Tree
+from slime_mt.backends.megatron.prefix_tree import build_tree
 from slime_mt.types import TrainingSample
 
 
@@ -233,7 +234,6 @@ def pack_tree_row(
     sequence the nodes whose logits predict its response tokens, and each distinct image once:
     ``pixel_values`` / ``image_grid_thw`` of the unique images, ``image_order`` the unique image of
     each pad run of the row, in row order."""
-    from slime_mt.backends.megatron.prefix_tree import build_tree
 
     batch = [samples[i] for i in indices]
     for s in batch:

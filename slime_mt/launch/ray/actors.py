@@ -12,46 +12,13 @@ by module path): every node needs the same code and files at the same paths, as 
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from pathlib import Path
 
 import ray
 
-
-def enter(cwd: str, paths: list[str]) -> None:
-    """Work in the driver's directory with its module path (relative paths and plug-ins resolve there)."""
-    os.chdir(cwd)
-    for path in reversed(paths):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-
-
-def connect(address: str | None) -> bool:
-    """Join the Ray cluster at ``address`` (None: start a local one) unless this process already is in
-    one (a run's actors are) -> whether this call started the connection (``ray.shutdown`` it after)."""
-    if ray.is_initialized():
-        return False
-    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
-    ray.init(
-        address=address,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": paths}},
-        logging_level=logging.WARNING,
-    )
-    return True
-
-
-def location() -> dict:
-    """Where the calling actor runs: its node, the devices Ray gave it, its process."""
-    return {
-        "node_ip": ray.util.get_node_ip_address(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "gpus": [int(g) for g in ray.get_gpu_ids()],
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "pid": os.getpid(),
-    }
+from slime_mt.backends.megatron import import_megatron_core
+from slime_mt.cluster.runtime import enter, location
 
 
 @ray.remote(max_concurrency=2)  # ``request_stop`` answers while ``train`` runs
@@ -73,7 +40,6 @@ class TrainerRank:
         """Import the trainer (torch, transformers, megatron.core) while the engines start: the run's
         start pays for the slower of the two, not both."""
         import slime_mt.trainer  # noqa: F401
-        from slime_mt.backends.megatron import import_megatron_core
 
         import_megatron_core()
 

@@ -50,8 +50,7 @@ def mixed_step(run_dir):
 
     from slime_mt.rollout.finalize import finalize
     from slime_mt.rollout.metrics import rollout_metrics
-    from slime_mt.rollout_side import TrainBatch
-    from slime_mt.types import Sample, Status
+    from slime_mt.types import Sample, Status, TrainBatch
 
     groups = []
     for g in range(2):

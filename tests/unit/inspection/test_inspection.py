@@ -33,7 +33,7 @@ def two_turn_sample(index: int, group: int, status: Status = Status.COMPLETED) -
 def test_token_classes_follow_what_each_format_trained(tmp_path, sample_format, merge):
     """Generated tokens are 'trained output' exactly where a training sequence has loss mask 1;
     a FAILED sample's are 'masked'; observations and the prompt keep their class."""
-    from slime_mt.rollout_side import TrainBatch
+    from slime_mt.types import TrainBatch
 
     groups = [[two_turn_sample(0, 0), two_turn_sample(1, 0, Status.FAILED)]]
     sequences, _ = finalize(groups[0], sample_format, merge)
@@ -85,7 +85,7 @@ def test_a_run_without_dumps_still_gets_its_curves(tmp_path):
 
 
 def test_a_saved_tensor_survives_the_round_trip(tmp_path):
-    from slime_mt.rollout_side import TrainBatch
+    from slime_mt.types import TrainBatch
 
     s = two_turn_sample(0, 0)
     s.multimodal_train_inputs = {"pixel_values": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)}

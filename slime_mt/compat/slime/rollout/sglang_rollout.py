@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from slime_mt.compat import active
+from slime_mt.compat.run_state import active
 from slime_mt.compat.slime.utils.processing_utils import hf_style
 
 __all__ = ["GenerateState", "generate_and_rm", "generate_and_rm_group", "get_model_url"]

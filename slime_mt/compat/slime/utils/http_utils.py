@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 
-from slime_mt.compat import current
+from slime_mt.compat.run_state import current
 
 
 async def post(url: str, payload: dict, max_retries: int = 60, headers: dict | None = None):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_mt import types as core
-from slime_mt.compat import current
+from slime_mt.compat.run_state import current
 
 __all__ = ["Sample"]
 

@@ -1,7 +1,7 @@
 """What the pools of restartable actors share (environment workers, rollout processes): where each
 actor runs, the load each carries, and the restarts seen.
 
-An actor answers ``where()`` with ``actors.location()`` and an ``incarnation`` that is new after
+An actor answers ``where()`` with ``runtime.location()`` and an ``incarnation`` that is new after
 every restart (Ray starts it again with the same arguments, so a restart shows only there). Work
 goes to the actor carrying the least, the next in turn among equals; the pool counts each
 incarnation it had not seen as one restart. Methods are thread-safe.

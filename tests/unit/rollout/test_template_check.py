@@ -10,7 +10,7 @@ from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir, s
 from slime_mt.assets.chat_templates import QWEN25
 from slime_mt.cli import main
 from slime_mt.processing import load_tokenizer_or_processor
-from slime_mt.template_check import CALCULATOR, check_template, scenarios, verdict, warn_if_inexact
+from slime_mt.rollout.template_check import CALCULATOR, check_template, scenarios, verdict, warn_if_inexact
 
 ALL = {"append", "strip_thinking", "step-wise", "retokenize"}
 NO_STRIP = {"append", "step-wise", "retokenize"}
@@ -102,11 +102,11 @@ def test_the_cli_prints_a_line_per_scenario_and_path_and_the_verdict(capsys, tmp
 
 def test_the_rollout_start_check_warns_when_the_chosen_path_is_not_exact(caplog):
     processor = load_tokenizer_or_processor(qwen3_reference_tokenizer_dir())
-    with caplog.at_level(logging.WARNING, logger="slime_mt.template_check"):
+    with caplog.at_level(logging.WARNING, logger="slime_mt.rollout.template_check"):
         warn_if_inexact(processor, "append")
     assert [r.message.split("scenario ")[1].split(":")[0] for r in caplog.records] == ["'thinking'"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="slime_mt.template_check"):
+    with caplog.at_level(logging.WARNING, logger="slime_mt.rollout.template_check"):
         warn_if_inexact(load_tokenizer_or_processor(smollm2_dir()), "append")
     assert caplog.records == []
 
