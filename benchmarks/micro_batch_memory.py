@@ -117,7 +117,7 @@ def child(args) -> dict:
             raise RuntimeError(f"{args.tokens} tokens packed into {len(rows)} micro-batches, expected one")
         forwarded = actor.pack(samples, rows[0]).num_real_tokens
         groups = len({s.group_id for s in samples})
-        step = lambda: actor.train(samples, advantages, prompts_per_step=groups)  # noqa: E731
+        step = lambda: actor.train(actor.share_of(samples, advantages, groups))  # noqa: E731
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []

@@ -80,7 +80,7 @@ def measure(path, samples, tree: bool, budget: int, steps: int, info) -> dict:
     times = []
     for _ in range(1 + steps if steps else 1):
         started = time.perf_counter()
-        actor.train(samples, advantages, prompts_per_step=1)
+        actor.train(actor.share_of(samples, advantages, 1))
         times.append(time.perf_counter() - started)
     del actor
     return {"forwarded": forwarded, "rows": len(rows), "seconds": statistics.median(times[1:]) if steps else times[0]}

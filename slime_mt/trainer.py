@@ -7,11 +7,12 @@ per rank, ``launch/ray``); each process runs ``train``. Three roles, each with a
   rollout_side.RolloutSide  rank 0: engines, data, rollout function, metrics; batches in, weights out
   batches.NextBatch         rank 0: the next batch, one implementation per mode (sync, --async, --fully-async)
 
-Data flows one way: rollout side -> batch (broadcast to every rank) -> train loop -> weights -> engines.
+Data flows one way: rollout side -> batch -> each rank's share (its DP rank's groups, sent to it alone)
+-> train loop -> weights -> engines.
 Per step:
 
-  rollout (rank 0) -> finalize (--sample-format, --merge-step-wise) -> advantages -> broadcast
-  -> Megatron train step(s) (each DP rank takes its prompt groups) -> HF weights to the engine
+  rollout (rank 0) -> finalize (--sample-format, --merge-step-wise) -> advantages -> split by DP rank
+  -> Megatron train step(s) (each rank on its share) -> HF weights to the engine
   (weight_version = the step) -> metrics
   -> checkpoint every --save-interval and at the end.
 
@@ -35,6 +36,7 @@ they change, whatever a rollout function left running.
 from __future__ import annotations
 
 import logging
+import pickle
 import signal
 import threading
 import time
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
@@ -232,6 +235,36 @@ def _broadcast(obj, info):
     return box[0]
 
 
+def _send_shares(batch, dp_of_rank: list[int] | None, prompts_per_step: int, cfg: Config, info):
+    """Each rank's share of rank 0's ``batch`` (``split_by_dp``), sent to it alone: a rank receives and
+    unpickles only the groups of its DP rank (its TP peers the same ones), never the whole batch ->
+    (this rank's share, rank 0: the bytes sent, ``train/batch_bytes`` for the whole batch and
+    ``train/batch_bytes_per_rank`` for the largest share, when there are other ranks)."""
+    shares, payloads, sent = None, None, {}
+    if info.is_main:
+        r = cfg.rollout
+        shares = split_by_dp(
+            batch.samples,
+            batch.advantages,
+            prompts_per_step,
+            info.dp_size,
+            cfg.algo.loss_reduction,
+            r.rollout_max_context_len,
+        )
+    if info.world_size == 1:
+        return shares[0], sent
+    if info.is_main:
+        pickled = [pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL) for share in shares]
+        payloads = [pickled[dp] for dp in dp_of_rank]
+        sent = {
+            "train/batch_bytes": float(sum(len(p) for p in pickled)),
+            "train/batch_bytes_per_rank": float(max(len(p) for p in pickled)),
+        }
+    out = [None]
+    dist.scatter_object_list(out, payloads, src=0)
+    return pickle.loads(out[0]), sent
+
+
 def train(
     cfg: Config,
     run_dir: Path | None = None,
@@ -262,7 +295,8 @@ def train(
     timeline = Timeline(f"trainer rank {info.rank}") if cfg.debug.trace != "off" else None
     actor.timeline = timeline
     actor.keep_log_probs = bool(cfg.debug.save_debug_rollout_data)
-    loop = TrainLoop(actor, prompts_per_step, on_policy=not (r.async_mode or r.fully_async), timeline=timeline)
+    loop = TrainLoop(actor, on_policy=not (r.async_mode or r.fully_async), timeline=timeline)
+    dp_of_rank = _gather(info.dp_rank, info)  # rank 0: the DP rank of every rank, whose share it is sent
     side = _rollout_side(cfg, run_dir, engine_actors) if info.is_main else None
     batches = None
     start = done = 0
@@ -303,13 +337,16 @@ def train(
         colocate_metrics: dict[str, float] = {}
         for step in range(start, r.num_rollout):
             t0 = time.perf_counter()
-            batch = _broadcast(side.collect(step, batches) if side is not None else None, info)
-            if isinstance(batch, RolloutFailedError):
-                raise batch
+            batch = side.collect(step, batches) if side is not None else None
+            failure = _broadcast(batch if isinstance(batch, RolloutFailedError) else None, info)
+            if failure is not None:
+                raise failure
+            share, sent = _send_shares(batch, dp_of_rank, prompts_per_step, cfg, info)
             if offload:
                 actor.onload()  # the engines released their memory in collect
             actor.kept_log_probs = {}  # a skipped step trains nothing and keeps none
-            t_metrics, train_started, train_finished = loop.train(step, batch)
+            t_metrics, train_started, train_finished = loop.train(step, share)
+            t_metrics.update(sent)
             if actor.keep_log_probs:  # every rank's share into the step's dump (TP ranks hold the same)
                 kept = _gather(actor.kept_log_probs, info)
                 if side is not None:

@@ -1,4 +1,5 @@
-"""Mini-batches by prompt groups, micro-batches by a token budget, and the global loss weights.
+"""Mini-batches by prompt groups, each data-parallel rank's share, micro-batches by a token budget, and
+the global loss weights.
 
 An optimizer step takes a fixed number of prompt groups (a variable number of sequences, as SkyRL
 does: step-wise data has one sequence per turn). Its sequences are packed into micro-batches by a
@@ -10,6 +11,7 @@ the gradient.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 from slime_mt.types import TrainingSample
 
@@ -26,6 +28,62 @@ def mini_batches_by_groups(samples: list[TrainingSample], prompts_per_step: int)
         order.setdefault(s.group_id, []).append(i)
     groups = list(order.values())
     return [[i for g in groups[k : k + prompts_per_step] for i in g] for k in range(0, len(groups), prompts_per_step)]
+
+
+@dataclass
+class RankShare:
+    """What one data-parallel rank trains on in a step (its TP peers train on the same): its prompt
+    groups of each mini-batch, with what only the whole batch knows. ``indices``: the samples' places
+    in the step's batch (kept log-probs are reported by them); ``weights``: each token's reduction
+    weight, computed from its whole mini-batch; ``mini_batch``: the optimizer step of each sample, of
+    ``mini_batches`` steps every rank takes; ``trainable``: whether the step trains at all (a batch with
+    no trainable token is skipped by every rank)."""
+
+    indices: list[int]
+    samples: list[TrainingSample]
+    advantages: list[float]
+    weights: list[list[float]]
+    mini_batch: list[int]
+    mini_batches: int
+    trainable: bool
+
+    def of_mini_batch(self, m: int) -> list[int]:
+        """Positions in this share of mini-batch ``m``'s samples, in batch order."""
+        return [k for k, b in enumerate(self.mini_batch) if b == m]
+
+
+def split_by_dp(
+    samples: list[TrainingSample],
+    advantages: list[float],
+    prompts_per_step: int,
+    dp_size: int,
+    loss_reduction: str,
+    max_len: int | None = None,
+) -> list[RankShare]:
+    """The step's batch split into one ``RankShare`` per data-parallel rank (slime's
+    ``_split_train_data_by_dp``): each mini-batch's prompt groups dealt round robin in order, whole
+    groups to a rank, every token's reduction weight from its whole mini-batch."""
+    trainable = any(s.num_trainable for s in samples)
+    picked: list[list[tuple[int, int, list[float]]]] = [[] for _ in range(dp_size)]
+    mini_batches = mini_batches_by_groups(samples, prompts_per_step)
+    for m, mb in enumerate(mini_batches):
+        weights = reduction_weights([samples[i] for i in mb], loss_reduction, max_len)
+        order: dict[int, int] = {}
+        for i, w in zip(mb, weights):
+            rank = order.setdefault(samples[i].group_id, len(order)) % dp_size
+            picked[rank].append((i, m, w))
+    return [
+        RankShare(
+            indices=[i for i, _, _ in mine],
+            samples=[samples[i] for i, _, _ in mine],
+            advantages=[advantages[i] for i, _, _ in mine],
+            weights=[w for _, _, w in mine],
+            mini_batch=[m for _, m, _ in mine],
+            mini_batches=len(mini_batches),
+            trainable=trainable,
+        )
+        for mine in picked
+    ]
 
 
 def micro_batches_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:

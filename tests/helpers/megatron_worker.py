@@ -201,7 +201,7 @@ def check_matrix(args, info, out):
                 lp, ent = actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE)
                 logprobs.append(lp.tolist())
                 entropies.append(ent.tolist())
-        sums = actor.accumulate_gradients(samples, list(range(len(samples))), ADVANTAGES)
+        sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
         decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
         grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
         step = actor.apply_gradients()
@@ -233,7 +233,7 @@ def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
     row = actor.pack(samples, everything)
     with torch.no_grad():
         lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
-    sums = actor.accumulate_gradients(samples, everything, advantages)
+    sums = actor.accumulate_gradients(actor.share_of(samples, advantages, len(samples)))
     grads = {n: p.main_grad.detach().clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
     return {
         "lp": lp,
@@ -519,9 +519,9 @@ def check_dp(args, info, out):
         )
         samples = dp_batch()
         advantages = [0.5 * (-1) ** i * (1 + i % 3) for i in range(len(samples))]
-        sums = actor.accumulate_gradients(samples, list(range(len(samples))), advantages)
+        sums = actor.accumulate_gradients(actor.share_of(samples, advantages, len(samples)))
         step = actor.apply_gradients()
-        trained = actor.train(samples, advantages, prompts_per_step=2, on_policy=False)
+        trained = actor.train(actor.share_of(samples, advantages, 2), on_policy=False)
         weights = actor.export_hf()
         if is_main(info):
             torch.save(
@@ -554,7 +554,7 @@ def check_bf16(args, info, out):
         lp = torch.cat(actor.compute_logprobs(samples))
         decoder = [p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")]
         before = [p.main_param.clone() for p in decoder]
-        steps = [actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False) for _ in range(3)]
+        steps = [actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False) for _ in range(3)]
         moved = sum(int(not torch.equal(b, p.main_param)) for b, p in zip(before, decoder))
         result[kind] = {
             "param_dtypes": sorted({str(p.dtype) for p in decoder}),
@@ -626,7 +626,7 @@ def check_sft(args, info, out):
     path = tiny_model_dir("qwen2")
     samples = matrix_batch(path, "qwen2")
     actor = MegatronActor(str(path), TrainConfig(lr=1e-5, sft=True), AlgoConfig(), info, temperature=0.5)
-    loss = actor.accumulate_gradients(samples, list(range(len(samples))), [0.0] * len(samples))["loss"]
+    loss = actor.accumulate_gradients(actor.share_of(samples, [0.0] * len(samples), len(samples)))["loss"]
     model = hf_model(path)
     weights = reduction_weights(samples, "token_mean")
     expected = {}
@@ -723,7 +723,7 @@ def train_steps(actor, steps, start=0):
         samples = matrix_batch(tiny_model_dir("qwen2"), "qwen2")
         for s in samples:
             s.reward = float((step + s.group_id) % 2)
-        actor.train(samples, compute_advantages(samples, "grpo"), prompts_per_step=1, on_policy=False)
+        actor.train(actor.share_of(samples, compute_advantages(samples, "grpo"), 1), on_policy=False)
 
 
 def check_checkpoint(args, info, out):
@@ -786,7 +786,7 @@ def check_checkpoint_bf16(args, info, out):
     cfg = TrainConfig(lr=1e-3, bf16=True, freeze_vision_tower=False)
     first = MegatronActor(path, cfg, AlgoConfig(), info)
     samples = matrix_batch(tiny_model_dir("qwen3-vl"), "qwen3-vl")
-    first.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    first.train(first.share_of(samples, ADVANTAGES, 2), on_policy=False)
     first.save(Path(args.out) / "ckpt_bf16", {})
     second = MegatronActor(path, cfg, AlgoConfig(), info)
     second.load(Path(args.out) / "ckpt_bf16")
@@ -800,7 +800,7 @@ def check_checkpoint_bf16(args, info, out):
             if a is not None:
                 state_equal &= all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     for actor in (first, second):
-        actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+        actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
     continued_equal = all(torch.equal(p.main_param, params(second)[n].main_param) for n, p in params(first).items())
     out["checkpoint_bf16"] = {
         "main_params_equal": main_equal,
@@ -817,7 +817,7 @@ RESHARD_CFG = TrainConfig(lr=1e-3, micro_batch_size=2)
 def reshard_step(actor):
     """One more optimizer step on a fixed batch after a resume, then the exported weights."""
     samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
-    actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+    actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
     return actor.export_hf()
 
 
@@ -827,7 +827,7 @@ def check_reshard_save(args, info, out):
     actor = MegatronActor(path, RESHARD_CFG, AlgoConfig(), info)
     samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
     for _ in range(2):
-        actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+        actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
     actor.save(Path(args.out) / "reshard" / "a", {"layout": "tp1"})
     continued = reshard_step(actor)
     if is_main(info):
@@ -959,7 +959,7 @@ def check_gpu(args, info, out):
                     )
             del model
             samples = matrix_batch(path, kind)
-            metrics = actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)
+            metrics = actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
             exported = actor.export_hf()
             result[f"{kind}-{precision}"] = {
                 "param_devices": sorted({str(p.device) for p in actor.policy.parameters()}),
@@ -1013,7 +1013,7 @@ def check_long_micro_batch(args, info, out):
             rows = actor._rows(samples, list(range(len(samples))))
             row = actor.pack(samples, rows[0])
             started = time.perf_counter()
-            metrics = actor.train(samples, advantages, prompts_per_step=2)
+            metrics = actor.train(actor.share_of(samples, advantages, 2))
             torch.cuda.synchronize()
             result[name] = {
                 "rows": len(rows),
@@ -1043,7 +1043,7 @@ def check_offload(args, info, out):
         for offloaded in (False, True):
             torch.manual_seed(0)
             actor = MegatronActor(str(path), TrainConfig(lr=1e-4, bf16=True), algo, info, temperature=TEMPERATURE)
-            steps = [actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False)]
+            steps = [actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)]
             held = actor.device_bytes()
             if offloaded:
                 actor.offload()
@@ -1052,7 +1052,7 @@ def check_offload(args, info, out):
                 actor.onload()
                 runs["after_onload"] = actor.device_bytes()
                 runs["held"] = held
-            steps.append(actor.train(samples, ADVANTAGES, prompts_per_step=2, on_policy=False))
+            steps.append(actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False))
             runs[offloaded] = {
                 "losses": [m["train/loss"] for m in steps],
                 "grad_norms": [m["train/grad_norm"] for m in steps],
@@ -1103,9 +1103,8 @@ def check_train_file(args, info, out):
     samples = saved["samples"]
     algo = dataclasses.replace(ALGO, **saved.get("algo", {}))
     actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), algo, info)
-    metrics = actor.train(
-        samples, saved["advantages"], prompts_per_step=saved.get("prompts_per_step", len({s.group_id for s in samples}))
-    )
+    prompts_per_step = saved.get("prompts_per_step", len({s.group_id for s in samples}))
+    metrics = actor.train(actor.share_of(samples, saved["advantages"], prompts_per_step))
     out["train_file"] = {
         "sequences": len(samples),
         "grad_norm": metrics["train/grad_norm"],

@@ -28,12 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.algo.batching import (
-    micro_batches_by_count,
-    micro_batches_by_tokens,
-    mini_batches_by_groups,
-    reduction_weights,
-)
+from slime_mt.algo.batching import RankShare, micro_batches_by_count, micro_batches_by_tokens, split_by_dp
 from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
 from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.convert import (
@@ -254,77 +249,72 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training
 
-    def dp_share(self, samples: list[TrainingSample], indices: list[int]) -> list[int]:
-        """This DP rank's part of ``indices``: whole prompt groups dealt round robin in order."""
-        order: dict[int, int] = {}
-        for i in indices:
-            order.setdefault(samples[i].group_id, len(order))
-        return [i for i in indices if order[samples[i].group_id] % self.info.dp_size == self.info.dp_rank]
+    def share_of(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int) -> RankShare:
+        """This rank's share of a whole batch, as the trainer sends it (``split_by_dp``)."""
+        a = self.algo
+        shares = split_by_dp(
+            samples, advantages, prompts_per_step, self.info.dp_size, a.loss_reduction, self.norm_max_len
+        )
+        return shares[self.info.dp_rank]
 
-    def train(
-        self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int, on_policy: bool = True
-    ) -> dict[str, float]:
-        """One pass over the global ``samples``, one optimizer step per mini-batch of
-        ``prompts_per_step`` prompt groups (all DP ranks together)."""
+    def train(self, share: RankShare, on_policy: bool = True) -> dict[str, float]:
+        """One pass over this rank's ``share`` of the step, one optimizer step per mini-batch (all DP
+        ranks together)."""
         started = time.perf_counter()
-        mini_batches = mini_batches_by_groups(samples, prompts_per_step)
-        mine = self.dp_share(samples, list(range(len(samples))))
-        need_old = not self.train_cfg.sft and (not on_policy or len(mini_batches) > 1)
+        need_old = not self.train_cfg.sft and (not on_policy or share.mini_batches > 1)
         old = ref = None
         self.kept_log_probs = {}
+        everything = sorted(range(len(share.samples)), key=lambda k: share.indices[k])  # in batch order
         if need_old:
             with maybe_span(self.timeline, "old log-probs", "train", lane="train"):
-                old = self.compute_logprobs(samples, mine)
+                old = self.compute_logprobs(share.samples, everything)
             if self.keep_log_probs:
-                self.kept_log_probs = {i: old[i].tolist() for i in mine}
+                self.kept_log_probs = {share.indices[k]: old[k].tolist() for k in everything}
         if self.reference is not None:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
-                ref = self.compute_logprobs(samples, mine, reference=True)
+                ref = self.compute_logprobs(share.samples, everything, reference=True)
         totals: dict[str, float] = collections.defaultdict(float)
-        for i, mb in enumerate(mini_batches):
-            with maybe_span(self.timeline, "forward-backward", "train", lane="train", mini_batch=i):
-                sums = self.accumulate_gradients(samples, mb, advantages, old, ref)
+        for m in range(share.mini_batches):
+            with maybe_span(self.timeline, "forward-backward", "train", lane="train", mini_batch=m):
+                sums = self.accumulate_gradients(share, m, old, ref)
             metrics = {f"train/{k}": v for k, v in sums.items()}
-            with maybe_span(self.timeline, "optimizer step", "train", lane="train", mini_batch=i):
+            with maybe_span(self.timeline, "optimizer step", "train", lane="train", mini_batch=m):
                 metrics.update(self.apply_gradients())
             for k, v in metrics.items():
-                totals[k] += v / len(mini_batches)
+                totals[k] += v / share.mini_batches
         totals["train/seconds"] = time.perf_counter() - started
-        totals["train/optimizer_steps"] = len(mini_batches)
+        totals["train/optimizer_steps"] = share.mini_batches
         return dict(totals)
 
     def accumulate_gradients(
-        self,
-        samples: list[TrainingSample],
-        mb: list[int],
-        advantages: list[float],
-        old: list | None = None,
-        ref: list | None = None,
+        self, share: RankShare, m: int = 0, old: list | None = None, ref: list | None = None
     ) -> dict[str, float]:
-        """Forward/backward of this rank's share of mini-batch ``mb`` into the (zeroed) gradient
-        buffers, then ``finalize_model_grads``. -> metric sums over the global mini-batch."""
+        """Forward/backward of mini-batch ``m`` of this rank's ``share`` into the (zeroed) gradient
+        buffers, then ``finalize_model_grads``. ``old``, ``ref``: log-probs by position in the share.
+        -> metric sums over the global mini-batch."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        batch = [samples[i] for i in mb]
-        weight_of = dict(zip(mb, reduction_weights(batch, self.algo.loss_reduction, self.norm_max_len)))
+        samples = share.samples
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         sums: dict[str, float] = collections.defaultdict(float)
         temperature = 1.0 if self.train_cfg.sft else self.temperature
-        for row_indices in self._rows(samples, self.dp_share(samples, mb)):
+        for row_indices in self._rows(samples, share.of_mini_batch(m)):
             row = self.pack(samples, row_indices)
             lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
             if self.keep_log_probs and not old and not self.train_cfg.sft:  # one mini-batch: the step's own
                 for k, i in enumerate(row.sample_index):
-                    self.kept_log_probs[i] = lp.detach()[row.seq_ids == k].tolist()
+                    self.kept_log_probs[share.indices[i]] = lp.detach()[row.seq_ids == k].tolist()
             inputs = LossInputs(
                 log_probs=lp,
                 old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
                 rollout_log_probs=self._cat(
                     [_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids)) for i in row.sample_index]
                 ),
-                advantages=self._cat([[advantages[i] * m for m in samples[i].loss_mask] for i in row.sample_index]),
-                weights=self._cat([weight_of[i] for i in row.sample_index]),
+                advantages=self._cat(
+                    [[share.advantages[i] * mask for mask in samples[i].loss_mask] for i in row.sample_index]
+                ),
+                weights=self._cat([share.weights[i] for i in row.sample_index]),
                 seq_ids=row.seq_ids,
                 entropy=entropy,
                 ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
