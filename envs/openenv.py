@@ -46,7 +46,8 @@ from typing import Any
 
 import httpx
 
-from envs.base import BaseInteractionEnv, InvalidActionError, RecoverableEnvError
+from envs.base import BaseInteractionEnv
+from slime_mt.errors import InvalidActionError, RecoverableEnvError
 
 ACTION_FORMATS = ("text", "json")
 MAX_MESSAGE_BYTES = 100 * 1024 * 1024  # observations may carry images

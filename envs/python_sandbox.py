@@ -54,7 +54,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from envs.base import BaseInteractionEnv, InvalidActionError
+from envs.base import BaseInteractionEnv
+from slime_mt.errors import InvalidActionError
 
 logger = logging.getLogger(__name__)
 

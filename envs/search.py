@@ -30,8 +30,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from envs.base import BaseInteractionEnv, InvalidActionError
+from envs.base import BaseInteractionEnv
 from slime_mt.assets.cache import cached_dir
+from slime_mt.errors import InvalidActionError
 from slime_mt.rollout.rewards import exact_match, f1_reward
 
 SEARCH_TOOL = {

@@ -8,11 +8,23 @@ import os
 import sys
 import traceback
 
-from slime_mt.config import ConfigError
 from slime_mt.config_parsing import add_config_arguments, config_from_namespace, option_strings, unrecognized
-from slime_mt.launch.ray.driver import TrainerRankLost, dry_run_placement, run
+from slime_mt.errors import (
+    AssetError,
+    CheckpointError,
+    ConfigError,
+    DatasetError,
+    DumpError,
+    InspectError,
+    LaunchError,
+    ModelConfigError,
+    PluginError,
+    RolloutFailedError,
+    TrainerRankLost,
+    TrainSetupError,
+)
+from slime_mt.launch.ray.driver import dry_run_placement, run
 from slime_mt.metrics import plot_run
-from slime_mt.plugins import PluginError
 from slime_mt.run_dir import LOG_FILE, claim_run_dir, run_dir_of, tee_output, write_config
 
 COMMANDS = {
@@ -94,13 +106,6 @@ def _user_errors() -> tuple[type, ...]:
     """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback). Asked for
     only once an error is raised: their modules import torch, transformers and megatron, which
     ``--help``, ``--dry-run`` and the light commands never need."""
-    from slime_mt.assets.qwen_tokenizer import AssetError
-    from slime_mt.backends.megatron.checkpoint import CheckpointError
-    from slime_mt.backends.megatron.models import ModelConfigError
-    from slime_mt.data import DatasetError
-    from slime_mt.engine.launch import LaunchError
-    from slime_mt.inspection.dumps import DumpError
-    from slime_mt.trainer import TrainSetupError
 
     return (
         ConfigError,
@@ -132,7 +137,6 @@ def run_train(cfg) -> int:
     """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
-    from slime_mt.rollout.failures import RolloutFailedError
     from slime_mt.trainer import preflight, rollout_only, train
 
     preflight(cfg)
@@ -195,8 +199,7 @@ def run_check_template(ns) -> int:
 
 def run_inspect(ns) -> int:
     """``slime-mt inspect``: the page's path (or the summary) on stdout; exit 2 naming what is missing."""
-    from slime_mt.inspection.dumps import DumpError
-    from slime_mt.inspection.report import InspectError, text_summary, write_report
+    from slime_mt.inspection.report import text_summary, write_report
 
     try:
         if ns.text:

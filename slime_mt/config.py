@@ -19,10 +19,6 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
-    """A flag, YAML key or value that cannot be used; the message names it."""
-
-
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     """A config field: its default, its help text and argparse extras (``choices``, ``metavar``)."""
     if isinstance(default, (list, dict)):

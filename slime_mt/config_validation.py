@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_mt.config import Config, ConfigError, RolloutConfig, flag_name
-from slime_mt.inspection.turn_records import TurnRecordsError, parse_setting
-from slime_mt.rollout.context_policy import ContextPolicyError, rewrites_history
+from slime_mt.config import Config, RolloutConfig, flag_name
+from slime_mt.errors import ConfigError, ContextPolicyError, DumpError, RewardError, TurnRecordsError
+from slime_mt.inspection.turn_records import parse_setting
+from slime_mt.rollout.context_policy import rewrites_history
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -121,7 +122,7 @@ def _validate_gateway(cfg: Config) -> None:
 
 def _validate_debug(cfg: Config) -> None:
     """Rollout-only and train-only exclude each other; dump paths hold only ``{rollout_id}``."""
-    from slime_mt.inspection.dumps import DumpError, dump_path
+    from slime_mt.inspection.dumps import dump_path
 
     d = cfg.debug
     _require(
@@ -328,7 +329,7 @@ def validate(cfg: Config) -> None:
         )
     _validate_async(r)
     if r.rm_type:
-        from slime_mt.rollout.rewards import RewardError, check_rm_type
+        from slime_mt.rollout.rewards import check_rm_type
 
         try:
             check_rm_type(r.rm_type)

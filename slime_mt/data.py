@@ -23,16 +23,13 @@ from typing import Any
 from PIL import Image
 
 from slime_mt.config import DataConfig
+from slime_mt.errors import DatasetError
 from slime_mt.types import Sample
 
 IMAGE_PLACEHOLDER = "<image>"
 DEFAULT_LABEL_KEY = DataConfig.label_key  # a dataset without this key is one without labels
 
 logger = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A data file or row that cannot be used; names the file and the row."""
 
 
 @dataclass

@@ -57,22 +57,6 @@ from __future__ import annotations
 from typing import Any
 
 
-class RetryableEnvError(RuntimeError):
-    """A transient environment fault (tool server busy, sandbox restart): retry the same step."""
-
-
-class RecoverableEnvError(RuntimeError):
-    """The env lost its state (its sandbox, server or simulator restarted): reset it and replay."""
-
-
-class InvalidActionError(ValueError):
-    """The model's output could not be acted on; ``feedback`` (text, or an observation dict) tells it why."""
-
-    def __init__(self, feedback: str | dict):
-        super().__init__(feedback if isinstance(feedback, str) else feedback.get("text", ""))
-        self.observation = {"text": feedback} if isinstance(feedback, str) else dict(feedback)
-
-
 class BaseInteractionEnv:
     """Base class of interaction environments; override ``step`` (and ``reset``/``close`` if needed)."""
 

@@ -17,9 +17,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-
-class PluginError(ImportError):
-    """A plug-in path that cannot be loaded or does not fit; the message says what to fix."""
+from slime_mt.errors import PluginError
 
 
 def load_module(spec: str) -> ModuleType:

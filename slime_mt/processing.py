@@ -15,12 +15,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, BatchFeature, PreTrainedTokenizerBase
 
+from slime_mt.errors import ProcessorError
+
 IMAGE_PAD = "<|image_pad|>"
 PROCESSOR_MARKER = "slime_mt_processor.json"
-
-
-class ProcessorError(ValueError):
-    """Text and images that do not fit together; the message gives both counts."""
 
 
 def image_processor_class():

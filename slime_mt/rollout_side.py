@@ -21,14 +21,15 @@ from slime_mt.batches import next_batch_for
 from slime_mt.cluster.supervisor import EngineSupervisor
 from slime_mt.compat import SlimeCompat
 from slime_mt.config import Config
-from slime_mt.data import DatasetError, PromptDataset
+from slime_mt.data import PromptDataset
 from slime_mt.engine.update_gate import UpdateGate
 from slime_mt.engine.weight_sync import transport_for
+from slime_mt.errors import DatasetError, RolloutFailedError
 from slime_mt.inspection.records import RunRecords
 from slime_mt.metrics import MetricsLogger
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.failures import RolloutFailedError, StepReport
+from slime_mt.rollout.failures import StepReport
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_groups, rollout_output
 from slime_mt.rollout.metrics import rollout_metrics

@@ -23,7 +23,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from slime_mt.config import Config, ConfigError
+from slime_mt.config import Config
+from slime_mt.errors import RunDirError
 
 CONFIG_FILE = "config.yaml"
 LOG_FILE = "train.log"
@@ -33,10 +34,6 @@ LOCK_FILE = ".run.lock"
 RUN_FILES = (CONFIG_FILE, LOG_FILE, ERRORS_FILE, "metrics.jsonl", "turns.jsonl", "trace.json")
 RUN_OUTPUTS = (*RUN_FILES, "tensorboard", "logs", "weights", "report.html", "viewer.html")
 CHECKPOINT_OUTPUTS = ("latest",)  # and iter_*
-
-
-class RunDirError(ConfigError):
-    """The run folder is another run's (in use now, or holding an earlier run not resumed)."""
 
 
 def run_dir_of(cfg: Config) -> Path:

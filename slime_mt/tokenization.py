@@ -33,16 +33,13 @@ from typing import Any
 import torch
 
 from slime_mt.engine.images import load_image
+from slime_mt.errors import EncodingError
 from slime_mt.processing import QwenVLProcessor, tokenizer_of
 
 _BASE_USER = "slime_mt base question"
 _BASE_ASSISTANT = "slime_mt base answer 7f3a"
 _KEPT = "\ue000slime_mt kept {}\ue001"  # private-use code points: no template or text contains them
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class EncodingError(ValueError):
-    """A chat template that the delta trick cannot use; the message says what was rendered."""
 
 
 @dataclass

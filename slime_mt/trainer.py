@@ -49,12 +49,12 @@ from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.compat import install
-from slime_mt.config import Config, ConfigError, RolloutConfig
+from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
+from slime_mt.errors import ConfigError, RolloutFailedError, TrainSetupError
 from slime_mt.inspection.dumps import dump_path
 from slime_mt.inspection.replay import ReplaySide, checked_dump
 from slime_mt.plugins import judge_parser_prototype, load_function, load_module
-from slime_mt.rollout.failures import RolloutFailedError
 from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 from slime_mt.rollout_side import RolloutSide
 from slime_mt.run_dir import run_dir_of
@@ -62,10 +62,6 @@ from slime_mt.timeline import Timeline
 from slime_mt.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
-
-
-class TrainSetupError(RuntimeError):
-    """Something the run needs is missing or broken; raised before anything is written."""
 
 
 def preflight(cfg: Config) -> None:

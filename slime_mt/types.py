@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime_mt.errors import SampleError
+
 NO_VERSION = -1  # the version of a token no policy generated (observations), or of an unnamed one
 
 
@@ -43,10 +45,6 @@ class Status(str, Enum):
     TRUNCATED = "truncated"
     ABORTED = "aborted"
     FAILED = "failed"
-
-
-class SampleError(ValueError):
-    """A Sample whose fields break an invariant; the message names the field and the lengths."""
 
 
 @dataclass

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from slime_mt.assets.cache import cache_root, cached_dir
 from slime_mt.assets.chat_templates import TEMPLATES
-from slime_mt.assets.qwen_tokenizer import AssetError, build_tokenizer_json
+from slime_mt.assets.qwen_tokenizer import build_tokenizer_json
+from slime_mt.errors import AssetError
 
 __all__ = [
     "AssetError",

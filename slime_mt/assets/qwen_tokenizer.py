@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from slime_mt.errors import AssetError
+
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -53,10 +55,6 @@ FIRST_SPECIAL_ID = 151643
 
 # Where the ranks file sits inside each wheel that ships it.
 _RANKS_FILES = [("dashscope", "dashscope/resources/qwen.tiktoken"), ("qwen-agent", "qwen_agent/utils/qwen.tiktoken")]
-
-
-class AssetError(RuntimeError):
-    """An offline asset that cannot be found or built; the message says what to install."""
 
 
 def find_ranks_file() -> Path:

@@ -14,9 +14,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-
-class WeightUpdateError(ValueError):
-    """A weight update that was refused before anything changed; names the tensor, file or folder."""
+from slime_mt.errors import WeightUpdateError
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from slime_mt.engine.http import ConnectError, ConnectionLost, HTTPClient, HTTPError, Response, within
+from slime_mt.engine.http import HTTPClient, Response, within
+from slime_mt.errors import ConnectError, ConnectionLost, EngineError, EngineRequestError, EngineTimeoutError, HTTPError
 from slime_mt.timeline import Timeline, default_lane, maybe_span
 
 if TYPE_CHECKING:
@@ -42,23 +43,6 @@ logger = logging.getLogger(__name__)
 
 RETRYABLE_ERRORS = (ConnectError, ConnectionLost)
 ABORT_GRACE = 2.0  # seconds an abort after a timeout may take, on all workers together
-
-
-class EngineError(RuntimeError):
-    """An engine that could not answer within the retry budget; names the URL and the last failure."""
-
-
-class EngineRequestError(EngineError):
-    """The engine rejected the request (HTTP 4xx): the request is wrong, retrying cannot help."""
-
-    def __init__(self, url: str, status: int, message: str):
-        super().__init__(f"{url}: HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-
-
-class EngineTimeoutError(EngineError):
-    """A request that took longer than its timeout (a generate is aborted on the engine)."""
 
 
 UPDATE_ABORT = "weight_update_abort"  # meta_info key marking a generate that a weight update aborted

@@ -26,6 +26,8 @@ import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from slime_mt.errors import ConnectError, ConnectionLost
+
 CONNECT_TIMEOUT = 10.0
 
 
@@ -49,20 +51,6 @@ async def within(awaitable, seconds: float | None):
         await asyncio.wait({task})
         raise asyncio.TimeoutError
     return task.result()
-
-
-class HTTPError(Exception):
-    """A request that got no complete answer."""
-
-
-class ConnectError(HTTPError):
-    """The connection could not be opened (refused, unreachable, or not within the connect timeout)."""
-
-
-class ConnectionLost(HTTPError):
-    """The connection closed or broke before the whole answer came."""
-
-    before_answer = True  # no byte of the answer had come (set where the connection fails)
 
 
 @dataclass

@@ -19,7 +19,8 @@ from typing import Any
 
 from PIL import Image
 
-from slime_mt.engine.protocol import ProtocolError, show
+from slime_mt.engine.protocol import show
+from slime_mt.errors import ProtocolError
 
 MAX_IMAGE_FILE_BYTES = 64 * 1024 * 1024
 MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # e.g. 5792 x 5792; the Qwen-VL processors resize far below this

@@ -25,14 +25,11 @@ import httpx
 from slime_mt.config import EngineConfig
 from slime_mt.engine.server import LocalEngine, wait_healthy
 from slime_mt.engine.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
+from slime_mt.errors import LaunchError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds slime_mt/
 
 logger = logging.getLogger(__name__)
-
-
-class LaunchError(RuntimeError):
-    """An engine or router that could not be started; names the command and its log file."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

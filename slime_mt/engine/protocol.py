@@ -31,16 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ProtocolError(ValueError):
-    """A malformed request; the server answers with ``status`` (HTTP 400 unless set) and this message."""
-
-    status = 400
-
-
-class PayloadTooLarge(ProtocolError):
-    status = 413
-
+from slime_mt.errors import ProtocolError
 
 MAX_JSON_DEPTH = 32
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts

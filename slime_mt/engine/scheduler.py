@@ -33,24 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_mt.engine.prefix_cache import PrefixCache
-from slime_mt.engine.protocol import GenerateRequest, ProtocolError, finish_abort, finish_length, finish_stop
+from slime_mt.engine.protocol import GenerateRequest, finish_abort, finish_length, finish_stop
 from slime_mt.engine.runner import Batch, ModelRunner, Sequence
+from slime_mt.errors import EngineAsleep, EngineFault, MemoryBusy, ProtocolError
 
 PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's /pause_generation modes
 
 logger = logging.getLogger(__name__)
-
-
-class EngineFault(RuntimeError):
-    """The engine failed while serving a request (not the client's fault): HTTP 500 naming the cause."""
-
-
-class EngineAsleep(RuntimeError):
-    """A request while the engine's memory is released (or its weights not yet reloaded): HTTP 503."""
-
-
-class MemoryBusy(RuntimeError):
-    """A memory release while requests are in the engine: HTTP 400, as SGLang refuses it."""
 
 
 @dataclass

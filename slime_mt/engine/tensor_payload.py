@@ -21,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reductions with ForkingPickler)
 
+from slime_mt.errors import PayloadError
+
 _REBUILDERS = {
     ("torch.multiprocessing.reductions", name)
     for name in (
@@ -39,10 +41,6 @@ _REBUILDERS = {
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
 }
-
-
-class PayloadError(ValueError):
-    """A payload that is not SGLang's named-tensor format, or names a callable other than torch's rebuilders."""
 
 
 class _TensorsOnly(pickle.Unpickler):

@@ -64,9 +64,10 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slime_mt.engine.checkpoint import WeightUpdateError, check_compatible, check_tensor, tensor_headers
-from slime_mt.engine.client import JOIN_SECONDS, EngineClient, EngineError, EngineRequestError, weight_group_joins
+from slime_mt.engine.checkpoint import check_compatible, check_tensor, tensor_headers
+from slime_mt.engine.client import JOIN_SECONDS, EngineClient, weight_group_joins
 from slime_mt.engine.weight_group import dtype_of
+from slime_mt.errors import EngineError, EngineRequestError, WeightUpdateError
 from slime_mt.timeline import default_lane
 
 logger = logging.getLogger(__name__)

@@ -17,20 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_mt.errors import GatewayError
 from slime_mt.gateway.parsers import ParsedOutput
 
 MAX_MESSAGES = 1024
 MAX_IMAGES = 16  # per request
 MAX_CHOICES = 8  # n
 MAX_STOPS = 8
-
-
-class GatewayError(Exception):
-    """A request the gateway refuses: HTTP ``status`` with a message that names the field."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 def bad(field_name: str, message: str) -> GatewayError:

@@ -46,10 +46,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from slime_mt.engine.client import EngineError, EngineRequestError
-from slime_mt.engine.protocol import ProtocolError, decode_json_body
+from slime_mt.engine.protocol import decode_json_body
+from slime_mt.errors import EngineError, EngineRequestError, GatewayError, ProtocolError
 from slime_mt.gateway.anthropic import anthropic_events, anthropic_response, parse_anthropic
-from slime_mt.gateway.chat import GatewayError, check_text, openai_chunks, openai_response, parse_openai
+from slime_mt.gateway.chat import check_text, openai_chunks, openai_response, parse_openai
 from slime_mt.gateway.session import Session
 
 logger = logging.getLogger(__name__)

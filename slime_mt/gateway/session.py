@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
-from slime_mt.gateway.chat import ChatRequest, Choice, Completion, GatewayError, bad, text_chars
+from slime_mt.errors import EncodingError, GatewayError
+from slime_mt.gateway.chat import ChatRequest, Choice, Completion, bad, text_chars
 from slime_mt.gateway.parsers import ParsedOutput, parse_output
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.finalize import image_rows
 from slime_mt.rollout.multi_turn import generate_turn, turn_seed, version_name
-from slime_mt.tokenization import EncodingError
 from slime_mt.types import Sample, Turn
 
 # a request with more characters of text than this many per token of the context budget is refused

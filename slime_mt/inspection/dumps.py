@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from slime_mt.errors import DumpError
+
 FORMAT = "slime_mt.rollout_dump"
 VERSION = 1
 SETTINGS = (
@@ -58,10 +60,6 @@ SETTINGS = (
     ("algo", "normalize_advantages_std"),
     ("algo", "normalize_advantages"),
 )
-
-
-class DumpError(ValueError):
-    """A dump that cannot be read or does not match the run; the message names the file."""
 
 
 def dump_path(template: str, rollout_id: int) -> Path:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from slime_mt.inspection.dumps import DumpError, dump_path, load_dump, settings_of, train_batch_of
+from slime_mt.errors import DumpError
+from slime_mt.inspection.dumps import dump_path, load_dump, settings_of, train_batch_of
 from slime_mt.inspection.records import RunRecords
 from slime_mt.metrics import MetricsLogger
 from slime_mt.timeline import Timeline

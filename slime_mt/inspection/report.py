@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from slime_mt.errors import InspectError
 from slime_mt.inspection.dumps import load_dump
 from slime_mt.metrics import read_metrics
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
@@ -41,10 +42,6 @@ CURVES = {
     "training": ["train/loss", "train/grad_norm"],
 }
 DIFF_LIMIT = 20_000  # tokens: longer contexts are compared by common prefix and suffix only
-
-
-class InspectError(ValueError):
-    """A run folder or dump that cannot be inspected; the message names it."""
 
 
 # ---------------------------------------------------------------- finding the run's files

@@ -16,11 +16,9 @@ import json
 import random
 from pathlib import Path
 
+from slime_mt.errors import TurnRecordsError
+
 TURNS_FILE = "turns.jsonl"
-
-
-class TurnRecordsError(ValueError):
-    pass
 
 
 def parse_setting(value: str) -> int | None:

@@ -17,10 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_mt.config import Config, ConfigError, DataConfig, GatewayConfig, RolloutConfig
+from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient, output_of
 from slime_mt.engine.clients import client_for
-from slime_mt.plugins import PluginError, load_module
+from slime_mt.errors import ConfigError, PluginError
+from slime_mt.plugins import load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.rollout.env_workers import EnvWorkerPool

@@ -27,15 +27,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from slime_mt.errors import ContextPolicyError
 from slime_mt.plugins import load_function
 
 IMAGE_PLACEHOLDER = {"type": "text", "text": "[image omitted]"}
 
 ContextPolicy = Callable[[Any, Any, list, list], Any]
-
-
-class ContextPolicyError(ValueError):
-    """A ``--context-policy`` spec or policy result that cannot be used; the message names it."""
 
 
 def append(args, sample, prompt: list[dict], turns: list[list[dict]]) -> list[dict]:

@@ -25,25 +25,11 @@ import inspect
 from typing import Any
 
 from slime_mt.engine.http import within
-from slime_mt.environment import InvalidActionError, RecoverableEnvError, RetryableEnvError, opening_of, opening_text
+from slime_mt.environment import opening_of, opening_text
+from slime_mt.errors import EnvStepFailed, EpisodeRestart, InvalidActionError, RecoverableEnvError, RetryableEnvError
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.timeline import maybe_span
 from slime_mt.types import Sample
-
-
-class EnvStepFailed(RuntimeError):
-    """The env failed past its retry or reset budget (or with an error no retry helps); ``cause``
-    groups like failures in the step's report."""
-
-    def __init__(self, message: str, retries: int, cause: str):
-        super().__init__(message)
-        self.retries = retries
-        self.cause = cause
-
-
-class EpisodeRestart(Exception):
-    """The environment was reset and cannot be brought back to the episode's state: the episode
-    starts again from its prompt (the turns generated so far are dropped, never trained)."""
 
 
 async def call_env(ctx: RolloutContext, fn, *args) -> Any:

@@ -31,19 +31,12 @@ from functools import partial
 from typing import Any
 
 from slime_mt.cluster.pool import ActorPool
-from slime_mt.environment import RetryableEnvError, opening_of, opening_text
+from slime_mt.environment import opening_of, opening_text
+from slime_mt.errors import EnvReplayDiverged, EpisodeLost, RetryableEnvError
 from slime_mt.plugins import load_module
 from slime_mt.timeline import current_lane, maybe_span
 
 logger = logging.getLogger(__name__)
-
-
-class EpisodeLost(RetryableEnvError):
-    """The worker holds no environment for the episode: it was restarted since the episode was built."""
-
-
-class EnvReplayDiverged(RuntimeError):
-    """Replaying an episode on a restarted worker gave another observation than the model saw."""
 
 
 class EnvWorker:

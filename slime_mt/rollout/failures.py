@@ -33,10 +33,6 @@ TRUNCATION_CAUSES = {
 }
 
 
-class RolloutFailedError(RuntimeError):
-    """Every sample of a step failed (``--max-failed-steps`` times): nothing to train on."""
-
-
 def fail(sample: Sample, cause: str, message: str, error: BaseException | None = None) -> None:
     """Mark ``sample`` FAILED with a grouping ``cause``, the full ``message`` and, for an exception,
     its traceback; the turn is the one in progress (the number of turns recorded so far)."""

@@ -28,11 +28,8 @@ import dataclasses
 
 import torch
 
+from slime_mt.errors import StepWiseError
 from slime_mt.types import NO_VERSION, Sample, Status, TrainingSample
-
-
-class StepWiseError(ValueError):
-    """Step-wise samples that break an invariant; the message names the sample and the rule."""
 
 
 def _copy(values: list | None, start: int = 0, end: int | None = None) -> list | None:

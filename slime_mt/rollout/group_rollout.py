@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from slime_mt.errors import RolloutError
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
@@ -28,10 +29,6 @@ from slime_mt.timeline import current_lane, maybe_span, now_us, sample_lane
 from slime_mt.types import Sample, Status
 
 MAX_OVERSAMPLING_ROUNDS = 16
-
-
-class RolloutError(RuntimeError):
-    """A rollout that cannot produce the requested data; names the flag to look at."""
 
 
 def _expected_rollout(args, rollout_id, data_source, evaluation=False):

@@ -30,14 +30,9 @@ import dataclasses
 import logging
 
 from slime_mt.data import PromptDataset
+from slime_mt.errors import RolloutError
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.group_rollout import (
-    MAX_OVERSAMPLING_ROUNDS,
-    RolloutError,
-    kept_by_filter,
-    load_plugins,
-    run_group,
-)
+from slime_mt.rollout.group_rollout import MAX_OVERSAMPLING_ROUNDS, kept_by_filter, load_plugins, run_group
 from slime_mt.rollout.staleness import oldest_version
 from slime_mt.types import Sample
 

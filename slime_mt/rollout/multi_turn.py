@@ -44,13 +44,14 @@ import time
 
 import torch
 
-from slime_mt.engine.client import UPDATE_ABORT, EngineError, output_of
+from slime_mt.engine.client import UPDATE_ABORT, output_of
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
+from slime_mt.errors import ContextPolicyError, EngineAbortedTurn, EngineError, EnvStepFailed, EpisodeRestart
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.context_policy import ContextPolicyError, apply_policy, kept_outputs
-from slime_mt.rollout.env_steps import EnvStepFailed, EpisodeEnv, EpisodeRestart, call_env
+from slime_mt.rollout.context_policy import apply_policy, kept_outputs
+from slime_mt.rollout.env_steps import EpisodeEnv, call_env
 from slime_mt.rollout.failures import fail
 from slime_mt.rollout.retokenize import retokenize_history
 from slime_mt.tokenization import Encoded, image_parts
@@ -302,11 +303,6 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
                 message = f"re-rendering the history: {type(e).__name__}: {e}"
                 fail(sample, "re-rendering the history failed", message, e)
     return sample
-
-
-class EngineAbortedTurn(EngineError):
-    """The engine aborted one turn more often than ``--engine-max-retries`` allows, and no weight
-    update caused it: the sample fails (an aborted trajectory is never trained as the model's own end)."""
 
 
 def resumed_output(

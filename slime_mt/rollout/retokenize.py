@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import difflib
 
-from slime_mt.tokenization import EncodingError, ObservationEncoder, mask_runs
+from slime_mt.errors import EncodingError
+from slime_mt.tokenization import ObservationEncoder, mask_runs
 from slime_mt.types import Sample
 
 

@@ -33,15 +33,13 @@ from typing import Any
 
 import httpx
 
+from slime_mt.errors import RewardError
+
 GRADE_SECONDS = 10.0
 REMOTE_RM_RETRIES = 5
 BOXED_PREFIX = "boxed_"
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" on every call: ours applies
-
-
-class RewardError(ValueError):
-    """A reward that cannot be computed as configured; names the flag or the row's key."""
 
 
 def last_boxed(text: str) -> str | None:

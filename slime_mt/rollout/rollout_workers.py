@@ -34,16 +34,13 @@ from typing import Any
 
 from slime_mt.cluster.pool import ActorPool
 from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.errors import RolloutProcessLost
 from slime_mt.rollout.env_workers import EnvWorkerPool
 
 logger = logging.getLogger(__name__)
 
 GROUP_ATTEMPTS = 3  # a group whose process dies under it runs again, at most this often in all
 RESTART_SECONDS = 300.0  # the longest a lost process is waited for
-
-
-class RolloutProcessLost(RuntimeError):
-    """A group's rollout process died under it on every attempt."""
 
 
 class RolloutWorker:

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from slime_mt.config import RolloutConfig
-from slime_mt.rollout.env_steps import EnvStepFailed, step_with_retries
+from slime_mt.errors import EnvStepFailed
+from slime_mt.rollout.env_steps import step_with_retries
 from slime_mt.rollout.env_workers import EnvWorkerPool
 from slime_mt.types import Sample
 

@@ -11,7 +11,7 @@ import pytest
 import ray
 from train_helpers import REPO
 
-from slime_mt.config import ConfigError
+from slime_mt.errors import ConfigError
 from slime_mt.launch.ray.placement import plan, reserve
 
 

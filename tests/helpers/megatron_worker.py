@@ -407,7 +407,7 @@ def check_tree(args, info, out):
         for tree in (True, False)
     }
     out["tree_rows"] = {"tree": [len(r) for r in budget[True]], "flat": [len(r) for r in budget[False]]}
-    from slime_mt.backends.megatron.models import ModelConfigError
+    from slime_mt.errors import ModelConfigError
 
     refused = {}
     for kind, train in (("qwen3", TrainConfig(shared_prefix_training=True, local_attention="megatron")),):
@@ -589,7 +589,7 @@ def rope_model(root: Path, name: str, kind: str, rope: dict) -> Path:
 def check_rope(args, info, out):
     """Megatron vs transformers on a 300-token sequence, past the original 64-token context, per
     supported rope type; the refused types raise naming the key."""
-    from slime_mt.backends.megatron.models import ModelConfigError
+    from slime_mt.errors import ModelConfigError
 
     root = Path(args.out) / "rope"
     result = {}

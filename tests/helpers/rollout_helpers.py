@@ -9,10 +9,11 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from envs.base import BaseInteractionEnv, RetryableEnvError
+from envs.base import BaseInteractionEnv
 from slime_mt.config import DataConfig, RolloutConfig
 from slime_mt.engine.client import EngineClient
 from slime_mt.engine.vllm import VLLMClient
+from slime_mt.errors import RetryableEnvError
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.multi_turn import run_episode

@@ -3,8 +3,9 @@ import logging
 import pytest
 
 from slime_mt.cli import main as cli_main
-from slime_mt.config import Config, ConfigError
+from slime_mt.config import Config
 from slime_mt.config_parsing import build_parser, parse_config
+from slime_mt.errors import ConfigError
 
 
 def write(tmp_path, name, text):

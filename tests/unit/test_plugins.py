@@ -2,7 +2,8 @@ import textwrap
 
 import pytest
 
-from slime_mt.plugins import PluginError, load_function
+from slime_mt.errors import PluginError
+from slime_mt.plugins import load_function
 
 
 async def expected_generate(args, sample, sampling_params):

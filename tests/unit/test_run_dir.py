@@ -4,7 +4,8 @@ resume and the start-over that moves the earlier files aside. Unit tier: files o
 import pytest
 
 from slime_mt.config_parsing import parse_config
-from slime_mt.run_dir import LOCK_FILE, RunDirError, claim_run_dir
+from slime_mt.errors import RunDirError
+from slime_mt.run_dir import LOCK_FILE, claim_run_dir
 
 
 def config(run, *flags):

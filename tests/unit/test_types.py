@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from slime_mt.types import Sample, SampleError, Status, Turn
+from slime_mt.errors import SampleError
+from slime_mt.types import Sample, Status, Turn
 
 
 def two_turn_sample():

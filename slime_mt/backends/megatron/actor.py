@@ -41,7 +41,6 @@ from slime_mt.backends.megatron.convert import (
 )
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
 from slime_mt.backends.megatron.models import (
-    ModelConfigError,
     TextPolicy,
     build_gpt,
     decoder_spec,
@@ -54,6 +53,7 @@ from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.errors import ModelConfigError
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
 

@@ -25,10 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.backends.megatron.convert import CheckpointReader, ShardWriter, iter_hf_to_megatron
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint folder that cannot be loaded; names the folder and what is missing."""
+from slime_mt.errors import CheckpointError
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -25,17 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from slime_mt.backends.megatron.parallel import current_device
-from slime_mt.backends.megatron.rope import PositionRotary, RopeConfigError, rope_frequencies
+from slime_mt.backends.megatron.rope import PositionRotary, rope_frequencies
+from slime_mt.errors import ModelConfigError, RopeConfigError
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 TEXT_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 VLM_FAMILIES = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
-
-
-class ModelConfigError(ValueError):
-    """A checkpoint this backend cannot build; names the folder and the field."""
 
 
 @dataclass

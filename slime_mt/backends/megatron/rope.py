@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from slime_mt.errors import RopeConfigError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REFUSED_ROPE_TYPES = {
     "dynamic": "dynamic NTK scaling recomputes the frequencies from the longest sequence the engine has "
@@ -32,10 +34,6 @@ REFUSED_ROPE_TYPES = {
     "longrope": "LongRoPE switches frequencies when a sequence crosses the original context length, "
     "which changes tokens already in the KV cache",
 }
-
-
-class RopeConfigError(ValueError):
-    """A rope configuration the backend cannot reproduce; names the config key and value."""
 
 
 def rope_parameters(text_config: dict) -> dict:

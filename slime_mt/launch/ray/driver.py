@@ -19,7 +19,8 @@ import signal
 import sys
 from pathlib import Path
 
-from slime_mt.config import Config, ConfigError
+from slime_mt.config import Config
+from slime_mt.errors import ConfigError, TrainerRankLost
 from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
 
 logger = logging.getLogger(__name__)
@@ -220,10 +221,6 @@ def _forward_interrupt(ranks: list):
 
 
 LOST_PEER_SECONDS = 10.0  # how long a rank's failure waits for news of a lost peer
-
-
-class TrainerRankLost(RuntimeError):
-    """A trainer rank's process or node is gone: the run stops; ``--load`` resumes it."""
 
 
 def _lost_rank_message(cfg: Config, placement: Placement, refs: list, error: Exception) -> str:

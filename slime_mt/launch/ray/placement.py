@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from slime_mt.config import ConfigError
+from slime_mt.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def test_expanded_pads_are_rejected(vl_target):
     processor = load_tokenizer_or_processor(vl_target.model_path)
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True)
     expanded = processor(text=text, images=[diagram(3)])["input_ids"][0].tolist()
-    from slime_mt.engine.client import EngineRequestError
+    from slime_mt.errors import EngineRequestError
 
     async def go():
         async with vl_target.client() as client:

@@ -234,7 +234,7 @@ def test_failed_updates_leave_weights_and_version_then_a_good_one_works(tiny_pat
 
 
 def test_failed_in_process_update_changes_nothing(tiny_paths):
-    from slime_mt.engine.runner import WeightUpdateError
+    from slime_mt.errors import WeightUpdateError
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]))
     named = {k: v + 1.0 for k, v in model.state_dict().items()}
@@ -634,7 +634,7 @@ def test_on_vllm_failed_updates_are_refused_and_change_nothing(vllm_target, tmp_
     slime_mt's worker extension packs it again)."""
     from safetensors.torch import load_file
 
-    from slime_mt.engine.client import EngineRequestError
+    from slime_mt.errors import EngineRequestError
 
     good = load_file(str(vllm_target.model_path / "model.safetensors"))
     cases = _bad_checkpoints(tmp_path, good)

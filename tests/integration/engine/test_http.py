@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from engine_helpers import run
 
-from slime_mt.engine.http import ConnectError, ConnectionLost, HTTPClient, split_url
+from slime_mt.engine.http import HTTPClient, split_url
+from slime_mt.errors import ConnectError, ConnectionLost
 
 OK = b'{"ok": true}'
 

@@ -10,9 +10,10 @@ import httpx
 import pytest
 from engine_helpers import data_uri, diagram, run
 
-from slime_mt.engine.client import EngineClient, EngineError, EngineRequestError, EngineTimeoutError
+from slime_mt.engine.client import EngineClient
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.server import LocalEngine
+from slime_mt.errors import EngineError, EngineRequestError, EngineTimeoutError
 
 PROMPT = [9707, 1879, 11]
 VALID = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}

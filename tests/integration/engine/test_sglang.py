@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from slime_mt.config import EngineConfig
-from slime_mt.engine.launch import LaunchError, start_engines
+from slime_mt.engine.launch import start_engines
+from slime_mt.errors import LaunchError
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 

@@ -11,8 +11,8 @@ import pytest
 from rollout_helpers import make_ctx  # noqa: E402
 
 from envs.llm_judge import Judge, JudgeError, JudgeFeedbackEnv, judge_reward  # noqa: E402
-from slime_mt.engine.client import EngineError  # noqa: E402
 from slime_mt.engine.clients import client_for  # noqa: E402
+from slime_mt.errors import EngineError  # noqa: E402
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of  # noqa: E402
 from slime_mt.rollout.metrics import rollout_metrics  # noqa: E402
 from slime_mt.rollout.multi_turn import run_episode  # noqa: E402

@@ -14,8 +14,8 @@ import time
 import pytest
 
 import envs.python_sandbox as sandbox
-from envs.base import InvalidActionError
 from envs.python_sandbox import PythonSandboxEnv, SandboxLimits, build_env, code_block, run_python, sandbox_mode
+from slime_mt.errors import InvalidActionError
 from slime_mt.types import Sample
 
 # allow_unisolated: the limits-only mode is tested too (refused without it: see the isolation tests)

@@ -7,8 +7,9 @@ import itertools
 import pytest
 from rollout_helpers import TOOLS, make_ctx
 
-from envs.base import BaseInteractionEnv, RecoverableEnvError
+from envs.base import BaseInteractionEnv
 from slime_mt.algo.advantages import compute_advantages
+from slime_mt.errors import RecoverableEnvError
 from slime_mt.rollout.finalize import to_concat_samples
 from slime_mt.rollout.group_rollout import _assign_reward
 from slime_mt.rollout.metrics import rollout_metrics

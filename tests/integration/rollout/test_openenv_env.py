@@ -16,9 +16,9 @@ import pytest
 from rollout_helpers import make_ctx
 from train_helpers import HELPERS, REPO
 
-from envs.base import InvalidActionError
 from envs.openenv import OpenEnvEnv, build_env, text_field
 from slime_mt.engine.launch import free_port
+from slime_mt.errors import InvalidActionError
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status
 

@@ -102,7 +102,8 @@ def test_prompts_past_the_limits_are_left_out_at_load_with_one_line(target, tmp_
     """Issue 44 item 11: --rollout-max-prompt-len (slime's flag), and always the prompts that leave no
     room in the context, are left out when the data is loaded, counted in one warning per dataset."""
     from slime_mt.config import DataConfig
-    from slime_mt.data import DatasetError, PromptDataset, write_jsonl
+    from slime_mt.data import PromptDataset, write_jsonl
+    from slime_mt.errors import DatasetError
     from slime_mt.rollout_side import drop_long_prompts
 
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "word " * n} for n in (1, 40, 2, 400)])

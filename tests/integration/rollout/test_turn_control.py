@@ -6,7 +6,8 @@ import asyncio
 import pytest
 from rollout_helpers import make_ctx
 
-from envs.base import BaseInteractionEnv, InvalidActionError
+from envs.base import BaseInteractionEnv
+from slime_mt.errors import InvalidActionError
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample, Status

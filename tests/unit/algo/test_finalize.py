@@ -6,8 +6,8 @@ import pytest
 import torch
 from algo_helpers import make_sample
 
+from slime_mt.errors import StepWiseError
 from slime_mt.rollout.finalize import (
-    StepWiseError,
     finalize,
     merge_step_wise,
     sequence_metrics,

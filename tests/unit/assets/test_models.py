@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slime_mt.processing import ProcessorError, QwenVLProcessor, load_tokenizer_or_processor
+from slime_mt.errors import ProcessorError
+from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor
 
 
 def test_smollm2_answers_a_fixed_question_greedily(smollm2_path):

@@ -8,11 +8,11 @@ from argparse import Namespace
 import pytest
 
 from slime_mt.compat import SlimeCompat, install, rebuild_turns, text_drift
-from slime_mt.config import ConfigError
 from slime_mt.config_parsing import parse_config
+from slime_mt.errors import ConfigError, RewardError, RolloutError
 from slime_mt.rollout.finalize import finalize
-from slime_mt.rollout.group_rollout import RolloutError, rollout_output
-from slime_mt.rollout.rewards import GRADERS, RewardError, rule_based_rm
+from slime_mt.rollout.group_rollout import rollout_output
+from slime_mt.rollout.rewards import GRADERS, rule_based_rm
 
 install()
 from slime.utils.types import Sample  # noqa: E402  (resolved by install())

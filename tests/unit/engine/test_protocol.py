@@ -1,7 +1,6 @@
 import pytest
 
 from slime_mt.engine.protocol import (
-    ProtocolError,
     SamplingParams,
     decode_json_body,
     expand_image_pads,
@@ -9,6 +8,7 @@ from slime_mt.engine.protocol import (
     parse_generate,
     parse_sampling_params,
 )
+from slime_mt.errors import ProtocolError
 
 PAD = 151655
 

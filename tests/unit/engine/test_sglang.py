@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 
 from slime_mt.config import EngineConfig
-from slime_mt.engine.launch import LaunchError, require_sglang, start_engines
+from slime_mt.engine.launch import require_sglang, start_engines
+from slime_mt.errors import LaunchError
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from envs.base import InvalidActionError
 from envs.search import CorpusError, SearchEnv, SearchIndex, build_env
+from slime_mt.errors import InvalidActionError
 from slime_mt.rollout.rewards import exact_match, f1_reward
 from slime_mt.types import Sample
 

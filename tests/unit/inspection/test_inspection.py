@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
+from slime_mt.errors import TurnRecordsError
 from slime_mt.inspection.dumps import load_dump, save_dump, train_batch_of
 from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
-from slime_mt.inspection.turn_records import TurnRecordsError, chosen_groups, parse_setting
+from slime_mt.inspection.turn_records import chosen_groups, parse_setting
 from slime_mt.rollout.finalize import finalize
 from slime_mt.timeline import TraceWriter, load_trace
 from slime_mt.types import Sample, Status

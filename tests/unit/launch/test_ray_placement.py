@@ -5,7 +5,7 @@ EngineActor per engine) report from inside the node and devices they were given.
 
 import pytest
 
-from slime_mt.config import ConfigError
+from slime_mt.errors import ConfigError
 from slime_mt.launch.ray.placement import Slot, assign, plan
 
 

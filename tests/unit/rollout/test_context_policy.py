@@ -23,9 +23,9 @@ from rollout_helpers import (
 from transformers import AutoTokenizer
 
 from slime_mt.assets import qwen3_reference_tokenizer_dir
-from slime_mt.config import ConfigError
 from slime_mt.config_parsing import build_config
-from slime_mt.rollout.context_policy import ContextPolicyError, load_policy, parse_policy
+from slime_mt.errors import ConfigError, ContextPolicyError
+from slime_mt.rollout.context_policy import load_policy, parse_policy
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_concat_with_a_rewriting_policy_is_a_config_error(setting):
 
 
 def test_a_user_policy_must_fit_the_signature_and_return_messages(tmp_path):
-    from slime_mt.plugins import PluginError
+    from slime_mt.errors import PluginError
 
     (tmp_path / "p.py").write_text(
         "def bad(sample):\n    return []\n\ndef text(args, sample, prompt, turns):\n    return 'hello'\n"

@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from slime_mt.config import DataConfig
-from slime_mt.data import DatasetError, PromptDataset, load_rows
+from slime_mt.data import PromptDataset, load_rows
+from slime_mt.errors import DatasetError
 
 
 def png_bytes(color=(255, 0, 0), size=(20, 10)):

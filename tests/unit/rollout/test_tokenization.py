@@ -2,8 +2,9 @@
 
 import pytest
 
+from slime_mt.errors import EncodingError
 from slime_mt.processing import load_tokenizer_or_processor
-from slime_mt.tokenization import EncodingError, ObservationEncoder, mask_runs
+from slime_mt.tokenization import ObservationEncoder, mask_runs
 
 IM_START, IM_END, NL = 151644, 151645, 198
 USER, ASSISTANT = 872, 77091

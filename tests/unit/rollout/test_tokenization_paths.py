@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from slime_mt.algo.losses import LossInputs, policy_loss
-from slime_mt.config import AlgoConfig, ConfigError
+from slime_mt.config import AlgoConfig
 from slime_mt.config_parsing import build_config
+from slime_mt.errors import ConfigError
 
 
 def test_tokens_without_rollout_log_probs_refuse_tis_and_skip_the_diff_metric():
