@@ -69,8 +69,8 @@ def write_workload(folder: Path, prompts: int, seed: int, fast: float, slow: flo
 
 def run_mode(folder: Path, name: str, flags: list[str], steps: int, batch: int, samples: int) -> dict:
     from slime_mt.assets import tiny_model_dir
+    from slime_mt.engine.embedded.server import wait_healthy
     from slime_mt.engine.launch import free_port
-    from slime_mt.engine.server import wait_healthy
 
     run_dir = folder / name
     model = str(tiny_model_dir("qwen2"))

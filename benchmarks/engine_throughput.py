@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from slime_mt.assets import smollm2_dir, tiny_model_dir  # noqa: E402
-from slime_mt.engine.client import client_for  # noqa: E402
+from slime_mt.engine.clients import client_for  # noqa: E402
+from slime_mt.engine.embedded.server import LocalEngine  # noqa: E402
 from slime_mt.engine.images import encode_image  # noqa: E402
 from slime_mt.engine.launch import VLLMServer  # noqa: E402
 from slime_mt.engine.protocol import collapse_image_pads  # noqa: E402
-from slime_mt.engine.server import LocalEngine  # noqa: E402
 from slime_mt.processing import load_tokenizer_or_processor  # noqa: E402
 
 

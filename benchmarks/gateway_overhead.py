@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime_mt.assets import tiny_model_dir  # noqa: E402
 from slime_mt.config_parsing import parse_config  # noqa: E402
-from slime_mt.engine.server import wait_healthy  # noqa: E402
+from slime_mt.engine.embedded.server import wait_healthy  # noqa: E402
 from slime_mt.gateway.server import Gateway, open_gateway  # noqa: E402
 from slime_mt.rollout.context import RolloutContext  # noqa: E402
 from slime_mt.types import Sample  # noqa: E402

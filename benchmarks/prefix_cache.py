@@ -17,8 +17,8 @@ import time
 import torch
 
 from slime_mt.assets import smollm2_dir
-from slime_mt.engine.client import EngineClient
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.processing import load_tokenizer_or_processor
 
 TASKS = [

@@ -17,8 +17,8 @@ import torch
 from envs.base import BaseInteractionEnv
 from slime_mt.assets import tiny_model_dir
 from slime_mt.config import DataConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.multimodal import MultimodalBuffer
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.context import RolloutContext

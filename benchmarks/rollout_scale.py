@@ -317,7 +317,7 @@ def measure(url: str, worker_urls: list[str], size: int, args, engine_pids: list
     from envs.base import BaseInteractionEnv
     from slime_mt.assets import tiny_model_dir
     from slime_mt.config import DataConfig, RolloutConfig
-    from slime_mt.engine.client import EngineClient
+    from slime_mt.engine.clients.sglang import EngineClient
     from slime_mt.processing import load_tokenizer_or_processor
     from slime_mt.rollout.context import RolloutContext
     from slime_mt.rollout.multi_turn import run_episode

@@ -211,7 +211,7 @@ async def judge_of(ctx) -> Judge:
         tokenizer = tokenizer_of(load_tokenizer_or_processor(args.judge_model_path))
         url = args.judge_engine_url
         if url is None:  # an embedded engine serving the judge, off the rollout's loop
-            from slime_mt.engine.server import LocalEngine
+            from slime_mt.engine.embedded.server import LocalEngine
 
             engine = await asyncio.to_thread(lambda: LocalEngine(args.judge_model_path, max_batch_size=16).start())
             url, on_close = engine.url, engine.stop

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if ns.command == "serve":
-        from slime_mt.engine.server import serve
+        from slime_mt.engine.embedded.server import serve
 
         serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed, ns.cache_tokens)
         return 0

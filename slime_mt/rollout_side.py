@@ -22,8 +22,8 @@ from slime_mt.cluster.supervisor import EngineSupervisor
 from slime_mt.compat import SlimeCompat
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
-from slime_mt.engine.update_gate import UpdateGate
-from slime_mt.engine.weight_sync import transport_for
+from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.weights.sync import transport_for
 from slime_mt.errors import DatasetError, RolloutFailedError
 from slime_mt.inspection.records import RunRecords
 from slime_mt.metrics import MetricsLogger
@@ -79,7 +79,7 @@ class RolloutSide:
     eval_data: PromptDataset | None
     rollout_fn: object
     metrics: object
-    weights: object  # the weight transport to the engines (engine/weight_sync.py)
+    weights: object  # the weight transport to the engines (engine/weights/sync.py)
     errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
     cfg: Config
     data_state_before_prefetch: dict | None = None

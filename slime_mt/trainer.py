@@ -88,7 +88,7 @@ def preflight(cfg: Config) -> None:
             raise TrainSetupError(f"--load-debug-rollout-data {d.load_debug_rollout_data}: no dump of step 0 ({first})")
         checked_dump(cfg, 0)  # before a model is built: a dump of other settings stops here
     for url in [] if d.train_only else cfg.engine.engine_url or []:
-        from slime_mt.engine.server import wait_healthy
+        from slime_mt.engine.embedded.server import wait_healthy
 
         try:
             wait_healthy(url, timeout=10.0)

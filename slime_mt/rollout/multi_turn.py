@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from slime_mt.engine.client import UPDATE_ABORT, output_of
+from slime_mt.engine.clients.sglang import UPDATE_ABORT, output_of
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.errors import ContextPolicyError, EngineAbortedTurn, EngineError, EnvStepFailed, EpisodeRestart

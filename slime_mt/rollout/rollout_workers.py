@@ -33,7 +33,7 @@ import uuid
 from typing import Any
 
 from slime_mt.cluster.pool import ActorPool
-from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.errors import RolloutProcessLost
 from slime_mt.rollout.env_workers import EnvWorkerPool
 

@@ -45,7 +45,7 @@ def test_weights_reach_an_engine_on_another_node_exactly_after_each_step(ray_tp2
     after each of the Ray run's 3 steps, the engine serves exactly the weights the trainer exported
     (its checkpoint of that step): greedy tokens and log-probs equal an engine loaded from that folder."""
     from slime_mt.config import EngineConfig
-    from slime_mt.engine.server import LocalEngine
+    from slime_mt.engine.embedded.server import LocalEngine
     from slime_mt.launch.ray.actors import EngineActor
 
     run_dir, stdout = ray_tp2
@@ -282,7 +282,7 @@ class RankZero:
     def __init__(self, url: str) -> None:
         from engine_helpers import LoopSide
 
-        from slime_mt.engine.weight_sync import DistributedWeights
+        from slime_mt.engine.weights.sync import DistributedWeights
 
         self.side = LoopSide(url)
         self.weights = DistributedWeights(self.side, [1], buffer_bytes=1 << 20)

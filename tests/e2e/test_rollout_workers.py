@@ -13,8 +13,8 @@ import ray
 
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset, load_rows
-from slime_mt.engine.server import LocalEngine
-from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.group_rollout import rollout_groups
 from slime_mt.rollout.rollout_workers import RolloutWorkerPool

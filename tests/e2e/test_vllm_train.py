@@ -32,7 +32,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     from vllm_helpers import VLLM_ARGS, vllm_python
 
     from slime_mt.assets import VLLM_TINY_KIND, tiny_model_dir
-    from slime_mt.engine.vllm import VLLMClient
+    from slime_mt.engine.clients.vllm import VLLMClient
 
     model = tiny_model_dir(VLLM_TINY_KIND)
     data = tmp_path / "data"

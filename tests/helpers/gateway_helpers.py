@@ -53,7 +53,7 @@ class Harness:
 @contextlib.contextmanager
 def engine_harness(model_path: Path, flags: list[str], max_batch_size: int = 16):
     """An embedded engine on ``model_path`` and a harness in front of it, for one module."""
-    from slime_mt.engine.server import LocalEngine
+    from slime_mt.engine.embedded.server import LocalEngine
 
     engine = LocalEngine(model_path, max_batch_size=max_batch_size).start()
     harness = Harness(model_path, engine.url, flags)

@@ -647,10 +647,10 @@ def check_engine_fidelity(args, info, out):
     """Log-probs the embedded engine sampled vs Megatron's recomputation of the same tokens."""
     import asyncio
 
-    from slime_mt.engine.client import EngineClient
+    from slime_mt.engine.clients.sglang import EngineClient
+    from slime_mt.engine.embedded.server import LocalEngine
     from slime_mt.engine.images import encode_image
     from slime_mt.engine.protocol import collapse_image_pads
-    from slime_mt.engine.server import LocalEngine
     from slime_mt.processing import load_tokenizer_or_processor
 
     result = {}

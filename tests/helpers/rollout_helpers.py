@@ -11,8 +11,8 @@ from PIL import Image, ImageDraw
 
 from envs.base import BaseInteractionEnv
 from slime_mt.config import DataConfig, RolloutConfig
-from slime_mt.engine.client import EngineClient
-from slime_mt.engine.vllm import VLLMClient
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.clients.vllm import VLLMClient
 from slime_mt.errors import RetryableEnvError
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.context import RolloutContext

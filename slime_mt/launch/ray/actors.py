@@ -45,7 +45,7 @@ class TrainerRank:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: its node's address and a free port there, for every rank's ``MASTER_ADDR:MASTER_PORT``."""
-        from slime_mt.engine.weight_group import free_port
+        from slime_mt.engine.weights.group import free_port
 
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
@@ -87,8 +87,8 @@ class EngineActor:
 
     def start(self) -> str:
         """Start the engine on this actor's devices, bound to its node's address -> its URL."""
+        from slime_mt.engine.embedded.server import LocalEngine
         from slime_mt.engine.launch import SGLangServer, VLLMServer
-        from slime_mt.engine.server import LocalEngine
 
         host, cfg = ray.util.get_node_ip_address(), self.engine_cfg
         if cfg.engine == "local":

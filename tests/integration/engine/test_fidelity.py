@@ -8,9 +8,9 @@ import torch
 from engine_helpers import data_uri, diagram, run
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from slime_mt.engine.client import EngineClient
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.protocol import collapse_image_pads
-from slime_mt.engine.server import LocalEngine
 from slime_mt.processing import load_tokenizer_or_processor
 
 TEMPERATURE = 0.7

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.embedded.server import LocalEngine
 
 EXAMPLES = int(os.environ.get("SLIME_MT_FUZZ_EXAMPLES", "60"))
 BOUND = 30.0  # seconds within which every request must be answered

@@ -16,8 +16,8 @@ from engine_helpers import diagram, eager_to_stop_model, run
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.protocol import GenerateRequest, SamplingParams
-from slime_mt.engine.server import LocalEngine
 
 PROMPT = [9707, 1879, 11, 1128, 525, 498, 30]
 EOS = 151645
@@ -690,8 +690,8 @@ def test_on_vllm_a_request_whose_engine_was_lost_is_generated_again_on_another(v
     is lost (``--ray``: the supervisor takes it out of the rotation), the request it was serving fails
     over to an engine left, as the same request from its start, and the trajectory's later turns go
     there; an engine admitted again takes new trajectories."""
+    from slime_mt.engine.clients.vllm import VLLMClient
     from slime_mt.engine.launch import free_port
-    from slime_mt.engine.vllm import VLLMClient
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: an engine whose process died
     live = vllm_target.url

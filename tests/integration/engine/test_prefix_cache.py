@@ -9,8 +9,8 @@ import pytest
 import torch
 from engine_helpers import run
 
-from slime_mt.engine.client import EngineClient
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 
 GREEDY = {"temperature": 0.0}
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from engine_helpers import data_uri, diagram, run
 
-from slime_mt.engine.client import EngineClient
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.launch import free_port
-from slime_mt.engine.server import LocalEngine
 from slime_mt.errors import EngineError, EngineRequestError, EngineTimeoutError
 
 PROMPT = [9707, 1879, 11]
@@ -164,7 +164,7 @@ class BlackHole:
 
 
 def test_no_client_call_outlives_its_timeout_and_errors_name_the_engine():
-    from slime_mt.engine.client import ABORT_GRACE
+    from slime_mt.engine.clients.sglang import ABORT_GRACE
 
     async def go(url):
         async with EngineClient(url, timeout=30.0) as client:

@@ -26,7 +26,7 @@ def test_engine_url_that_does_not_answer(tmp_path):
 def test_real_sglang_server_speaks_the_same_protocol(tmp_path):
     import asyncio
 
-    from slime_mt.engine.client import EngineClient
+    from slime_mt.engine.clients.sglang import EngineClient
     from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 
     path = os.environ["SLIME_MT_GPU_MODEL"]

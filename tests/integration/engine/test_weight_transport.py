@@ -15,9 +15,9 @@ from engine_helpers import LoopSide
 from train_helpers import REPO
 
 from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.engine.launch import free_port
-from slime_mt.engine.server import LocalEngine, wait_healthy
-from slime_mt.engine.weight_sync import DistributedWeights, FolderWeights, TensorWeights
+from slime_mt.engine.weights.sync import DistributedWeights, FolderWeights, TensorWeights
 
 PROMPT = [3, 17, 29, 101, 7, 64]
 
@@ -231,7 +231,7 @@ def test_the_weight_transport_is_the_one_the_flags_pick(
     from types import SimpleNamespace
 
     from slime_mt.config import EngineConfig
-    from slime_mt.engine.weight_sync import transport_for
+    from slime_mt.engine.weights.sync import transport_for
 
     side = LoopSide(remote_engine)
     local = [LocalEngine(tiny_paths["qwen2"])] if in_process else []  # not started: only its presence counts
@@ -246,14 +246,14 @@ def test_the_weight_transport_is_the_one_the_flags_pick(
 
 def test_on_vllm_versions_from_the_weight_group_serve_exactly_the_sent_weights(vllm_target, tmp_path):
     """A vLLM server joins the trainer's weight group through vLLM's weight-transfer endpoints (the
-    ``slime_mt`` backend, engine/vllm_worker.py) and loads every bucket rank 0 broadcasts: greedy
+    ``slime_mt`` backend, engine/weights/vllm_worker.py) and loads every bucket rank 0 broadcasts: greedy
     decoding then equals the embedded engine's with the same weights, version by version. A bucket that
     does not fit the served checkpoint is refused before any engine receives it, naming the tensor,
     and vLLM keeps serving the last version; a new group then loads the original weights."""
     from types import SimpleNamespace
 
     from slime_mt.config import EngineConfig
-    from slime_mt.engine.weight_sync import transport_for
+    from slime_mt.engine.weights.sync import transport_for
 
     base = load_hf_state(vllm_target.model_path)
     side = LoopSide(vllm_target.url, engine="vllm")

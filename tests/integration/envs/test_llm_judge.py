@@ -21,7 +21,7 @@ from slime_mt.types import Sample, Status  # noqa: E402
 
 @pytest.fixture(scope="module")
 def judge_engine(smollm2_path):
-    from slime_mt.engine.server import LocalEngine
+    from slime_mt.engine.embedded.server import LocalEngine
 
     engine = LocalEngine(smollm2_path, max_batch_size=16).start()
     yield engine

@@ -25,7 +25,7 @@ def scripted_path(qwen_tokenizer, tiny_paths):
 
 @pytest.fixture(scope="session")
 def scripted_engine(scripted_path):
-    from slime_mt.engine.server import LocalEngine
+    from slime_mt.engine.embedded.server import LocalEngine
 
     engine = LocalEngine(scripted_path, max_batch_size=16).start()
     yield engine

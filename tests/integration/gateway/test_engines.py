@@ -28,8 +28,8 @@ def _conversation(harness, calls: int = 4, index: int = 0, max_tokens: int = 8):
 
 @pytest.fixture(scope="module")
 def routed(tiny_paths):
+    from slime_mt.engine.embedded.server import LocalEngine
     from slime_mt.engine.launch import Router
-    from slime_mt.engine.server import LocalEngine
 
     engines = [LocalEngine(tiny_paths["qwen2"], max_batch_size=8, seed=i).start() for i in range(2)]
     router = Router(Path(tempfile.mkdtemp(prefix="slime-mt-router-")), policy="manual")

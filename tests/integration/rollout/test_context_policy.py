@@ -33,9 +33,9 @@ from transformers import AutoTokenizer
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
 from slime_mt.config import DataConfig
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
-from slime_mt.engine.server import LocalEngine
 from slime_mt.processing import load_tokenizer_or_processor
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode

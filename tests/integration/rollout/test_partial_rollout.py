@@ -11,9 +11,9 @@ from rollout_helpers import make_ctx, picture
 
 from slime_mt.algo.losses import off_policy_weights
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.client import UPDATE_ABORT, EngineClient
-from slime_mt.engine.server import LocalEngine
-from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.engine.clients.sglang import UPDATE_ABORT, EngineClient
+from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.types import Sample
@@ -175,7 +175,7 @@ def test_on_vllm_a_turn_resumed_across_a_weight_update_keeps_each_segments_weigh
     each segment is greedy decoding by its own weights, every log-prob is vLLM's."""
     from safetensors.torch import load_file, save_file
 
-    from slime_mt.engine.vllm import VLLMClient
+    from slime_mt.engine.clients.vllm import VLLMClient
 
     path = vllm_target.model_path
     served = load_file(str(path / "model.safetensors"))

@@ -15,8 +15,8 @@ from rollout_helpers import make_ctx
 from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.config import DataConfig
 from slime_mt.data import PromptDataset, load_rows
-from slime_mt.engine.server import LocalEngine
-from slime_mt.engine.update_gate import UpdateGate
+from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.staleness import mask_stale, oldest_version, staleness_metrics

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir, qwen_tokenizer_dir
 from slime_mt.config import DataConfig
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.multi_turn import run_episode

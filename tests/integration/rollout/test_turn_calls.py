@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.assets import qwen3_reference_tokenizer_dir
-from slime_mt.engine.client import EngineClient
-from slime_mt.engine.server import LocalEngine
+from slime_mt.engine.clients.sglang import EngineClient
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import generate_turn, run_episode
 from slime_mt.rollout.staleness import staleness_metrics

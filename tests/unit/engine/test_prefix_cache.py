@@ -6,7 +6,7 @@ tokens it generated; a weight update and ``/flush_cache`` invalidate it."""
 import pytest
 import torch
 
-from slime_mt.engine.prefix_cache import PrefixCache, common_prefix
+from slime_mt.engine.embedded.prefix_cache import PrefixCache, common_prefix
 
 
 def kv(n: int, fill: float = 0.0):

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_mt.engine.launch import sglang_command
-from slime_mt.engine.weight_sync import WeightFolders
+from slime_mt.engine.weights.sync import WeightFolders
 
 TENSORS = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]
 

@@ -1,4 +1,4 @@
-"""Runs inside vLLM's worker processes: the weight group (``engine/weight_group.py``) as a backend of
+"""Runs inside vLLM's worker processes: the weight group (``engine/weights/group.py``) as a backend of
 vLLM's own weight-transfer endpoints, so the trainer's ``--weight-transport distributed`` reaches a
 vLLM server as it reaches SGLang.
 
@@ -12,7 +12,7 @@ the engine's devices follow from ``rank_offset``) and receives each bucket as SG
 ``/update_weights_from_distributed`` does, one broadcast per tensor in the order of the request,
 then loads it with the model's ``load_weights`` (HF names) inside vLLM's layerwise reload.
 
-A server gets it with ``--worker-extension-cls slime_mt.engine.vllm_worker.WeightGroupWorker``
+A server gets it with ``--worker-extension-cls slime_mt.engine.weights.vllm_worker.WeightGroupWorker``
 (importing this module in each worker registers the backend, before the worker builds its transfer
 engine) and ``--weight-transfer-config '{"backend": "slime_mt"}'``; ``engine/launch.py`` starts
 servers so, with slime_mt importable. This module needs only torch and vLLM.
@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from slime_mt.engine import weight_group
+from slime_mt.engine.weights import group as weight_group
 
 BACKEND = "slime_mt"
 

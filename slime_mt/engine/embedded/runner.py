@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from slime_mt.engine.checkpoint import checkpoint_files
 from slime_mt.engine.protocol import SamplingParams, expand_image_pads
+from slime_mt.engine.weights.checkpoint import checkpoint_files
 from slime_mt.errors import ProtocolError, WeightUpdateError
 from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
 

@@ -48,11 +48,12 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
-from slime_mt.engine import tensor_payload, weight_group
+from slime_mt.engine.embedded.runner import ModelRunner
+from slime_mt.engine.embedded.scheduler import PAUSE_MODES, Scheduler
 from slime_mt.engine.images import MAX_IMAGE_PIXELS, load_image
 from slime_mt.engine.protocol import GenerateRequest, SamplingParams, decode_json_body, parse_bool, parse_generate, show
-from slime_mt.engine.runner import ModelRunner
-from slime_mt.engine.scheduler import PAUSE_MODES, Scheduler
+from slime_mt.engine.weights import group as weight_group
+from slime_mt.engine.weights import tensor_payload
 from slime_mt.errors import EngineAsleep, EngineFault, MemoryBusy, PayloadTooLarge, ProtocolError, WeightUpdateError
 
 logger = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slime_mt.engine.prefix_cache import PrefixCache
+from slime_mt.engine.embedded.prefix_cache import PrefixCache
+from slime_mt.engine.embedded.runner import Batch, ModelRunner, Sequence
 from slime_mt.engine.protocol import GenerateRequest, finish_abort, finish_length, finish_stop
-from slime_mt.engine.runner import Batch, ModelRunner, Sequence
 from slime_mt.errors import EngineAsleep, EngineFault, MemoryBusy, ProtocolError
 
 PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's /pause_generation modes

@@ -7,7 +7,7 @@ continue, weight updates, flush) go to every worker URL, because a router does n
 (sglang-router answers 404 on ``/abort_request``).
 
 With an ``UpdateGate`` (fully-async training), weights change in the middle of generation without a
-request inside an engine while they do: see ``engine/update_gate.py``.
+request inside an engine while they do: see ``engine/clients/update_gate.py``.
 
 No call outlives its timeout (retries and backoff included): ``generate`` raises
 ``EngineTimeoutError`` after ``timeout`` seconds plus at most ``ABORT_GRACE`` seconds spent
@@ -37,7 +37,7 @@ from slime_mt.errors import ConnectError, ConnectionLost, EngineError, EngineReq
 from slime_mt.timeline import Timeline, default_lane, maybe_span
 
 if TYPE_CHECKING:
-    from slime_mt.engine.update_gate import UpdateGate
+    from slime_mt.engine.clients.update_gate import UpdateGate
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.backends.megatron.convert import ShardWriter
-from slime_mt.engine import tensor_payload, weight_group
+from slime_mt.engine.weights import group as weight_group
+from slime_mt.engine.weights import tensor_payload
 from slime_mt.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ SGLang's ``init_weights_update_group`` joins a group beside the engine's own: ra
 engine e's devices are ranks ``rank_offset .. rank_offset + tp - 1``, the rendezvous is a TCP store on
 the trainer's node (``master_address:master_port``), and its keys are prefixed with the group's name.
 ``join`` makes the same group the same way on both ends (the trainer here, the embedded engine in
-``engine/server.py``, SGLang in its model runner), so one trainer talks to either engine. It goes
+``engine/embedded/server.py``, SGLang in its model runner), so one trainer talks to either engine. It goes
 through torch's ``_new_process_group_helper``, as SGLang does: ``new_group`` can only split the
 default group, and the engine and the trainer each have their own.
 

@@ -32,7 +32,7 @@ also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokeniz
 - Weights from a distributed group (``--weight-transport distributed``): vLLM's weight-transfer
   endpoints (``/init_weight_transfer_engine``, then per version ``/start_weight_update``, one
   ``/update_weights`` per bucket, ``/finish_weight_update`` with the version) with the backend ``slime_mt``
-  (``engine/vllm_worker.py``), which joins the same torch process group as SGLang's weight-group
+  (``engine/weights/vllm_worker.py``), which joins the same torch process group as SGLang's weight-group
   endpoints and receives the same broadcasts, so the trainer's side is one for every engine. vLLM's
   own NCCL and IPC backends would need vLLM in the trainer's process and a GPU. Each bucket is checked
   against the served checkpoint before any engine is asked to receive it.
@@ -64,9 +64,9 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slime_mt.engine.checkpoint import check_compatible, check_tensor, tensor_headers
-from slime_mt.engine.client import JOIN_SECONDS, EngineClient, weight_group_joins
-from slime_mt.engine.weight_group import dtype_of
+from slime_mt.engine.clients.sglang import JOIN_SECONDS, EngineClient, weight_group_joins
+from slime_mt.engine.weights.checkpoint import check_compatible, check_tensor, tensor_headers
+from slime_mt.engine.weights.group import dtype_of
 from slime_mt.errors import EngineError, EngineRequestError, WeightUpdateError
 from slime_mt.timeline import default_lane
 
@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 GENERATE = "/inference/v1/generate"
 REQUEST_PREFIX = "generate-tokens-"  # how vLLM's generate endpoint names a request_id internally
-WORKER_EXTENSION = "slime_mt.engine.vllm_worker.WeightGroupWorker"  # brings the weight-group backend
+WORKER_EXTENSION = "slime_mt.engine.weights.vllm_worker.WeightGroupWorker"  # brings the weight-group backend
 WEIGHT_BACKEND = "slime_mt"  # vllm_worker.BACKEND, named here without importing vLLM
 REPACK_CALL = "slime_mt_repack_cpu_kernels"  # vllm_worker.WeightGroupWorker's call
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default; vLLM's is 16
@@ -399,7 +399,7 @@ class VLLMClient(EngineClient):
         self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
     ) -> None:
         """Every engine joins the weight group whose rank 0 is the caller, through vLLM's
-        ``/init_weight_transfer_engine`` and the ``slime_mt`` backend (``engine/vllm_worker.py``); returns
+        ``/init_weight_transfer_engine`` and the ``slime_mt`` backend (``engine/weights/vllm_worker.py``); returns
         once every engine has joined, so the caller joins as rank 0 while this waits."""
         bodies = [
             {"init_info": b} for b in weight_group_joins(master_address, master_port, tp_sizes, group_name, backend)
@@ -496,4 +496,4 @@ class VLLMClient(EngineClient):
 
 
 def _unsupported(what: str) -> EngineError:
-    return EngineError(f"--engine vllm: {what} is not supported yet; see slime_mt/engine/vllm.py")
+    return EngineError(f"--engine vllm: {what} is not supported yet; see slime_mt/engine/clients/vllm.py")
