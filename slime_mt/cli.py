@@ -106,7 +106,6 @@ def _user_errors() -> tuple[type, ...]:
     """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback). Asked for
     only once an error is raised: their modules import torch, transformers and megatron, which
     ``--help``, ``--dry-run`` and the light commands never need."""
-
     return (
         ConfigError,
         DatasetError,

@@ -66,7 +66,6 @@ logger = logging.getLogger(__name__)
 
 def preflight(cfg: Config) -> None:
     """Check every input before anything is launched or written; one clear error per problem."""
-
     t = cfg.train
     if not t.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
@@ -102,7 +101,6 @@ def _check_compat_images(cfg: Config) -> None:
     """``--slime-compat`` hands the framework's own generate functions the rendered text prompt: with a
     dataset of images every sample would reach the engine without them (an HTTP 400 each, after the
     model loaded). Refused here, before anything starts."""
-
     r = cfg.rollout
     if (
         not (r.slime_compat and cfg.data.multimodal_keys)
@@ -123,7 +121,6 @@ def _check_compat_images(cfg: Config) -> None:
 def check_plugins(cfg: Config):
     """Import every plug-in the run names and check it against its contract -> the env module (None
     without ``--rollout-interaction-env-path``)."""
-
     r = cfg.rollout
     if r.slime_compat:
         install()
@@ -273,7 +270,6 @@ def train(
     (``--ray``, rank 0): the engines' actors, to start again one that dies. ``stop_requested`` (``--ray``:
     the driver's Ctrl-C) acts as Ctrl-C does: rank 0's request, shared with every rank after the step's
     weight export, finishes the step, saves and stops."""
-
     info = init_parallel(cfg.train.tensor_model_parallel_size, cfg.train.seed)
     run_dir = run_dir or run_dir_of(cfg)
     r = cfg.rollout

@@ -38,7 +38,6 @@ class ReplaySide:
     """The rollout side's part that a train-only run keeps: batches (from the dumps), metrics, records."""
 
     def __init__(self, cfg, run_dir: Path) -> None:
-
         self.cfg = cfg
         c = cfg.checkpoint
         self.metrics = MetricsLogger(run_dir, use_wandb=c.use_wandb, wandb_project=c.wandb_project)

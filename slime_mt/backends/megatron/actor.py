@@ -455,11 +455,9 @@ class MegatronActor:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, root: str | Path, extra: dict) -> Path:
-
         return save_checkpoint(self, root, extra)
 
     def load(self, root: str | Path) -> dict:
-
         return load_checkpoint(self, root)
 
 

@@ -234,7 +234,6 @@ def pack_tree_row(
     sequence the nodes whose logits predict its response tokens, and each distinct image once:
     ``pixel_values`` / ``image_grid_thw`` of the unique images, ``image_order`` the unique image of
     each pad run of the row, in row order."""
-
     batch = [samples[i] for i in indices]
     for s in batch:
         if not s.prompt_ids:

@@ -68,7 +68,6 @@ class WeightFolders:
 
     def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
         """Write HF-named ``tensors`` as version ``version`` -> its folder (complete when it appears)."""
-
         folder, tmp = self.folder(version), self.root / f".tmp_v{version}"
         shutil.rmtree(tmp, ignore_errors=True)
         writer = ShardWriter(tmp, "model")
@@ -103,7 +102,6 @@ def _is_version(name: str) -> bool:
 def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Path):
     """The run's weight transport from ``--weight-transport`` (``cfg``: the EngineConfig) and where the
     engines are (``engines``: the EngineGroup, ``ctx``: the rollout context with its client)."""
-
     mode = cfg.weight_transport
     if mode == "auto":
         mode = "inprocess" if engines.local_engines else ("distributed" if on_ray else "disk")
@@ -216,7 +214,6 @@ class DistributedWeights:
 
     def close(self) -> None:
         """Leave the group on every engine and here; an engine that cannot (it left, or is gone) is logged."""
-
         try:
             self.ctx.run_sync(self.ctx.client.destroy_weights_update_group(self.name))
         except EngineError as e:
@@ -238,7 +235,6 @@ class TensorWeights:
         _sglang_device_reductions()
 
     def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
-
         with gate_closed():
             for bucket in weight_group.buckets(stream, self.buffer_bytes):
                 entry = tensor_payload.serialize(bucket)  # the bucket stays referenced until the engines answer
