@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
@@ -228,31 +227,27 @@ def _broadcast(obj, info):
     return box[0]
 
 
-def _send_shares(batch, dp_of_rank: list[int] | None, prompts_per_step: int, cfg: Config, info):
-    """Each rank's share of rank 0's ``batch`` (``split_by_dp``), sent to it alone: a rank receives and
-    unpickles only the groups of its DP rank (its TP peers the same ones), never the whole batch ->
-    (this rank's share, rank 0: the bytes sent, ``train/batch_bytes`` for the whole batch and
+def _send_shares(batch, split, dp_of_rank: list[int] | None, prompts_per_step: int, info):
+    """Each rank's share of rank 0's ``batch`` (``split``: ``MegatronActor.split``), sent to it alone: a
+    rank receives and unpickles only the groups of its DP rank (its TP peers the same ones), never the
+    whole batch; a ``RolloutFailedError`` from rank 0 goes to every rank in its place. -> (this rank's
+    share or the failure, rank 0: the bytes sent, ``train/batch_bytes`` for the whole batch and
     ``train/batch_bytes_per_rank`` for the largest share, when there are other ranks)."""
-    shares, payloads, sent = None, None, {}
-    if info.is_main:
-        r = cfg.rollout
-        shares = split_by_dp(
-            batch.samples,
-            batch.advantages,
-            prompts_per_step,
-            info.dp_size,
-            cfg.algo.loss_reduction,
-            r.rollout_max_context_len,
-        )
+    failed = isinstance(batch, RolloutFailedError)
     if info.world_size == 1:
-        return shares[0], sent
+        return (batch if failed else split(batch.samples, batch.advantages, prompts_per_step)[0]), {}
+    payloads, sent = None, {}
     if info.is_main:
-        pickled = [pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL) for share in shares]
-        payloads = [pickled[dp] for dp in dp_of_rank]
-        sent = {
-            "train/batch_bytes": float(sum(len(p) for p in pickled)),
-            "train/batch_bytes_per_rank": float(max(len(p) for p in pickled)),
-        }
+        if failed:
+            payloads = [pickle.dumps(batch)] * info.world_size
+        else:
+            shares = split(batch.samples, batch.advantages, prompts_per_step)
+            pickled = [pickle.dumps(share, protocol=pickle.HIGHEST_PROTOCOL) for share in shares]
+            payloads = [pickled[dp] for dp in dp_of_rank]
+            sent = {
+                "train/batch_bytes": float(sum(len(p) for p in pickled)),
+                "train/batch_bytes_per_rank": float(max(len(p) for p in pickled)),
+            }
     out = [None]
     dist.scatter_object_list(out, payloads, src=0)
     return pickle.loads(out[0]), sent
@@ -330,10 +325,9 @@ def train(
         for step in range(start, r.num_rollout):
             t0 = time.perf_counter()
             batch = side.collect(step, batches) if side is not None else None
-            failure = _broadcast(batch if isinstance(batch, RolloutFailedError) else None, info)
-            if failure is not None:
-                raise failure
-            share, sent = _send_shares(batch, dp_of_rank, prompts_per_step, cfg, info)
+            share, sent = _send_shares(batch, actor.split, dp_of_rank, prompts_per_step, info)
+            if isinstance(share, RolloutFailedError):
+                raise share
             if offload:
                 actor.onload()  # the engines released their memory in collect
             actor.kept_log_probs = {}  # a skipped step trains nothing and keeps none

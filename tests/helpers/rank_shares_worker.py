@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.parallel import ParallelInfo
-from slime_mt.config import Config
+from slime_mt.errors import RolloutFailedError
 from slime_mt.trainer import _send_shares
 from slime_mt.types import TrainBatch, TrainingSample
 
@@ -30,17 +31,25 @@ def batch(groups: int) -> TrainBatch:
     return TrainBatch(samples, [float(k) for k in range(len(samples))], {}, {}, 0.0, 0.0, {}, [], "")
 
 
+def split(samples, advantages, prompts_per_step):
+    """``MegatronActor.split`` at DP=2 with the default loss reduction and length (no model needed)."""
+    return split_by_dp(samples, advantages, prompts_per_step, 2, "token_mean", 4096)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     info = ParallelInfo(rank, world, rank % TP, TP, rank // TP, world // TP)
-    dp_of_rank = [r // TP for r in range(world)]
-    share, sent = _send_shares(batch(8) if rank == 0 else None, dp_of_rank if rank == 0 else None, 8, Config(), info)
+    dp_of_rank = [r // TP for r in range(world)] if rank == 0 else None
+    share, sent = _send_shares(batch(8) if rank == 0 else None, split, dp_of_rank, 8, info)
     pixels = [float(s.multimodal_train_inputs["pixel_values"][0, 0]) for s in share.samples]
     (out / f"rank_{rank}.json").write_text(
         json.dumps({"indices": share.indices, "pixels": pixels, "weights": share.weights, "sent": sent})
     )
+    failure = RolloutFailedError("step 3: every sample failed")
+    failed, _ = _send_shares(failure if rank == 0 else None, split, dp_of_rank, 8, info)
+    (out / f"failed_{rank}.txt").write_text(f"{type(failed).__name__}: {failed}")
     dist.destroy_process_group()
 
 

@@ -249,13 +249,15 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training
 
+    def split(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int) -> list[RankShare]:
+        """A whole batch split into every DP rank's share (``split_by_dp``), with this actor's loss
+        reduction and its normalising length."""
+        reduction, dp = self.algo.loss_reduction, self.info.dp_size
+        return split_by_dp(samples, advantages, prompts_per_step, dp, reduction, self.norm_max_len)
+
     def share_of(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int) -> RankShare:
-        """This rank's share of a whole batch, as the trainer sends it (``split_by_dp``)."""
-        a = self.algo
-        shares = split_by_dp(
-            samples, advantages, prompts_per_step, self.info.dp_size, a.loss_reduction, self.norm_max_len
-        )
-        return shares[self.info.dp_rank]
+        """This rank's share of a whole batch, as the trainer sends it."""
+        return self.split(samples, advantages, prompts_per_step)[self.info.dp_rank]
 
     def train(self, share: RankShare, on_policy: bool = True) -> dict[str, float]:
         """One pass over this rank's ``share`` of the step, one optimizer step per mini-batch (all DP
