@@ -22,10 +22,11 @@ def enter(cwd: str, paths: list[str]) -> None:
 
 def connect(address: str | None) -> bool:
     """Join the Ray cluster at ``address`` (None: start a local one) unless this process already is in
-    one (a run's actors are) -> whether this call started the connection (``ray.shutdown`` it after)."""
+    one (a run's actors are) -> whether this call started the connection (``ray.shutdown`` it after).
+    Every worker gets this process's working directory and module path."""
     if ray.is_initialized():
         return False
-    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path, os.environ.get("PYTHONPATH", "")] if p)
     ray.init(
         address=address,
         include_dashboard=False,

@@ -304,9 +304,9 @@ def _stream(pieces: list[bytes]) -> StreamingResponse:
 async def open_gateway(ctx) -> Gateway:
     """The agent gateway of the rollout context ``ctx``'s process, started on the running loop the first
     time (then shared; ``ctx.close()`` stops it)."""
-    if ctx._gateway_lock is None:
-        ctx._gateway_lock = asyncio.Lock()
-    async with ctx._gateway_lock:
+    if ctx.gateway_lock is None:
+        ctx.gateway_lock = asyncio.Lock()
+    async with ctx.gateway_lock:
         if ctx.gateway is None:
             ctx.gateway = await Gateway(ctx, ctx.gateway_config).start()
     return ctx.gateway

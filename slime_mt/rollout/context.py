@@ -50,7 +50,7 @@ class RolloutContext:
     rollout_workers: Any = None  # rollout.rollout_workers.RolloutWorkerPool under --rollout-num-processes
     gateway_config: GatewayConfig = field(default_factory=GatewayConfig)
     gateway: Any = None  # this process's agent gateway, started by the first agent (``gateway.server.open_gateway``)
-    _gateway_lock: asyncio.Lock | None = None
+    gateway_lock: asyncio.Lock | None = None  # made on the loop by the first open_gateway
     judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
     timeline: Timeline | None = None  # this process's spans for RUN_DIR/trace.json (None: --trace off)
 

@@ -53,20 +53,6 @@ def plan_of(cfg: Config, use_gpus: bool) -> Plan:
     return result
 
 
-def connect(address: str | None) -> None:
-    """Join the cluster at ``address`` (or start a local one), with this process's working directory
-    and module path for every worker."""
-    import ray
-
-    paths = os.pathsep.join(p for p in [os.getcwd(), *sys.path, os.environ.get("PYTHONPATH", "")] if p)
-    ray.init(
-        address=address,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": paths}},
-        logging_level=logging.WARNING,
-    )
-
-
 def place(cfg: Config) -> Placement:
     """Reserve the run's placement group on the connected cluster (GPU bundles when it has GPUs)."""
     import ray
@@ -83,7 +69,9 @@ def dry_run_placement(cfg: Config) -> list[str]:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    connect(cfg.cluster.ray_address)
+    from slime_mt.cluster.runtime import connect
+
+    connect(cfg.cluster.ray_address)  # the driver's own connection, shut down below
     try:
         use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         placement = reserve(plan_of(cfg, use_gpus))
@@ -99,9 +87,10 @@ def run(cfg: Config, run_dir: Path) -> int:
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    from slime_mt.cluster.runtime import connect
     from slime_mt.engine.launch import Router
 
-    connect(cfg.cluster.ray_address)
+    connect(cfg.cluster.ray_address)  # the driver's own connection, shut down below
     placement = None
     engines, ranks, router = [], [], None
     try:
