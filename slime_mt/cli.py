@@ -20,6 +20,7 @@ from slime_mt.errors import (
     ModelConfigError,
     PluginError,
     RolloutFailedError,
+    RolloutRoleFailed,
     TrainerRankLost,
     TrainSetupError,
 )
@@ -136,7 +137,9 @@ def run_train(cfg) -> int:
     """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
     way exits 1 with one line naming the cause (every sample failing), or the traceback."""
-    from slime_mt.trainer import preflight, rollout_only, train
+    from slime_mt.driver import rollout_only
+    from slime_mt.launch.ranks import train
+    from slime_mt.preflight import preflight
 
     preflight(cfg)
     if cfg.debug.debug_rollout_only:
@@ -144,14 +147,14 @@ def run_train(cfg) -> int:
         if os.environ.get("RANK", "0") != "0":
             return 0
     run_dir = run_dir_of(cfg)
-    stops: tuple[type, ...] = (RolloutFailedError,)  # a run that stops on its way: one line, exit 1
+    stops: tuple[type, ...] = (RolloutFailedError, RolloutRoleFailed)  # a run that stops on its way: one line, exit 1
     if cfg.cluster.ray:
-        train = run  # the driver starts every rank as a Ray actor; each runs trainer.train
+        train = run  # the driver starts every rank as a Ray actor; each runs launch.ranks.train
         stops += (TrainerRankLost,)
     elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
         try:
             done = train(cfg, run_dir)
-        except RolloutFailedError:
+        except (RolloutFailedError, RolloutRoleFailed):
             return 1  # rank 0 says why
         return INTERRUPTED if done is not None and done < cfg.rollout.num_rollout else 0
     lock = claim_run_dir(run_dir, cfg)  # noqa: F841 (held until this process ends)
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_namespace(argparse.Namespace(**values))
         if dry_run:
-            from slime_mt.trainer import dry_run as check
+            from slime_mt.preflight import dry_run as check
 
             print(cfg.to_yaml(), end="")
             for line in check(cfg):

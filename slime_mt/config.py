@@ -195,8 +195,8 @@ class RolloutConfig:
         1,
         "Run the groups' trajectories (generate, environment, reward) in this many Ray actors spread over "
         "the cluster's nodes (--ray-address; none: a local Ray), for when one process cannot keep the "
-        "engines busy; data, the dynamic-sampling filter, staleness and metrics stay in the rollout side's "
-        "process, so each group is drawn and trained once. 1: in the rollout side's process.",
+        "engines busy; data, the dynamic-sampling filter, staleness and metrics stay in the rollout role's "
+        "process, so each group is drawn and trained once. 1: in the rollout role's process.",
     )
     rollout_process_num_cpus: float = _opt(1.0, "--rollout-num-processes: CPUs Ray reserves for each rollout process.")
 

@@ -234,7 +234,7 @@ def validate(cfg: Config) -> None:
         r.rollout_num_processes == 1 or not r.slime_compat,
         "rollout_num_processes",
         r.rollout_num_processes,
-        "runs slime_mt's samples in other processes; --slime-compat adopts slime's in the rollout side's "
+        "runs slime_mt's samples in other processes; --slime-compat adopts slime's in the rollout role's "
         "process only (use 1 with --slime-compat)",
     )
     _require(r.max_env_retries_per_turn >= 0, "max_env_retries_per_turn", r.max_env_retries_per_turn, "must be >= 0")

@@ -158,6 +158,11 @@ class RolloutFailedError(RuntimeError):
     """Every sample of a step failed (``--max-failed-steps`` times): nothing to train on."""
 
 
+class RolloutRoleFailed(RuntimeError):
+    """The rollout role raised while making a step's batch (a rollout function's bug, a lost engine):
+    the message names the role and the step; every trainer rank stops with it."""
+
+
 class EngineAbortedTurn(EngineError):
     """The engine aborted one turn more often than ``--engine-max-retries`` allows, and no weight
     update caused it: the sample fails (an aborted trajectory is never trained as the model's own end)."""

@@ -3,14 +3,14 @@ updates, gate pauses and train phases as spans with their start and end, in Chro
 format (Perfetto and chrome://tracing open it).
 
 What a span lands on:
-  process ("pid")   a role: the rollout side, trainer rank r, environment worker k, rollout process k
+  process ("pid")   a role: the rollout role, trainer rank r, environment worker k, rollout process k
   lane ("tid")      inside a role: one per trajectory (``sample G/I``, where its ``generate`` engine
                     calls, ``env.step`` and ``reward`` nest inside its ``sample`` span), ``steps`` (the
                     step's phases), ``weights`` (updates), ``update gate`` (pauses), ``train``
 Within a lane, spans nest or are disjoint (a trajectory's calls are sequential).
 
 Each process collects its spans in its ``Timeline`` (no global: the rollout context, the client and
-the train loop hold theirs); the rollout side gathers them (trainer ranks through the step's
+the train loop hold theirs); the rollout role gathers them (trainer ranks through the step's
 collective, rollout processes with their groups) and appends them to ``trace.json`` after every step.
 The file is a JSON array written as a stream: a run still going (or killed) leaves it without its
 closing ``]``, which both viewers accept; a finished run closes it, and a resumed run continues it.

@@ -361,7 +361,7 @@ class TrainingSample:
 
 @dataclass
 class TrainBatch:
-    """What the ranks train on in one step (made by the rollout side from a ``Batch``)."""
+    """What the ranks train on in one step (made by the rollout role from a ``Batch``)."""
 
     samples: list[TrainingSample]
     advantages: list[float]
@@ -385,7 +385,7 @@ class Batch:
 
 
 class BatchSource:
-    """Where each step's groups come from, one per mode (``batches.py``; a train-only run's dumps:
+    """Where each step's groups come from, one per mode (``roles/batches.py``; a train-only run's dumps:
     ``inspection/replay.py``). The driver calls ``take(step)`` for the step's groups, ``prefetch`` once
     the step's batch is prepared, ``drain`` once it has trained (before the weights change) and
     ``weights_changed`` after they have; ``data_state`` is what a checkpoint saves of the data cursor so

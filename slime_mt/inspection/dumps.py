@@ -17,7 +17,7 @@ place in the records, such as ``samples/3/multimodal_train_inputs/pixel_values``
                 output_end, observation_end, context_ids (when the context was rewritten),
                 image_indices, finish_reason, weight_version, engine_seconds, env_seconds,
                 env_retries, env_info, num_images, reward
-  train         what the step trained (``rollout_side.TrainBatch``): samples (the finalized sequences:
+  train         what the step trained (``types.TrainBatch``): samples (the finalized sequences:
                 prompt_ids, response_ids, loss_mask, rollout_log_probs, token_versions, reward,
                 trajectory_id = "group/index", group_id, is_last_step, turns (the trajectory's turns the
                 sequence holds; None: all), stop_reason, status, multimodal_train_inputs, and

@@ -1,4 +1,4 @@
-"""What a run leaves behind to be inspected, written by its rollout side after every step: the rollout
+"""What a run leaves behind to be inspected, written by its rollout role after every step: the rollout
 dump (``--save-debug-rollout-data``), the turn records (``turns.jsonl``) and the timeline
 (``trace.json``)."""
 

@@ -1,1 +1,2 @@
-"""Launchers: they wire the roles (``train_loop``, ``rollout_side``, ``batches``) to processes and devices."""
+"""Launchers: they give each process its roles (``roles/``) and run the driver there: ``ranks`` for one
+process and ``torchrun``, ``ray`` for ``--ray``."""

@@ -4,10 +4,10 @@ One process turns a node's turns into CPU work (the client's HTTP and JSON, chat
 tokenizing, environments, rewards); when it cannot keep a cluster's engines busy, the groups run in
 N ``RolloutWorker`` actors (``--rollout-process-num-cpus`` each, spread over the nodes). Each holds
 what a rollout needs (``RolloutContext``: its own engine client, tokenizer or processor, encoders,
-plug-ins) and runs a group as the rollout side's process would (``group_rollout.run_group``: every
+plug-ins) and runs a group as the rollout role's process would (``group_rollout.run_group``: every
 sample through ``--custom-generate-function-path``, then its reward).
 
-What decides which group is trained stays in the rollout side's process: the data and its cursor,
+What decides which group is trained stays in the rollout role's process: the data and its cursor,
 the dynamic-sampling filter, the fully-async manager's throttle and staleness bound, the checkpoint's
 data state and the metrics. The processes are executors of whole groups, given a copy and answering
 the finished one, so a group is drawn once, and trained and checkpointed once, whichever ran it.
@@ -15,7 +15,7 @@ the finished one, so a group is drawn once, and trained and checkpointed once, w
 A group goes to the process with the fewest samples in flight (``--rollout-concurrency`` is shared
 out, each process running at most its part). A process that dies is restarted by Ray, and the groups
 it was running run again from their copies on another one (``rollout/process_restarts``): nothing it
-generated reaches training. Weight updates span the processes: the rollout side's ``UpdateGate``
+generated reaches training. Weight updates span the processes: the rollout role's ``UpdateGate``
 holds every process's gate before it pauses the engines and waits for their requests
 (``RolloutWorkerPool`` is its ``followers``). Environment workers (``--env-num-workers``) are shared:
 every process places its episodes on the same workers, and a restart is counted once.
@@ -116,9 +116,9 @@ async def _call(fn):
 
 
 class RolloutWorkerPool(ActorPool):
-    """The run's rollout processes, seen from the rollout side: groups out, finished groups back
+    """The run's rollout processes, seen from the rollout role: groups out, finished groups back
     (``load``: the samples each runs); the ``followers`` of its update gate. Methods are coroutines on
-    the rollout side's loop. ``timeline``: the rollout side's trace, which takes the processes' spans."""
+    the rollout role's loop. ``timeline``: the rollout role's trace, which takes the processes' spans."""
 
     timeline = None
 

@@ -37,12 +37,15 @@ from slime_mt.inspection.dumps import dump_path, load_dump
 def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     """TP=2 with its ranks on two nodes and the engine on the third, weights to the engine over the
     distributed path, the trajectories in two rollout processes and their environments in two workers,
-    each pair on two nodes: the same rewards, losses and gradient norms as under torchrun with
-    everything of the rollout in rank 0's process, step by step; every group trained once."""
+    each pair on two nodes, the rollout role in its own actor: the same rewards, losses and gradient
+    norms as under torchrun with everything of the rollout in rank 0's process, step by step; every
+    group trained once."""
     run_dir, stdout = ray_tp2
     nodes = placement_lines(stdout)
-    roles = ["engine 0", "env worker 0", "env worker 1", "rollout process 0", "rollout process 1"]
+    roles = ["engine 0", "env worker 0", "env worker 1", "rollout process 0", "rollout process 1", "rollout role"]
     assert sorted(nodes) == [*roles, "trainer rank 0", "trainer rank 1"], stdout
+    steps = [line for line in stdout.splitlines() if "[step " in line]
+    assert steps and all("(RolloutActor pid=" in line for line in steps), steps  # logged in its own actor
     assert len({nodes[role] for role in ("engine 0", "trainer rank 0", "trainer rank 1")}) == 3
     assert nodes["env worker 0"] != nodes["env worker 1"]  # two workers, two nodes
     assert nodes["rollout process 0"] != nodes["rollout process 1"]
@@ -67,6 +70,23 @@ def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):
     for ray_step, torchrun_step in zip(ray_lps, torchrun_lps, strict=True):
         for a, b in zip(ray_step, torchrun_step, strict=True):
             assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_one_process_torchrun_and_ray_run_the_same_driver_alike(straight, torchrun_tp2, ray_tp2):
+    """The three launch paths run the same driver on their ranks' roles: in one process (TP=1, the
+    rollout role in the process), under torchrun and on Ray (TP=2, the rollout role in rank 0's
+    process, the other rank its peer) the first 2 steps log the same rollouts and the same train
+    metrics (TP=2's reductions within 1e-5 of TP=1's)."""
+    runs = {"one process": metrics(straight)[:2], "torchrun": metrics(torchrun_tp2)[:2], "ray": metrics(ray_tp2[0])[:2]}
+    one = runs["one process"]
+    for name, rows in runs.items():
+        assert [r["step"] for r in rows] == [0, 1], name
+        assert [r["trained_groups"] for r in rows] == [r["trained_groups"] for r in one], name
+        assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0], name
+        for key in ("rollout/reward_mean", "rollout/response_tokens_mean", "rollout/turns_max"):
+            assert [r[key] for r in rows] == [r[key] for r in one], (name, key)
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in one], abs=1e-5), (name, key)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray"])

@@ -1,6 +1,7 @@
 """On Ray: the placement a dry run prints, weights that reach an engine on another node exactly, and
-faults survived: a lost trainer node (the run stops naming it; ``--load`` resumes), an engine killed
-mid-rollout and an environment worker killed mid-step (both restarted; the run trains as without)."""
+faults survived: a lost trainer node (the run stops naming it; ``--load`` resumes), a rollout role that
+raises (the run stops naming it and the step), an engine killed mid-rollout and an environment worker
+killed mid-step (both restarted; the run trains as without)."""
 
 import contextlib
 import json
@@ -151,6 +152,28 @@ def engine_processes(cluster) -> list[int]:
         except OSError:  # gone meanwhile
             pass
     return found
+
+
+def test_a_rollout_role_that_raises_ends_the_run_naming_itself_and_the_step(geo3k, three_nodes, tmp_path):
+    """The rollout role runs in its own actor: a rollout function that raises in step 1 ends the run
+    (exit 1) with one line naming the rollout role, the step and the cause, once both trainer ranks have
+    stopped with it (their tasks ended with that error: none was killed or lost); step 0 is logged."""
+    plugin = tmp_path / "flaky_rollout.py"
+    plugin.write_text(
+        "from slime_mt.rollout.group_rollout import generate_rollout\n\n\n"
+        "def generate_rollout_then_fail(args, rollout_id, data_source, evaluation=False):\n"
+        "    if rollout_id == 1:\n"
+        "        raise ValueError('the reward server is gone')\n"
+        "    return generate_rollout(args, rollout_id, data_source, evaluation)\n"
+    )
+    flaky = ["--rollout-function-path", f"{plugin}:generate_rollout_then_fail", "--rollout-num-gpus", "1"]
+    proc = run(ray_cmd(geo3k, tmp_path / "run", three_nodes, *flaky, steps=2))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "slime-mt train: error: RolloutRoleFailed: the rollout role failed at step 1: ValueError: the reward "
+        "server is gone; trainer ranks 0, 1 of 2 stopped with it"
+    ), proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0]
 
 
 def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(

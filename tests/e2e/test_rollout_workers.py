@@ -79,7 +79,7 @@ def dataset(tmp_path, cfg, delays) -> PromptDataset:
 
 
 def side_ctx(cfg, engine) -> RolloutContext:
-    """The rollout side's context as ``RolloutSide.start`` makes it: its gate, and the processes when
+    """The rollout role's context as ``RolloutRole.start`` makes it: its gate, and the processes when
     ``--rollout-num-processes`` > 1 (their gates its followers)."""
     ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engine.url)
     ctx.client.gate = UpdateGate()

@@ -171,7 +171,7 @@ def test_steps_where_every_sample_fails_are_skipped_then_stop_the_run_with_the_s
         f"env step raised ValueError: boom. Every failure with its traceback: {run / 'errors.jsonl'}"
     )
     assert "does not require grad" not in proc.stderr and "Traceback" not in proc.stderr
-    assert "WARNING slime_mt.train_loop: step 0: no trainable token in the batch; the step is skipped" in proc.stderr
+    assert "WARNING slime_mt.roles.train: step 0: no trainable token in the batch; the step is skipped" in proc.stderr
     (step_line,) = lines(proc.stdout, "[step 0]")
     assert step_line.endswith(" | 8 failed: env step raised ValueError x8"), step_line
     assert len((run / "errors.jsonl").read_text().splitlines()) == 16

@@ -1,5 +1,5 @@
 """One rank of a gloo world (torchrun) that receives its share of a batch from rank 0 as the trainer
-sends it (``trainer._send_shares``), at TP=2: writes what it received to ``OUT/rank_R.json``."""
+sends it (``roles.link.send_shares``), at TP=2: writes what it received to ``OUT/rank_R.json``."""
 
 import json
 import sys
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.parallel import ParallelInfo
 from slime_mt.errors import RolloutFailedError
-from slime_mt.trainer import _send_shares
+from slime_mt.roles.link import send_shares
 from slime_mt.types import TrainBatch, TrainingSample
 
 TP = 2
@@ -42,13 +42,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     info = ParallelInfo(rank, world, rank % TP, TP, rank // TP, world // TP)
     dp_of_rank = [r // TP for r in range(world)] if rank == 0 else None
-    share, sent = _send_shares(batch(8) if rank == 0 else None, split, dp_of_rank, 8, info)
+    whole = batch(8)
+    share, sent = send_shares(split(whole.samples, whole.advantages, 8) if rank == 0 else None, dp_of_rank, info)
     pixels = [float(s.multimodal_train_inputs["pixel_values"][0, 0]) for s in share.samples]
     (out / f"rank_{rank}.json").write_text(
         json.dumps({"indices": share.indices, "pixels": pixels, "weights": share.weights, "sent": sent})
     )
     failure = RolloutFailedError("step 3: every sample failed")
-    failed, _ = _send_shares(failure if rank == 0 else None, split, dp_of_rank, 8, info)
+    failed, _ = send_shares(failure if rank == 0 else None, dp_of_rank, info)
     (out / f"failed_{rank}.txt").write_text(f"{type(failed).__name__}: {failed}")
     dist.destroy_process_group()
 

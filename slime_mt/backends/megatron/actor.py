@@ -21,8 +21,9 @@ and log-softmax is computed in fp32. Every tensor lives on ``parallel.current_de
 from __future__ import annotations
 
 import collections
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -249,11 +250,16 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ training
 
+    def splitter(self) -> Callable[[list[TrainingSample], list[float], int], list[RankShare]]:
+        """``split_by_dp`` with this actor's DP size, loss reduction and normalising length: a whole
+        batch -> every DP rank's share (a plain function: it goes to the rollout role, maybe a Ray actor)."""
+        return functools.partial(
+            split_by_dp, dp_size=self.info.dp_size, loss_reduction=self.algo.loss_reduction, max_len=self.norm_max_len
+        )
+
     def split(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int) -> list[RankShare]:
-        """A whole batch split into every DP rank's share (``split_by_dp``), with this actor's loss
-        reduction and its normalising length."""
-        reduction, dp = self.algo.loss_reduction, self.info.dp_size
-        return split_by_dp(samples, advantages, prompts_per_step, dp, reduction, self.norm_max_len)
+        """A whole batch split into every DP rank's share, as the trainer sends it."""
+        return self.splitter()(samples, advantages, prompts_per_step)
 
     def share_of(self, samples: list[TrainingSample], advantages: list[float], prompts_per_step: int) -> RankShare:
         """This rank's share of a whole batch, as the trainer sends it."""

@@ -27,10 +27,6 @@ class ParallelInfo:
     dp_rank: int
     dp_size: int
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def current_device() -> torch.device:
     """Where every tensor of the trainer lives: this process's CUDA device when there is one (set

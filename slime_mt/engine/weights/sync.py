@@ -11,7 +11,10 @@
   on one device): each bucket passed by handle through ``/update_weights_from_tensor``.
 
 Every transport's ``push(stream, version, gate_closed)`` loads the whole stream as ``version`` on
-every engine, with generation held only while the engines change (``gate_closed``).
+every engine, with generation held only while the engines change (``gate_closed``). ``EngineWeights``
+holds the run's transport where the weights are (the rollout role's process, or under ``--ray`` the
+trainer rank that exports them) and makes it again when the engines that take them change
+(``UpdatePlan``, from the rollout role before each update).
 
 ``WeightFolders`` writes ``ROOT/v{N}`` for version N (to ``ROOT/.tmp_v{N}`` first, then renamed, so
 an engine never reads half a folder) and deletes what no engine needs: once every engine has
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -99,20 +103,21 @@ def _is_version(name: str) -> bool:
     return name.startswith("v") and name[1:].isdigit()
 
 
-def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Path):
+def transport_for(cfg, on_ray: bool, colocated: bool, local_engines: list, ctx, run_dir: Path):
     """The run's weight transport from ``--weight-transport`` (``cfg``: the EngineConfig) and where the
-    engines are (``engines``: the EngineGroup, ``ctx``: the rollout context with its client)."""
+    engines are (``local_engines``: those in this process, ``ctx``: the rollout context, or an
+    ``EngineControl``, with its client)."""
     mode = cfg.weight_transport
     if mode == "auto":
-        mode = "inprocess" if engines.local_engines else ("distributed" if on_ray else "disk")
+        mode = "inprocess" if local_engines else ("distributed" if on_ray else "disk")
         if mode == "distributed" and colocated and torch.cuda.is_available():
             mode = "tensor"  # NCCL cannot broadcast between two processes on one device
     if mode == "inprocess":
-        if not engines.local_engines:
+        if not local_engines:
             raise ConfigError(
                 "--weight-transport inprocess: the engines are not in this process; use disk or distributed"
             )
-        return InProcessWeights(engines.local_engines)
+        return InProcessWeights(local_engines)
     if mode == "disk":
         return FolderWeights(ctx, WeightFolders(run_dir / "weights", cfg.keep_weight_versions))
     if cfg.update_weight_buffer_size < 1:
@@ -126,6 +131,38 @@ def transport_for(cfg, on_ray: bool, colocated: bool, engines, ctx, run_dir: Pat
 
 
 GateClosed = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclasses.dataclass
+class UpdatePlan:
+    """What the rollout role says before a weight update: the engines that take it (``worker_urls``),
+    those started again and waiting for it (``ready``: engine -> URL, under ``--ray``), and whether the
+    engines are asleep (``--colocate``: their weights' memory was just given back, nothing generates)."""
+
+    worker_urls: list[str]
+    ready: dict[int, str] = dataclasses.field(default_factory=dict)
+    asleep: bool = False
+
+
+class EngineWeights:
+    """The run's transport (``make``: engine URLs -> a transport), made again when the engines that take
+    the weights change (one was lost, or came back): each ``push`` loads a whole version on the
+    engines of its ``UpdatePlan``, behind the update gate unless they are asleep."""
+
+    def __init__(self, make: Callable[[list[str]], object], worker_urls: list[str]) -> None:
+        self.make = make
+        self.worker_urls = list(worker_urls)
+        self.transport = make(self.worker_urls)
+
+    def push(self, stream: Iterator, version: int, plan: UpdatePlan, gate_closed: GateClosed) -> None:
+        if plan.worker_urls != self.worker_urls:  # engines left or came back: a new group
+            self.transport.close()
+            self.transport = self.make(plan.worker_urls)
+            self.worker_urls = list(plan.worker_urls)
+        self.transport.push(stream, version, contextlib.nullcontext if plan.asleep else gate_closed)
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 class InProcessWeights:

@@ -1,7 +1,7 @@
 """The Ray actors of a run: one ``TrainerRank`` per Megatron rank, one ``EngineActor`` per engine.
 
-A trainer rank runs exactly what a ``torchrun`` process runs (``trainer.train``: the train loop on
-every rank, the rollout side on rank 0), with the process group's rendezvous on rank 0's node
+A trainer rank runs exactly what a ``torchrun`` process runs (``launch.ranks.train``: the train role on
+every rank, the rollout role in rank 0's process), with the process group's rendezvous on rank 0's node
 (``MASTER_ADDR``/``MASTER_PORT``; NCCL on GPUs, gloo on CPUs). Ray gives each rank one device through
 ``CUDA_VISIBLE_DEVICES``, so every rank's local device is 0. An engine actor starts the embedded
 engine or an SGLang server on its devices, bound to its node's address, and answers its URL.
@@ -39,7 +39,7 @@ class TrainerRank:
     def prepare(self) -> None:
         """Import the trainer (torch, transformers, megatron.core) while the engines start: the run's
         start pays for the slower of the two, not both."""
-        import slime_mt.trainer  # noqa: F401
+        import slime_mt.launch.ranks  # noqa: F401
 
         import_megatron_core()
 
@@ -50,10 +50,11 @@ class TrainerRank:
         address = ray.util.get_node_ip_address()
         return address, free_port(address)
 
-    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int], engines=None) -> int:
-        """``trainer.train`` as rank ``rank`` -> its steps done; rank 0 gets the engine actors, to start
-        again one that dies."""
-        from slime_mt.trainer import train
+    def train(self, cfg, run_dir: str, rank: int, world: int, master: tuple[str, int], rollout=None) -> int:
+        """``launch.ranks.train`` as rank ``rank`` -> its steps done; rank 0 gets the rollout role's actor
+        (``rollout``), which it reaches for every rank."""
+        from slime_mt.launch.ranks import train
+        from slime_mt.launch.ray.rollout import remote_host
 
         os.environ.update(
             RANK=str(rank),
@@ -62,7 +63,36 @@ class TrainerRank:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        return train(cfg, Path(run_dir), engine_actors=engines, stop_requested=self.stop_requested)
+        host = remote_host(rollout, cfg, Path(run_dir)) if rollout is not None else None
+        return train(cfg, Path(run_dir), stop_requested=self.stop_requested, rollout_host=host)
+
+
+@ray.remote
+class RolloutActor:
+    """The rollout role (``roles/rollout.py``) in a process of its own, on the driver's node: the first
+    trainer rank calls its methods (``launch/ray/rollout.py``), one at a time."""
+
+    def __init__(self, cwd: str, paths: list[str]) -> None:
+        enter(cwd, paths)
+        self.role = None
+
+    def where(self) -> dict:
+        return location()
+
+    def start(self, cfg, run_dir: str, engines: list) -> None:
+        """The rollout role of the run (``engines``: the engines' actors, to start again one that dies);
+        the trainer rank that holds the weights sends them, so no transport is made here."""
+        from slime_mt.roles.rollout import start_role
+
+        self.role = start_role(cfg, Path(run_dir), engines, sends_weights=False)
+
+    def call(self, name: str, *args):
+        return getattr(self.role, name)(*args)
+
+    def close(self) -> None:
+        if self.role is not None:
+            role, self.role = self.role, None
+            role.close()
 
 
 @ray.remote

@@ -3,11 +3,14 @@
 The driver (the ``slime-mt train`` process, on the head node) connects to the cluster
 (``--ray-address``; none: starts a local one), reserves the run's placement group (``placement.py``),
 logs who runs where, starts one ``EngineActor`` per engine on its devices and the sglang-router on
-its node in front of them (vLLM engines have none: their client routes), then one ``TrainerRank``
-per Megatron rank. The ranks run the roles as under ``torchrun``; rank 0's rollout side reaches the
-engines by the URLs the driver hands it and sends them weights over the distributed path
+its node in front of them (vLLM engines have none: their client routes), the rollout role's
+``RolloutActor`` on its own node (where the run folder is), then one ``TrainerRank`` per Megatron
+rank. The ranks run the driver as under ``torchrun``; rank 0 reaches the rollout role's actor for
+every rank (``rollout.py``) and sends the engines the weights itself over the distributed path
 (``--weight-transport auto``). The driver waits for the ranks; when one fails it stops the others
-(they would wait in a collective), then the engines, the router and the placement group.
+(they would wait in a collective), then the rollout role, the engines, the router and the placement
+group. A rollout that fails ends the run with one line naming the role and the step, once every rank
+has stopped with it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 
 from slime_mt.config import Config
-from slime_mt.errors import ConfigError, TrainerRankLost
+from slime_mt.errors import ConfigError, RolloutFailedError, RolloutRoleFailed, TrainerRankLost
 from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,7 @@ def run(cfg: Config, run_dir: Path) -> int:
 
     connect(cfg.cluster.ray_address)  # the driver's own connection, shut down below
     placement = None
-    engines, ranks, router = [], [], None
+    engines, ranks, router, rollout = [], [], None, None
     try:
         placement = place(cfg)
         ranks = trainer_actors(placement)
@@ -107,12 +110,14 @@ def run(cfg: Config, run_dir: Path) -> int:
                 router.add_worker(url)
             engine_url = [router.url, *urls]
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=engine_url))
+        rollout = rollout_actor()
+        ray.get(rollout.start.remote(cfg, str(run_dir), engines))
         ray.get(prepared)
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
         forward = _forward_interrupt(ranks)
         refs = [
-            r.train.remote(cfg, str(run_dir), i, len(ranks), master, engines if i == 0 else None)
+            r.train.remote(cfg, str(run_dir), i, len(ranks), master, rollout if i == 0 else None)
             for i, r in enumerate(ranks)
         ]
         previous = signal.signal(signal.SIGINT, forward)
@@ -121,11 +126,21 @@ def run(cfg: Config, run_dir: Path) -> int:
             return ray.get(refs[0])
         except ray.exceptions.RayActorError as e:
             raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(e.cause, RolloutFailedError | RolloutRoleFailed):
+                raise
+            raise type(e.cause)(f"{e.cause}; {_stopped_with(refs, type(e.cause))}") from None
         finally:
             signal.signal(signal.SIGINT, previous)
     finally:
         for rank in ranks:
             ray.kill(rank)
+        if rollout is not None:
+            try:
+                ray.get(rollout.close.remote(), timeout=120)
+            except Exception:  # its engines' client and workers go with its process below
+                logger.exception("closing the rollout role failed")
+            ray.kill(rollout)
         for engine in engines:
             try:
                 ray.get(engine.stop.remote(), timeout=60)
@@ -139,6 +154,37 @@ def run(cfg: Config, run_dir: Path) -> int:
         ray.shutdown()
 
 
+def rollout_actor():
+    """The rollout role's actor, on the driver's node (the run folder is there), logged as the run's
+    other roles are."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from slime_mt.launch.ray.actors import RolloutActor
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = RolloutActor.options(num_cpus=0, scheduling_strategy=here).remote(os.getcwd(), list(sys.path))
+    where = ray.get(actor.where.remote())
+    print(f"placement: rollout role: node {where['node_ip']} ({where['node_id'][:8]})", flush=True)
+    return actor
+
+
+def _stopped_with(refs: list, error: type) -> str:
+    """Which trainer ranks stopped of themselves with the rollout role's ``error`` (each raised it)."""
+    import ray
+
+    stopped = []
+    for rank, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, error):
+                stopped.append(rank)
+        except Exception:  # not finished, or lost: not stopped with it
+            pass
+    return f"trainer ranks {', '.join(map(str, stopped))} of {len(refs)} stopped with it"
+
+
 def trainer_actors(placement: Placement) -> list:
     """One TrainerRank per Megatron rank, in rank order, each in its bundle with its one device."""
     from slime_mt.launch.ray.actors import TrainerRank
@@ -149,7 +195,7 @@ def trainer_actors(placement: Placement) -> list:
 
 def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
     """One EngineActor per engine, in the bundle of its first device and showing only its devices;
-    Ray restarts one whose process dies (the rollout side starts its engine again)."""
+    Ray restarts one whose process dies (the rollout role starts its engine again)."""
     from slime_mt.launch.ray.actors import EngineActor
 
     no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}

@@ -228,8 +228,6 @@ def test_memory_calls_name_what_they_refuse(remote_engine, tiny_paths):
 def test_the_weight_transport_is_the_one_the_flags_pick(
     remote_engine, tiny_paths, tmp_path, mode, on_ray, colocated, in_process, expected
 ):
-    from types import SimpleNamespace
-
     from slime_mt.config import EngineConfig
     from slime_mt.engine.weights.sync import transport_for
 
@@ -237,7 +235,7 @@ def test_the_weight_transport_is_the_one_the_flags_pick(
     local = [LocalEngine(tiny_paths["qwen2"])] if in_process else []  # not started: only its presence counts
     try:
         cfg = EngineConfig(weight_transport=mode)
-        weights = transport_for(cfg, on_ray, colocated, SimpleNamespace(local_engines=local), side, tmp_path)
+        weights = transport_for(cfg, on_ray, colocated, local, side, tmp_path)
         assert type(weights).__name__ == expected
         weights.close()
     finally:
@@ -250,8 +248,6 @@ def test_on_vllm_versions_from_the_weight_group_serve_exactly_the_sent_weights(v
     decoding then equals the embedded engine's with the same weights, version by version. A bucket that
     does not fit the served checkpoint is refused before any engine receives it, naming the tensor,
     and vLLM keeps serving the last version; a new group then loads the original weights."""
-    from types import SimpleNamespace
-
     from slime_mt.config import EngineConfig
     from slime_mt.engine.weights.sync import transport_for
 
@@ -263,10 +259,9 @@ def test_on_vllm_versions_from_the_weight_group_serve_exactly_the_sent_weights(v
         meta = out["meta_info"]
         return out["output_ids"], [t[0] for t in meta["output_token_logprobs"]], meta["weight_version"]
 
-    no_local = SimpleNamespace(local_engines=[])
     cfg = EngineConfig(engine="vllm", update_weight_buffer_size=64 * 1024)
-    assert isinstance(transport_for(cfg, False, False, no_local, side, tmp_path), FolderWeights)  # auto, one node
-    weights = transport_for(cfg, True, False, no_local, side, tmp_path)  # auto on Ray: the weight group
+    assert isinstance(transport_for(cfg, False, False, [], side, tmp_path), FolderWeights)  # auto, one node
+    weights = transport_for(cfg, True, False, [], side, tmp_path)  # auto on Ray: the weight group
     assert isinstance(weights, DistributedWeights)  # joined: vLLM counts one device for the group
     try:
         with LocalEngine(vllm_target.model_path) as reference:

@@ -104,7 +104,7 @@ def test_prompts_past_the_limits_are_left_out_at_load_with_one_line(target, tmp_
     from slime_mt.config import DataConfig
     from slime_mt.data import PromptDataset, write_jsonl
     from slime_mt.errors import DatasetError
-    from slime_mt.rollout_side import drop_long_prompts
+    from slime_mt.roles.rollout import drop_long_prompts
 
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "word " * n} for n in (1, 40, 2, 400)])
     data_cfg = DataConfig(apply_chat_template=True)

@@ -1,7 +1,8 @@
-"""The rollout side: engines, rollout context, data, the rollout function or fully-async manager, metrics.
+"""The rollout role: engines, rollout context, data, the rollout function or fully-async manager, metrics.
 
-One process owns it (rank 0 of the trainer's ranks). Per step it turns the next batch of groups
-(``batches.py``) into a ``TrainBatch`` every rank trains on: failures logged and counted, samples
+One process hosts it (the first trainer rank's; ``roles/link.py`` is how every rank reaches it). Per
+step it turns the next batch of groups (``roles/batches.py``) into a ``TrainBatch`` the ranks train on
+(each its share): failures logged and counted, samples
 finalized (``--sample-format``, ``--merge-step-wise``), advantages, staleness; it receives the new
 weights for its engines (``push_weights``, behind the client's update gate) and logs the step.
 """
@@ -17,17 +18,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slime_mt.algo.advantages import compute_advantages
-from slime_mt.batches import next_batch_for
 from slime_mt.cluster.supervisor import EngineSupervisor
 from slime_mt.compat import SlimeCompat
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
 from slime_mt.engine.clients.update_gate import UpdateGate
-from slime_mt.engine.weights.sync import transport_for
+from slime_mt.engine.weights.sync import EngineWeights, UpdatePlan, transport_for
 from slime_mt.errors import DatasetError, RolloutFailedError
 from slime_mt.inspection.records import RunRecords
 from slime_mt.metrics import MetricsLogger
 from slime_mt.plugins import load_function
+from slime_mt.roles.batches import next_batch_for
+from slime_mt.roles.replay import ReplayRole
+from slime_mt.roles.steps import RolloutSteps
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import StepReport
 from slime_mt.rollout.finalize import finalize
@@ -36,7 +39,7 @@ from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.rollout_workers import RolloutWorkerPool
 from slime_mt.rollout.staleness import mask_stale, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
-from slime_mt.timeline import maybe_span
+from slime_mt.timeline import maybe_span, now_us
 from slime_mt.types import Status, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -72,14 +75,14 @@ def drop_long_prompts(dataset: PromptDataset, ctx, path: str) -> None:
 
 
 @dataclasses.dataclass
-class RolloutSide:
+class RolloutRole(RolloutSteps):
     engines: object
     ctx: object
     data: PromptDataset
     eval_data: PromptDataset | None
     rollout_fn: object
     metrics: object
-    weights: object  # the weight transport to the engines (engine/weights/sync.py)
+    weights: EngineWeights | None  # the weight transport to the engines (None: another process sends them)
     errors_path: Path  # RUN_DIR/errors.jsonl: every failed sample with its traceback
     cfg: Config
     data_state_before_prefetch: dict | None = None
@@ -87,13 +90,17 @@ class RolloutSide:
     asleep: bool = False  # --colocate: the engines' memory is released while the trainer trains
     records: RunRecords | None = None  # the dumps, turn records and trace (inspection/records.py)
     supervisor: object = None  # --ray: cluster/supervisor.py, starts again an engine that dies
-    weights_to: list | None = None  # the engines the weight transport was made for (with a supervisor)
+    update_started: int = 0  # when the weight update in progress began (the trace's microseconds)
+    gate_closed_at: int = 0
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, engine_actors: list | None = None) -> RolloutSide:
+    def start(
+        cls, cfg: Config, run_dir: Path, engine_actors: list | None = None, sends_weights: bool = True
+    ) -> RolloutRole:
         """Data, engines (launched, or the ``--engine-url`` ones), the rollout context with its update
-        gate, the rollout function and the metrics logger; under ``--ray`` (``engine_actors``: the
-        driver's EngineActors) the supervisor that starts again an engine that dies."""
+        gate, the rollout function, the metrics logger and (``sends_weights``) the weight transport;
+        under ``--ray`` (``engine_actors``: the driver's EngineActors) the supervisor that starts again
+        an engine that dies."""
         from slime_mt.engine.launch import start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
@@ -141,12 +148,19 @@ class RolloutSide:
                     compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
         rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
         metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
-        try:
-            weights = transport_for(cfg.engine, cfg.cluster.ray, cfg.cluster.colocate, engines, ctx, run_dir)
-        except BaseException:
-            ctx.close()
-            engines.stop()
-            raise
+        weights = None
+        if sends_weights:
+            try:
+                weights = EngineWeights(
+                    lambda urls: transport_for(
+                        cfg.engine, cfg.cluster.ray, cfg.cluster.colocate, engines.local_engines, ctx, run_dir
+                    ),
+                    ctx.client.worker_urls,
+                )
+            except BaseException:
+                ctx.close()
+                engines.stop()
+                raise
         side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
         side.records = RunRecords(cfg, run_dir)
         if engine_actors:
@@ -166,16 +180,15 @@ class RolloutSide:
                     add_worker(engines.url, url)
 
             side.supervisor = EngineSupervisor(engine_actors, engines.worker_urls, lost, admitted)
-            side.weights_to = list(ctx.client.worker_urls)
         return side
 
-    def resume(self, data_state: dict, step: int) -> None:
+    def resume(self, step: int, data_state: dict) -> None:
         self.data.load_state_dict(data_state)
         self.metrics.truncate_after(step)
         self.records.resume(step)
 
-    def begin(self, start: int):
-        """The run starts at step ``start`` -> the mode's batch source (``batches.py``)."""
+    def batch_source(self, start: int):
+        """The run starts at step ``start`` -> the mode's batch source (``roles/batches.py``)."""
         self.ctx.start_version = start
         return next_batch_for(self.cfg.rollout, self, start)
 
@@ -268,29 +281,34 @@ class RolloutSide:
         or broadcast); the client's update gate pauses and empties the engines only around the update.
         Engines asleep (``--colocate``) take their weights back first, then the update; their KV cache
         follows in ``wake_engines``."""
-        with maybe_span(self.ctx.timeline, "weight update", "weights", lane="weights", version=version):
-            self._push_weights(stream, version)
+        plan = self.begin_update(version)
+        self.weights.push(stream, version, plan, self.gate_closed)
+        self.end_update(version, plan)
 
-    def _push_weights(self, stream: Iterator, version: int) -> None:
+    def begin_update(self, version: int) -> UpdatePlan:
+        """A weight update starts (sent from this process, or from the trainer rank that holds the
+        weights under ``--ray``) -> what it must know: an engine lost since the last look leaves it,
+        one started again joins it, engines asleep get their weights' memory back first."""
+        self.update_started = now_us()
         ready = {}
         if self.supervisor is not None:
-            self.supervisor.check()  # an engine lost since the last look leaves the update
+            self.supervisor.check()
             ready = self.supervisor.take_ready()
             self.ctx.run_sync(_set_workers(self.ctx.client, self.ctx.client.worker_urls + list(ready.values())))
-            if self.ctx.client.worker_urls != self.weights_to:  # engines left or came back: a new group
-                self.weights.close()
-                c = self.cfg
-                self.weights = transport_for(
-                    c.engine, c.cluster.ray, c.cluster.colocate, self.engines, self.ctx, self.errors_path.parent
-                )
-                self.weights_to = list(self.ctx.client.worker_urls)
-        if not self.asleep:
-            self.weights.push(stream, version, self.gate_closed)
-        else:
+        if self.asleep:
             self.ctx.run_sync(self.ctx.client.resume_memory_occupation(["weights"]))
-            self.weights.push(stream, version, contextlib.nullcontext)
-        for e, url in ready.items():
+        return UpdatePlan(list(self.ctx.client.worker_urls), ready, self.asleep)
+
+    def engine_urls(self) -> tuple[str, list[str]]:
+        """Where the engines are (the router's or first engine's URL, every engine's) as the client has them."""
+        return self.ctx.client.url, list(self.ctx.client.worker_urls)
+
+    def end_update(self, version: int, plan: UpdatePlan) -> None:
+        """Every engine serves ``version``: the ones started again go back in the rotation."""
+        for e, url in plan.ready.items():
             self.supervisor.admit(e, url)
+        if self.ctx.timeline is not None:
+            self.ctx.timeline.add("weight update", self.update_started, now_us(), "weights", "weights", version=version)
 
     def wake_engines(self) -> None:
         """``--colocate``: the engines' KV cache back and the gate open, once the new weights are in
@@ -320,19 +338,23 @@ class RolloutSide:
 
     @contextlib.contextmanager
     def gate_closed(self):
-        """No request inside an engine for the duration (a no-op without an update gate)."""
-        client = self.ctx.client
-        if client.gate is None:
+        """No request inside an engine for the duration."""
+        self.close_gate()
+        try:
             yield
-            return
-        with maybe_span(self.ctx.timeline, "gate paused", "gate", lane="update gate"):
-            self.ctx.run_sync(client.gate.close(client))
-            try:
-                yield
-            finally:
-                self.ctx.run_sync(client.gate.open(client))
+        finally:
+            self.open_gate()
 
-    def log_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
+    def close_gate(self) -> None:
+        self.gate_closed_at = now_us()
+        self.ctx.run_sync(self.ctx.client.gate.close(self.ctx.client))
+
+    def open_gate(self) -> None:
+        self.ctx.run_sync(self.ctx.client.gate.open(self.ctx.client))
+        if self.ctx.timeline is not None:
+            self.ctx.timeline.add("gate paused", self.gate_closed_at, now_us(), "update gate", "gate")
+
+    def write_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
         """The step's metrics (with the evaluation when one is due) to metrics.jsonl and the loggers."""
         checkpoint = self.cfg.checkpoint
         if checkpoint.eval_interval and (step + 1) % checkpoint.eval_interval == 0 and self.eval_data:
@@ -370,15 +392,19 @@ class RolloutSide:
         }
 
     def close(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.close()
-        self.metrics.close()
-        self.records.close()
         try:
-            self.weights.close()
+            self.close_batches()
         finally:
-            self.ctx.close()
-            self.engines.stop()
+            if self.supervisor is not None:
+                self.supervisor.close()
+            self.metrics.close()
+            self.records.close()
+            try:
+                if self.weights is not None:
+                    self.weights.close()
+            finally:
+                self.ctx.close()
+                self.engines.stop()
 
 
 async def _call(fn, *args):
@@ -401,3 +427,11 @@ def _version_metrics(groups, version: int) -> dict[str, float]:
         "rollout/sample_weight_version_min": float(min(versions)),
         "rollout/sample_weight_version_max": float(max(versions)),
     }
+
+
+def start_role(cfg: Config, run_dir: Path, engine_actors: list | None = None, sends_weights: bool = True):
+    """The run's rollout role: engines and rollouts (``RolloutRole``), or the saved rollouts of
+    ``--debug-train-only`` (``ReplayRole``)."""
+    if cfg.debug.train_only:
+        return ReplayRole(cfg, run_dir)
+    return RolloutRole.start(cfg, run_dir, engine_actors, sends_weights)

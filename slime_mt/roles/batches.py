@@ -1,4 +1,4 @@
-"""The next batch, one implementation per mode: the rollout side asks it for each step's groups.
+"""The next batch, one implementation per mode: the rollout role asks it for each step's groups.
 
   sync            ``SyncBatches``       the step's rollout runs, then the step trains (engines idle while it does)
   ``--async``     ``PrefetchBatches``   the rollout of step k+1 runs while step k trains and ends before

@@ -1,5 +1,5 @@
 """Each trainer rank receives its own share of the step's batch from rank 0, never the whole batch, and
-rank 0's rollout failure in its place (``trainer._send_shares``): a gloo world of 4 ranks at TP=2 x DP=2
+rank 0's rollout failure in its place (``roles.link.send_shares``): a gloo world of 4 ranks at TP=2 x DP=2
 under torchrun. Integration tier,
 about 10 s (four processes import torch)."""
 
