@@ -13,7 +13,7 @@ import ray
 
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset, load_rows
-from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.clients.update_gate import DRAIN_SECONDS, UpdateGate
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.group_rollout import rollout_groups
@@ -78,11 +78,12 @@ def dataset(tmp_path, cfg, delays) -> PromptDataset:
     return PromptDataset(load_rows(rows, cfg.data), cfg.rollout.n_samples_per_prompt)
 
 
-def side_ctx(cfg, engine) -> RolloutContext:
-    """The rollout role's context as ``RolloutRole.start`` makes it: its gate, and the processes when
+def side_ctx(cfg, engine, drain_seconds: float = DRAIN_SECONDS) -> RolloutContext:
+    """The rollout role's context as ``RolloutRole.start`` makes it: its gate (waiting at most
+    ``drain_seconds`` for what the engines abort to come back), and the processes when
     ``--rollout-num-processes`` > 1 (their gates its followers)."""
     ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engine.url)
-    ctx.client.gate = UpdateGate()
+    ctx.client.gate = UpdateGate(drain_seconds)
     if cfg.rollout.rollout_num_processes > 1:
         ctx.rollout_workers = RolloutWorkerPool(cfg, engine.url, None)
         ctx.client.gate.followers = ctx.rollout_workers
@@ -168,11 +169,14 @@ def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_upd
     cfg = config(engine, tmp_path, three_nodes, 2, rollout_batch_size=6, rollout_concurrency=12)
     cfg.rollout = dataclasses.replace(cfg.rollout, rollout_max_response_len=48, rollout_stop_token_ids=None)
     data = dataset(tmp_path, cfg, [0.0] * 6)
-    ctx = side_ctx(cfg, engine)
+    # the drain's bound (1 s in a run) is only a guard against a stuck engine: on a loaded machine the
+    # aborted requests' answers may cross the processes later than that, and this test waits for them all
+    ctx = side_ctx(cfg, engine, drain_seconds=60.0)
     try:
         pool = ctx.rollout_workers
         future = running(ctx, data, lambda: ctx.run_sync(pool.out()) >= 4)  # requests in the engine
         ctx.run_sync(ctx.client.gate.close(ctx.client))
+        assert ctx.client.gate.held_by_engines == 0
         assert ctx.run_sync(pool.out()) == 0  # every request came back: aborted by the pause
         held = engine.scheduler.load()
         time.sleep(0.5)
