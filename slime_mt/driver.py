@@ -40,7 +40,6 @@ from pathlib import Path
 
 from slime_mt.config import Config
 from slime_mt.errors import RolloutFailedError
-from slime_mt.roles.rollout import RolloutRole
 from slime_mt.roles.steps import StepTimes
 from slime_mt.roles.train import TrainRole
 from slime_mt.run_dir import run_dir_of
@@ -104,6 +103,8 @@ def rollout_only(cfg: Config, run_dir: Path | None = None) -> None:
     """``--debug-rollout-only``: every step's rollout, prepared as for training (finalized, advantages,
     metrics, dumps, turn records, trace) and never trained; no Megatron model is built and the
     engines keep their starting weights."""
+    from slime_mt.roles.rollout import RolloutRole  # the train loop's processes need not import it
+
     run_dir = run_dir or run_dir_of(cfg)
     side = RolloutRole.start(cfg, run_dir, sends_weights=False)
     try:

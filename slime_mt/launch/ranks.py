@@ -20,7 +20,6 @@ from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.config import Config
 from slime_mt.driver import run
 from slime_mt.roles.link import RolloutHost, RolloutPeer
-from slime_mt.roles.rollout import start_role
 from slime_mt.roles.train import TrainRole
 from slime_mt.run_dir import run_dir_of
 
@@ -57,6 +56,8 @@ def train(
         elif rollout_host is not None:
             rollout = rollout_host(info, trainer)
         else:
+            from slime_mt.roles.rollout import start_role  # a Ray rank never hosts it: not imported there
+
             rollout = RolloutHost(start_role(cfg, run_dir or run_dir_of(cfg)), info, trainer.splitter())
         return run(cfg, trainer, rollout, stop_requested)
     finally:

@@ -40,6 +40,7 @@ class TrainerRank:
         """Import the trainer (torch, transformers, megatron.core) while the engines start: the run's
         start pays for the slower of the two, not both."""
         import slime_mt.launch.ranks  # noqa: F401
+        import slime_mt.launch.ray.rollout  # noqa: F401
 
         import_megatron_core()
 
@@ -78,6 +79,10 @@ class RolloutActor:
 
     def where(self) -> dict:
         return location()
+
+    def prepare(self) -> None:
+        """Import the rollout role (transformers' processing, the rollout machinery) while the engines start."""
+        import slime_mt.roles.rollout  # noqa: F401
 
     def start(self, cfg, run_dir: str, engines: list) -> None:
         """The rollout role of the run (``engines``: the engines' actors, to start again one that dies);

@@ -99,7 +99,8 @@ def run(cfg: Config, run_dir: Path) -> int:
     try:
         placement = place(cfg)
         ranks = trainer_actors(placement)
-        prepared = [r.prepare.remote() for r in ranks]  # the ranks import while the engines start
+        rollout = rollout_actor()
+        prepared = [r.prepare.remote() for r in [*ranks, rollout]]  # they import while the engines start
         engines, urls = _start_engines(cfg, placement, run_dir)
         if cfg.engine.engine == "vllm":  # no router: the vLLM client keeps its own rotation
             engine_url = urls
@@ -110,9 +111,10 @@ def run(cfg: Config, run_dir: Path) -> int:
                 router.add_worker(url)
             engine_url = [router.url, *urls]
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, engine_url=engine_url))
-        rollout = rollout_actor()
-        ray.get(rollout.start.remote(cfg, str(run_dir), engines))
         ray.get(prepared)
+        where = ray.get(rollout.where.remote())
+        print(f"placement: rollout role: node {where['node_ip']} ({where['node_id'][:8]})", flush=True)
+        ray.get(rollout.start.remote(cfg, str(run_dir), engines))
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
         forward = _forward_interrupt(ranks)
@@ -136,10 +138,8 @@ def run(cfg: Config, run_dir: Path) -> int:
         for rank in ranks:
             ray.kill(rank)
         if rollout is not None:
-            try:
-                ray.get(rollout.close.remote(), timeout=120)
-            except Exception:  # its engines' client and workers go with its process below
-                logger.exception("closing the rollout role failed")
+            # rank 0 closed it when the run ended; after a failure it goes now, with the workers it
+            # started (Ray ends an actor's own actors with it), not after what it was still doing
             ray.kill(rollout)
         for engine in engines:
             try:
@@ -155,18 +155,14 @@ def run(cfg: Config, run_dir: Path) -> int:
 
 
 def rollout_actor():
-    """The rollout role's actor, on the driver's node (the run folder is there), logged as the run's
-    other roles are."""
+    """The rollout role's actor, on the driver's node (the run folder is there)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from slime_mt.launch.ray.actors import RolloutActor
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = RolloutActor.options(num_cpus=0, scheduling_strategy=here).remote(os.getcwd(), list(sys.path))
-    where = ray.get(actor.where.remote())
-    print(f"placement: rollout role: node {where['node_ip']} ({where['node_id'][:8]})", flush=True)
-    return actor
+    return RolloutActor.options(num_cpus=0, scheduling_strategy=here).remote(os.getcwd(), list(sys.path))
 
 
 def _stopped_with(refs: list, error: type) -> str:

@@ -32,7 +32,10 @@ class RemoteRole:
         self.actor = actor
 
     def close(self) -> None:
-        ray.get(self.actor.close.remote())
+        try:
+            ray.get(self.actor.close.remote())
+        except ray.exceptions.RayActorError:  # its process is gone, and what it held with it
+            pass
 
     def __getattr__(self, name: str):
         def call(*args):
