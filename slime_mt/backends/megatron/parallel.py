@@ -8,7 +8,6 @@ Launched by ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) or as 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +35,6 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
     """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs."""
     import_megatron_core()
@@ -55,11 +48,9 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
             if gpu:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if gpu else "gloo")
-        else:
+        else:  # one process: an in-memory store, no port to race another process for
             world = 1
-            dist.init_process_group(
-                "nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+            dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % tp_size:
         raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the {world} launched processes")
