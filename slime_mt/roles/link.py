@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from slime_mt.algo.batching import RankShare
 from slime_mt.errors import RolloutFailedError, RolloutRoleFailed
-from slime_mt.roles.steps import StepTimes
+from slime_mt.roles.steps import StepTimes, drain_weights
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ class RolloutPeer:
         return 0.0
 
     def push_weights(self, stream: Iterator, version: int) -> None:
-        for _ in stream:  # the export is collective: this rank streams its shards, nobody here receives
-            pass
+        drain_weights(stream, version)  # this rank's shards: nobody here receives them
 
     def stop_after(self, requested: bool) -> bool:
         return broadcast(requested, self.info)

@@ -27,6 +27,13 @@ from slime_mt.errors import RolloutFailedError
 from slime_mt.types import BatchSource, TrainBatch
 
 
+def drain_weights(stream: Iterator, version: int) -> None:
+    """Where no engine takes the export (a rank that reaches no engine, a train-only run): it is
+    collective, so every rank still streams its shards, and they go nowhere."""
+    for _ in stream:
+        pass
+
+
 @dataclass
 class StepTimes:
     """What the driver measured of a step, for its log line."""
@@ -92,8 +99,7 @@ class RolloutSteps:
         self.batches.weights_changed(version)
 
     def push_weights(self, stream: Iterator, version: int) -> None:
-        for _ in stream:  # no engines: the export is collective, and nothing receives it
-            pass
+        drain_weights(stream, version)  # no engines
 
     def wake_engines(self) -> None:
         pass

@@ -22,6 +22,7 @@ from slime_mt.config import Config
 from slime_mt.engine.clients.control import EngineControl
 from slime_mt.engine.weights.sync import EngineWeights, transport_for
 from slime_mt.roles.link import RolloutHost
+from slime_mt.roles.steps import drain_weights
 
 
 class RemoteRole:
@@ -91,7 +92,7 @@ class RemoteHost(RolloutHost):
     """The first rank's ``RolloutHost`` on the rollout role's actor; it also closes its weight sender."""
 
     def __init__(self, role: RemoteRole, info, split, weights: RemoteWeights | None) -> None:
-        super().__init__(role, info, split, push=weights.push if weights is not None else _drain)
+        super().__init__(role, info, split, push=weights.push if weights is not None else drain_weights)
         self.weights = weights
 
     def close(self) -> None:
@@ -100,11 +101,6 @@ class RemoteHost(RolloutHost):
         finally:
             if self.weights is not None:
                 self.weights.close()
-
-
-def _drain(stream: Iterator, version: int) -> None:
-    for _ in stream:  # a train-only run: the export is collective, and no engine takes it
-        pass
 
 
 def remote_host(actor, cfg: Config, run_dir: Path):
