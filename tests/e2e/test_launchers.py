@@ -1,6 +1,7 @@
 """One run, three ways in: in one process, under torchrun and on a Ray cluster of loopback nodes, the
 same flags train alike (Ray equals torchrun step by step), ``--fully-async`` keeps its staleness bound,
-``--colocate`` releases the engines while training, and Ctrl-C saves and stops."""
+``--colocate`` releases the engines while training, and Ctrl-C (in the same colocated run) saves
+and stops."""
 
 import json
 import signal
@@ -20,7 +21,6 @@ from inspection_helpers import (
     lanes_by_name,
 )
 from train_helpers import (
-    DETERMINISTIC,
     REPO,
     ROLLOUT_PROCESSES,
     geo3k_train_cmd,
@@ -153,61 +153,40 @@ def check_fully_async_records(run_dir: Path, rows: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("launcher", ["single", "ray"])
-def test_colocated_engines_hold_nothing_while_training_and_the_run_trains_as_disaggregated(
+def test_colocated_engines_hold_nothing_while_training_and_ctrl_c_finishes_the_step_saves_and_stops(
     geo3k, tmp_path, launcher, request
 ):
     """--colocate: after each rollout the engines release their weights and KV cache (they report
     holding 0 bytes while the trainer trains), then wake with the new weights (weights, update, KV
     cache). In one process (weights by handle, the trainer offloaded while the engine generates) the
     run equals the disaggregated one step by step; on Ray (TP=2 on two nodes, an engine on each rank's
-    device, weights broadcast) it trains every group once from the weights of the step before."""
-    flags = [*DETERMINISTIC, "--colocate"]
-    if launcher == "ray":
-        cluster = request.getfixturevalue("three_nodes")
-        proc = run(ray_cmd(geo3k, tmp_path, cluster, *flags, steps=2))
-        nodes = placement_lines(proc.stdout)
-        assert nodes["engine 0"] == nodes["trainer rank 0"] and nodes["engine 1"] == nodes["trainer rank 1"]
-    else:
-        proc = run(geo3k_train_cmd(geo3k, tmp_path, *flags, "--offload", "--weight-transport", "tensor"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1]
-    assert [r["colocate/engine_bytes_while_training"] for r in rows] == [0.0, 0.0]
-    assert [r["rollout/sample_weight_version_min"] for r in rows] == [0.0, 1.0]
-    assert all(r["train/grad_norm"] > 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
-    trained = [g for r in rows for g in r["trained_groups"]]
-    assert len(trained) == len(set(trained)) == 4
-    if launcher == "single":
-        assert [r["colocate/trainer_bytes_while_generating"] for r in rows] == [0.0, 0.0]
-        reference = metrics(request.getfixturevalue("straight"))[:2]
-        assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
-        for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
-            assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+    device, weights broadcast) it trains every group once from the weights of the step before.
 
-
-@pytest.mark.parametrize("launcher", ["single", "ray"])
-def test_ctrl_c_finishes_the_step_saves_and_stops(geo3k, tmp_path, launcher, request):
-    """Ctrl-C in the middle of a 20-step run: the step in hand finishes, a checkpoint of it is saved,
-    the engines stop and the run exits 130 naming the step and the --load that resumes it; on Ray the
-    driver's Ctrl-C reaches every rank on its node."""
-    flags = ["--save-interval", "100"]  # the checkpoint can only come from the interrupt
+    The same run is a 20-step run stopped by Ctrl-C once it has logged two steps (one run checks both:
+    the engines asleep or awake when the signal comes): the step in hand finishes, a checkpoint of it
+    is saved, the engines stop and the run exits 130 naming the step and the --load that resumes it;
+    on Ray the driver's Ctrl-C reaches every rank on its node."""
+    # one trajectory in flight at a time (runs that equal each other step by step); the checkpoint can
+    # only come from the interrupt
+    flags = ["--rollout-concurrency", "1", "--save-interval", "100", "--colocate"]
     if launcher == "ray":
-        cluster = request.getfixturevalue("three_nodes")
-        cmd = ray_cmd(geo3k, tmp_path, cluster, *flags, "--rollout-num-gpus", "1", steps=20)
+        cmd = ray_cmd(geo3k, tmp_path, request.getfixturevalue("three_nodes"), *flags, steps=20)
     else:
-        cmd = geo3k_train_cmd(geo3k, tmp_path, *flags, steps=20)
-    env = repo_env()
-    child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").is_file() else []) < 2:
-            assert child.poll() is None and time.time() < deadline, "the run did not log two steps"
-            time.sleep(0.05)
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
+        cmd = geo3k_train_cmd(geo3k, tmp_path, *flags, "--offload", "--weight-transport", "tensor", steps=20)
+    out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        child = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=stdout, stderr=stderr)
+        try:
+            deadline = time.time() + 300
+            while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").is_file() else []) < 2:
+                assert child.poll() is None and time.time() < deadline, err.read_text()[-3000:]
+                time.sleep(0.05)
+            child.send_signal(signal.SIGINT)
+            child.wait(timeout=300)
+        finally:
+            if child.poll() is None:
+                child.kill()
+    stderr = err.read_text()
     assert child.returncode == 130, stderr[-3000:]  # issue 44 item 10: `train && next` does not go on
     rows = metrics(tmp_path)
     assert 2 <= len(rows) < 20 and [r["step"] for r in rows] == list(range(len(rows))), stderr[-3000:]
@@ -216,3 +195,17 @@ def test_ctrl_c_finishes_the_step_saves_and_stops(geo3k, tmp_path, launcher, req
         f"slime-mt train: stopped by Ctrl-C after step {len(rows)} of 20; resume it with the same flags and "
         f"--load {tmp_path / 'ckpt'}"
     )
+    assert [r["colocate/engine_bytes_while_training"] for r in rows] == [0.0] * len(rows)
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(k) for k in range(len(rows))]
+    assert all(r["train/grad_norm"] > 0 and r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 2 * len(rows)
+    if launcher == "ray":
+        nodes = placement_lines(out.read_text())
+        assert nodes["engine 0"] == nodes["trainer rank 0"] and nodes["engine 1"] == nodes["trainer rank 1"]
+    else:
+        assert [r["colocate/trainer_bytes_while_generating"] for r in rows] == [0.0] * len(rows)
+        reference = metrics(request.getfixturevalue("straight"))[:2]
+        assert [r["rollout/reward_mean"] for r in rows[:2]] == [r["rollout/reward_mean"] for r in reference]
+        for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+            assert [r[key] for r in rows[:2]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
