@@ -159,7 +159,6 @@ def reserve(plan_: Plan, timeout: float = 300.0) -> Placement:
     resources when the cluster cannot hold it within ``timeout`` seconds."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources = plan_.bundle_resources()
     total = ray.cluster_resources()
@@ -179,21 +178,49 @@ def reserve(plan_: Plan, timeout: float = 300.0) -> Placement:
             f"the Ray cluster cannot hold {plan_.bundles} bundles of {resources} within {timeout:.0f}s "
             f"(it has {ray.cluster_resources()})"
         )
-    probe = ray.remote(_where)
-    gpus = 1 if plan_.use_gpus else 0
-    answers = ray.get(
-        [
-            probe.options(
-                num_cpus=0,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-            ).remote()
-            for i in range(plan_.bundles)
-        ]
-    )
-    slots = [Slot(i, ip, node, gpu) for i, (ip, node, gpu) in enumerate(answers)]
+    answers = _probe_bundles(group, plan_.bundles, gpus=1 if plan_.use_gpus else 0)
+    slots = [Slot(i, *answers[i]) for i in range(plan_.bundles)]
     trainer, engines = assign(plan_, slots)
     return Placement(group, plan_, sorted(slots, key=order_key), trainer, engines)
+
+
+def _probe_bundles(group, bundles: int, gpus: int) -> dict[int, tuple[str, str, int | None]]:
+    """Ask inside each bundle where it is -> {bundle index: (node address, node id, its device or None)}.
+
+    One probe at a time per node, on one worker process there: a task asking for a device would
+    otherwise get a process of its own (Ray starts a worker per waiting task, and by default ends a
+    device task's worker after one call), and a placement of 16 bundles on two nodes started 16 Python
+    workers that only answered this. The nodes answer in parallel."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(max_calls=0)(_where)  # 0: no limit (a device task's default is one call)
+    by_node: dict[str, list[int]] = {}
+    for index, node in sorted(placement_group_table(group)["bundles_to_node_id"].items()):
+        by_node.setdefault(node, []).append(int(index))
+    running: dict = {}
+
+    def ask(node: str) -> None:
+        index = by_node[node].pop(0)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        running[probe.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote()] = (
+            node,
+            index,
+        )
+
+    for node in by_node:
+        ask(node)
+    answers: dict[int, tuple[str, str, int | None]] = {}
+    while running:
+        (ref,), _ = ray.wait(list(running), num_returns=1)
+        node, index = running.pop(ref)
+        answers[index] = ray.get(ref)
+        if by_node[node]:
+            ask(node)
+    if sorted(answers) != list(range(bundles)):
+        raise RuntimeError(f"placement group {group.id.hex()} answered for bundles {sorted(answers)} of {bundles}")
+    return answers
 
 
 def _where() -> tuple[str, str, int | None]:
