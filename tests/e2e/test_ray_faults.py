@@ -22,6 +22,7 @@ from train_helpers import (
     ENV_WORKERS,
     HELPERS,
     REPO,
+    geo3k_train_cmd,
     metrics,
     placement_lines,
     ray_cmd,
@@ -175,6 +176,46 @@ def test_a_rollout_role_that_raises_ends_the_run_naming_itself_and_the_step(geo3
     assert [r["step"] for r in metrics(tmp_path / "run")] == [0]
 
 
+def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(
+    geo3k, three_nodes, torchrun_tp2, tmp_path
+):
+    """TP=2 on two nodes, two engines on two more behind the router, 6 steps: one engine's process is
+    killed in the middle of step 1's rollout. Its requests fail over to the other engine (each is the same
+    request again), Ray restarts its actor, the engine starts again outside the rotation and joins it
+    at the next weight update with the current weights: nothing fails, no token comes from weights
+    the run did not mean, every group is trained once, the restart is counted, and the run trains as
+    the same run under torchrun (its 3 steps)."""
+    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
+    three_nodes.wait_for_nodes()
+    try:
+        cmd = ray_cmd(geo3k, tmp_path, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "2", steps=6)
+        out = tmp_path / "driver.out"
+        with out.open("w") as stdout:
+            env = repo_env()
+            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 300
+            while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:
+                assert time.time() < deadline, "no step was logged"
+                time.sleep(0.05)
+            (victim, _) = engine_processes(three_nodes)
+            os.kill(victim, signal.SIGKILL)
+            _, stderr = child.communicate(timeout=600)
+        assert child.returncode == 0, stderr[-3000:]
+    finally:
+        three_nodes.remove_node(fourth)
+    assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()
+    rows, reference = metrics(tmp_path), metrics(torchrun_tp2)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert sum(r["engine/restarts"] for r in rows) == 1
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 12
+    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
+        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+
+
 DIES_ONCE_ENV = """
 import os
 import signal
@@ -201,60 +242,36 @@ def build_env(sample=None, args=None, **kw):
 """
 
 
-def test_an_engine_and_an_env_worker_killed_are_started_again_and_the_run_trains_as_without(
-    geo3k, three_nodes, torchrun_tp2, tmp_path
+def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_without(
+    geo3k, three_nodes, straight, tmp_path
 ):
-    """TP=2 on two nodes, two engines on two more behind the router, two environment workers, 6 steps;
-    two faults, one run. One environment worker's process is killed in the middle of step 0 (the env
-    kills itself once): Ray restarts it, the episode is rebuilt there and its earlier steps replayed,
-    the env step is tried again. One engine's process is killed in the middle of step 1's rollout: its
-    requests fail over to the other engine (each is the same request again), Ray restarts its actor,
-    the engine starts again outside the rotation and joins it at the next weight update with the
-    current weights. Nothing fails, no token comes from weights the run did not mean, every group is
-    trained once, each restart is counted once, and the run trains as the same run under torchrun (its
-    3 steps: in-process environments, one engine)."""
+    """One environment worker's process is killed in the middle of a step, on the three-node cluster:
+    Ray restarts it, the episode is rebuilt there and its earlier steps replayed, the step is tried
+    again; nothing fails, every group is trained once, the restart is counted, and the run trains
+    exactly as the in-process run with the same seed."""
     marker = tmp_path / "killed"
     env_file = tmp_path / "dies_once.py"
     env_file.write_text(DIES_ONCE_ENV.format(path=REPO / "envs/geo3k.py", marker=marker))
-    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
-    three_nodes.wait_for_nodes()
-    try:
-        flags = [*DETERMINISTIC, "--rollout-num-gpus", "2", "--rollout-interaction-env-path", str(env_file)]
-        cmd = ray_cmd(geo3k, tmp_path, three_nodes, *flags, *ENV_WORKERS, steps=6)
-        out = tmp_path / "driver.out"
-        with out.open("w") as stdout:
-            env = repo_env()
-            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
-            deadline = time.time() + 300
-            while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:
-                assert time.time() < deadline, "no step was logged"
-                time.sleep(0.05)
-            (victim, _) = engine_processes(three_nodes)
-            os.kill(victim, signal.SIGKILL)
-            _, stderr = child.communicate(timeout=600)
-        assert child.returncode == 0, stderr[-3000:]
-    finally:
-        three_nodes.remove_node(fourth)
+    flags = ["--rollout-interaction-env-path", str(env_file), *ENV_WORKERS, "--ray-address", three_nodes.address]
+    proc = run(geo3k_train_cmd(geo3k, tmp_path, *DETERMINISTIC, *flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists()
-    assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()
-    rows, reference = metrics(tmp_path), metrics(torchrun_tp2)
-    assert [r["step"] for r in rows] == list(range(6))
-    assert sum(r["engine/restarts"] for r in rows) == 1
+    rows, reference = metrics(tmp_path), metrics(straight)[:2]
+    assert [r["step"] for r in rows] == [0, 1]
     assert sum(r["env/worker_restarts"] for r in rows) == 1
-    assert sum(r["rollout/env_retries"] for r in rows) == 1  # the killed env step, tried again
+    assert sum(r["rollout/env_retries"] for r in rows) == 1  # the killed step, tried again
     assert all(r["rollout/env_failures"] == 0 for r in rows)
-    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
     trained = [g for r in rows for g in r["trained_groups"]]
-    assert len(trained) == len(set(trained)) == 12
-    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
+    assert len(trained) == len(set(trained)) == 4
+    assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
     for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
-        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
     # the workers' calls in the trace: each worker a process, each episode's calls on its trajectory's lane
     events = json.loads((tmp_path / "trace.json").read_text())
     assert_nested(events)
-    lanes = lanes_by_name(events)
-    workers = {process for process, _ in lanes if process.startswith("env worker ")}
+    workers = {process for process, _ in lanes_by_name(events) if process.startswith("env worker ")}
     assert workers == {"env worker 0", "env worker 1"}
+    lanes = lanes_by_name(events)
     calls = [(lane, e) for (process, lane), spans in lanes.items() if process in workers for e in spans]
     assert {e["name"] for _, e in calls} >= {"env.build", "env.reset", "env.step"}
     for lane, call in calls:  # a worker's step lies inside the trajectory's env.step that asked for it
