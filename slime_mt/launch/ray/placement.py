@@ -199,15 +199,13 @@ def _probe_bundles(group, bundles: int, gpus: int) -> dict[int, tuple[str, str, 
     by_node: dict[str, list[int]] = {}
     for index, node in sorted(placement_group_table(group)["bundles_to_node_id"].items()):
         by_node.setdefault(node, []).append(int(index))
-    running: dict = {}
+    running: dict = {}  # probe's ObjectRef -> (its node, its bundle)
 
     def ask(node: str) -> None:
         index = by_node[node].pop(0)
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-        running[probe.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote()] = (
-            node,
-            index,
-        )
+        ref = probe.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote()
+        running[ref] = (node, index)
 
     for node in by_node:
         ask(node)
