@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,11 @@ from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.errors import LaunchError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds slime_mt/
+# A server's port is chosen free before it starts and bound by the server seconds later (vLLM: after
+# its imports, about 10 s); another process's connection may take it meanwhile: a server of ours
+# that finds its port taken starts again on another, at most this many times in all
+PORT_TRIES = 3
+PORT_TAKEN = "Address already in use"
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +57,12 @@ def require_sglang() -> None:
 class _Process:
     """A child process with its log file, stopped by process group."""
 
-    def __init__(self, cmd: list[str], log_path: Path, name: str, env: dict | None = None):
-        self.cmd, self.log_path, self.name = cmd, log_path, name
+    def __init__(self, cmd: list, log_path: Path, name: str, env: dict | None = None):
+        self.cmd, self.log_path, self.name = [str(part) for part in cmd], log_path, name
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            cmd,
+            self.cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -66,7 +73,7 @@ class _Process:
         if self.proc.poll() is not None:
             tail = self.log_path.read_text()[-2000:]
             raise LaunchError(
-                f"{self.name} exited with code {self.proc.returncode}: {' '.join(self.cmd)}\n"
+                f"{self.name} exited with code {self.proc.returncode}: {shlex.join(self.cmd)}\n"
                 f"log {self.log_path}:\n{tail}"
             )
 
@@ -200,13 +207,30 @@ class _ServerProcess:
     name = "engine server"
     ready_path = "/health"
 
-    def _launch(self, cmd: list[str], log_dir: Path, env: dict | None = None) -> None:
-        self._process = _Process(cmd, Path(log_dir) / f"{self.kind}-{self.port}.log", self.name, env)
+    def _launch(
+        self, command: Callable[[int], list], log_dir: Path, env: dict | None = None, port_given: bool = False
+    ) -> None:
+        """Start ``command(self.port)`` and wait until it is healthy; on a port of our choosing
+        (``port_given`` False) that another process took before the server bound it, start again on
+        another free port (``PORT_TRIES`` in all)."""
+        for attempt in range(1, PORT_TRIES + 1):
+            self._process = _Process(command(self.port), Path(log_dir) / f"{self.kind}-{self.port}.log", self.name, env)
+            try:
+                self._wait_healthy()
+                return
+            except LaunchError:
+                if port_given or attempt == PORT_TRIES or PORT_TAKEN not in self._process.log_path.read_text():
+                    raise
+            logger.warning("%s: port %d was taken before it bound it; starting again", self.name, self.port)
+            self._process.stop()
+            self.port = free_port(self.host)
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
             self._process.check_alive()
             try:
-                wait_healthy(self.url, timeout=5.0, path=self.ready_path)
+                wait_healthy(self.url, timeout=0.5, path=self.ready_path)  # then whether it still runs
                 return
             except TimeoutError:
                 continue
@@ -245,10 +269,13 @@ class SGLangServer(_ServerProcess):
         require_sglang()
         self.host = host
         self.port = port or free_port(host)
-        cmd = sglang_command(
-            model_path, self.port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version, host
+        self._launch(
+            lambda port: sglang_command(
+                model_path, port, tp_size, mem_fraction_static, extra_args, base_gpu_id, weight_version, host
+            ),
+            log_dir,
+            port_given=port is not None,
         )
-        self._launch(cmd, log_dir)
 
 
 def vllm_python(configured: str | None) -> str:
@@ -313,7 +340,7 @@ class VLLMServer(_ServerProcess):
     ):
         self.host = host
         self.port = port or free_port(host)
-        cmd = vllm_command(vllm_python(python), model_path, self.port, tp_size, seed, extra_args, host)
+        python = vllm_python(python)
         env = {
             "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints: pause, resume, weight version, reload
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
@@ -323,7 +350,12 @@ class VLLMServer(_ServerProcess):
         }
         if "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(base_gpu_id + i) for i in range(tp_size))
-        self._launch(cmd, log_dir, env)
+        self._launch(
+            lambda port: vllm_command(python, model_path, port, tp_size, seed, extra_args, host),
+            log_dir,
+            env,
+            port_given=port is not None,
+        )
         response = httpx.post(self.url + "/update_weight_version", json={"new_version": weight_version}, timeout=30)
         if response.status_code != 200:
             self.stop()

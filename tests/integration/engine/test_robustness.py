@@ -3,6 +3,8 @@
 import asyncio
 import base64
 import random
+import socket
+import sys
 import threading
 import time
 
@@ -10,10 +12,11 @@ import httpx
 import pytest
 from engine_helpers import data_uri, diagram, run
 
+from slime_mt.engine import launch
 from slime_mt.engine.clients.sglang import EngineClient
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.launch import free_port
-from slime_mt.errors import EngineError, EngineRequestError, EngineTimeoutError
+from slime_mt.errors import EngineError, EngineRequestError, EngineTimeoutError, LaunchError
 
 PROMPT = [9707, 1879, 11]
 VALID = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
@@ -225,3 +228,39 @@ def test_a_200_that_is_not_json_names_the_engine():
             run(_generate(url, retries=0))
     finally:
         server.shutdown()
+
+
+class _HTTPDirServer(launch._ServerProcess):
+    """A server process that binds late, as vLLM does: Python's own ``http.server`` (healthy at ``/``)."""
+
+    kind, name, ready_path = "http", "http server", "/"
+
+    def __init__(self, log_dir, port=None):
+        self.host = "127.0.0.1"
+        self.port = port or launch.free_port(self.host)
+        command = lambda port: [sys.executable, "-m", "http.server", port, "--bind", self.host]  # an int, as given
+        self._launch(command, log_dir, port_given=port is not None)
+
+
+def test_a_server_whose_chosen_port_was_taken_starts_on_another_and_a_given_one_fails_naming_it(tmp_path, monkeypatch):
+    """(integration, ~2 s) A port chosen free and taken by another process before the server bound it:
+    the server starts again on another port; a port the user gave is not changed, and the error names
+    the command and its log."""
+    with socket.socket() as taken:  # bound, not listening: as another process's outgoing connection holds it
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        chosen = iter([port])
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(chosen, None) or real(host))
+        server = _HTTPDirServer(tmp_path / "chosen")
+        try:
+            assert server.port != port and server.alive
+            assert httpx.get(server.url + "/", timeout=5).status_code == 200
+            assert launch.PORT_TAKEN in (tmp_path / "chosen" / f"http-{port}.log").read_text()
+        finally:
+            server.stop()
+        with pytest.raises(
+            LaunchError,
+            match=rf"(?s)exited with code 1: \S+ -m http\.server {port} --bind \S+\nlog .*{launch.PORT_TAKEN}",
+        ):
+            _HTTPDirServer(tmp_path / "given", port=port)
