@@ -163,29 +163,36 @@ def test_a_process_killed_mid_group_is_restarted_and_its_groups_run_again(engine
 
 def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_updates(engine, tmp_path, three_nodes):
     """The rollout side's gate closes in the middle of the processes' generation: each process's gate
-    is held, the engine pauses and aborts what runs, nothing is sent until it opens; the turns the
-    update aborted are generated again (counted as the update's, not as engine aborts) and no sample
-    fails."""
+    is held, the engine pauses and aborts what runs, nothing is sent until it opens; a request that was
+    on its way when the engine paused waits at its admission (as SGLang's does) and generates nothing;
+    the turns the update aborted are generated again (counted as the update's, not as engine aborts)
+    and no sample fails."""
     cfg = config(engine, tmp_path, three_nodes, 2, rollout_batch_size=6, rollout_concurrency=12)
     cfg.rollout = dataclasses.replace(cfg.rollout, rollout_max_response_len=48, rollout_stop_token_ids=None)
     data = dataset(tmp_path, cfg, [0.0] * 6)
-    # the drain's bound (1 s in a run) is only a guard against a stuck engine: on a loaded machine the
-    # aborted requests' answers may cross the processes later than that, and this test waits for them all
-    ctx = side_ctx(cfg, engine, drain_seconds=60.0)
+    ctx = side_ctx(cfg, engine)
     try:
         pool = ctx.rollout_workers
-        future = running(ctx, data, lambda: ctx.run_sync(pool.out()) >= 4)  # requests in the engine
+        out = lambda: ctx.client.gate.out + ctx.run_sync(pool.out())  # requests sent and not back
+        future = running(ctx, data, lambda: engine.scheduler.load()["#running_req"] >= 4)
         ctx.run_sync(ctx.client.gate.close(ctx.client))
-        assert ctx.client.gate.held_by_engines == 0
-        assert ctx.run_sync(pool.out()) == 0  # every request came back: aborted by the pause
+        # the gate's drain (1 s, a run's guard against a stuck engine) may end before the aborted answers
+        # cross the processes on a loaded machine: wait for them; what stays out is held at admission
+        deadline = time.monotonic() + 60
+        while out() != engine.held_at_admission:
+            assert time.monotonic() < deadline, (out(), engine.held_at_admission)
+            time.sleep(0.05)
         held = engine.scheduler.load()
+        assert held["#running_req"] == held["#queue_req"] == 0  # every admitted request was aborted
+        waiting = engine.held_at_admission
         time.sleep(0.5)
-        assert ctx.run_sync(pool.out()) == 0  # and none left a process while the gate was closed
+        assert out() == engine.held_at_admission == waiting  # none left a process while the gate was closed
         now = engine.scheduler.load()
         assert now["#running_req"] == now["#queue_req"] == 0
         assert now["generated_tokens"] == held["generated_tokens"]
         ctx.run_sync(ctx.client.gate.open(ctx.client))
         groups = future.result(timeout=300)
+        assert engine.held_at_admission == 0
     finally:
         ctx.close()
     samples = [s for g in groups for s in g]

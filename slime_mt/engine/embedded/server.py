@@ -161,6 +161,7 @@ class EngineApp:
         self.model_path = model_path
         self._admission = asyncio.Event()  # cleared while paused: /generate waits before the scheduler
         self._admission.set()
+        self.held_at_admission = 0  # /generate requests waiting there now
         self.weight_groups: dict[str, object] = {}  # group name -> the process group joined for weights
         routes = [
             Route("/generate", self.generate, methods=["POST", "PUT"]),
@@ -193,7 +194,12 @@ class EngineApp:
         self._require_alive()
         body = await _json_body(request)
         requests, is_batch = parse_generate(body, self.runner.vocab_size)
-        await self._admission.wait()  # held while paused, as SGLang's is_pause_cond holds it
+        if not self._admission.is_set():  # held while paused, as SGLang's is_pause_cond holds it
+            self.held_at_admission += 1
+            try:
+                await self._admission.wait()
+            finally:
+                self.held_at_admission -= 1
         if any(req.images for req in requests):
             if not self.runner.is_vlm:
                 raise ProtocolError(f"image_data given but the served model {self.model_path} is text-only")
@@ -490,6 +496,7 @@ class LocalEngine:
         self.scheduler: Scheduler | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._app: EngineApp | None = None
 
     @property
     def url(self) -> str:
@@ -500,6 +507,11 @@ class LocalEngine:
         return self.scheduler.weight_version
 
     @property
+    def held_at_admission(self) -> int:
+        """``/generate`` requests that arrived while paused and wait at admission (no abort reaches them)."""
+        return self._app.held_at_admission
+
+    @property
     def alive(self) -> bool:
         """Serving: its HTTP server and its scheduler both run."""
         return self._server is not None and self._thread.is_alive() and self.scheduler.alive
@@ -508,7 +520,8 @@ class LocalEngine:
         runner = ModelRunner(self.model_path, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version, self.cache_tokens)
         self.scheduler.start()
-        app = EngineApp(self.scheduler, self.model_path).app
+        self._app = EngineApp(self.scheduler, self.model_path)
+        app = self._app.app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))

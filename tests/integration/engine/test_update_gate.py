@@ -123,11 +123,13 @@ def test_a_request_that_arrives_while_paused_waits_at_admission_and_abort_all_do
             await client.abort(abort_all=True)
             await asyncio.sleep(0.3)
             waiting = not late.done() and fresh.scheduler.load()["#queue_req"] == 0  # not in the scheduler
+            held = fresh.held_at_admission
             await client.resume()
-            return waiting, await late
+            return waiting, held, await late
 
-    waiting, late = run(go())
-    assert waiting
+    waiting, held, late = run(go())
+    assert waiting and held == 1
+    assert fresh.held_at_admission == 0
     assert late["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
