@@ -2,7 +2,13 @@
 the vLLM server of the session, the browser. The tiers and the budget: tests/helpers/tiers.py."""
 
 import os
+import sys
 
+# pytest keeps the assert-rewritten test modules in __pycache__ only where bytecode may be written: under
+# PYTHONDONTWRITEBYTECODE (set on this machine and kept for the processes the tests start, which read the
+# bytecode scripts/test.sh compiles) every collection rewrote the asserts of every test module again
+# (pytest --collect-only -q: 13.6 s -> 9.7 s; each pytest-xdist worker collects as well)
+sys.dont_write_bytecode = False
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -2,7 +2,26 @@
 running on the context's loop (the test thread plays the harness)."""
 
 import contextlib
+import importlib.util
+import sys
 from pathlib import Path
+
+
+def _lazy(name: str):
+    """The module ``name``, imported at its first attribute access (``importlib.util.LazyLoader``): the
+    collection of the gateway tests does not import the openai client (1.2 s of the 10 s that
+    ``pytest --collect-only`` may take); the tests that call it do."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+openai = _lazy("openai")
 
 # What the scripted model answers every call: " ans" + "wer" (not the canonical " answer"), then a
 # tool call, then <|im_end|>.

@@ -2,8 +2,7 @@
 
 import json
 
-import openai
-from gateway_helpers import TOOLS
+from gateway_helpers import TOOLS, openai
 
 ANTHROPIC_TOOLS = [
     {

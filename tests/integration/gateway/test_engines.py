@@ -4,9 +4,8 @@ session's calls stay on one worker) and a real vLLM server."""
 import tempfile
 from pathlib import Path
 
-import openai
 import pytest
-from gateway_helpers import Harness
+from gateway_helpers import Harness, openai
 
 from slime_mt.rollout.finalize import finalize
 

@@ -1,9 +1,8 @@
 """Request fields the gateway honours: n, stop, tool_choice none, max_tokens clamping, enforced
 sampling, and the context budget."""
 
-import openai
 import pytest
-from gateway_helpers import ANS, TOOLS, WER
+from gateway_helpers import ANS, TOOLS, WER, openai
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -9,9 +9,8 @@ import time
 import urllib.parse
 
 import httpx
-import openai
 import pytest
-from gateway_helpers import TOOLS, Harness
+from gateway_helpers import TOOLS, Harness, openai
 
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

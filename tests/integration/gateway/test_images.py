@@ -4,10 +4,9 @@ third call."""
 import base64
 import io
 
-import openai
 import pytest
 import torch
-from gateway_helpers import engine_harness
+from gateway_helpers import engine_harness, openai
 from PIL import Image
 
 from slime_mt.assets import IMAGE_PAD_ID

@@ -3,9 +3,8 @@
 
 import json
 
-import openai
 import pytest
-from gateway_helpers import ANS, ANSWER, TOOLS, WER
+from gateway_helpers import ANS, ANSWER, TOOLS, WER, openai
 
 from slime_mt.rollout.finalize import finalize
 
