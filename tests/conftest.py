@@ -20,6 +20,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # then starts 11 Python workers, not 13, and takes 62 CPU-s instead of 67-75 (39 s, not 41-46 s).
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Ray's log monitor (one per cluster) globs the session's log folder every 0.1 s until it holds 1000 files,
+# then every 0.5 s: the session's cluster, up for the whole e2e tier, gains a few hundred worker logs and
+# its monitor took 52 CPU-s of a whole run; from the start at the 0.5 s pace (1.4 CPU-s against 2.6 over
+# the ray_tp2 run and the rollout-process tests). The lines still reach the driver, at most 0.5 s later.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
