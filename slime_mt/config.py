@@ -348,9 +348,39 @@ class TrainConfig:
 
     hf_checkpoint: str | None = _opt(None, "Hugging Face model folder (weights, config, tokenizer).")
     tensor_model_parallel_size: int = _opt(1, "Tensor parallel size.")
+    expert_model_parallel_size: int = _opt(
+        1, "MoE: expert parallel size (experts split over this many data-parallel ranks)."
+    )
+    expert_tensor_parallel_size: int | None = _opt(
+        None, "MoE: tensor parallel size inside each expert (default: --tensor-model-parallel-size)."
+    )
+    moe_token_dispatcher_type: str = _opt(
+        "alltoall", "MoE: how tokens reach their experts' ranks.", choices=["alltoall", "allgather"]
+    )
+    moe_aux_loss_coef: float = _opt(0.0, "MoE: coefficient of the router's load-balancing loss (0: none).")
+    moe_router_load_balancing_type: str = _opt(
+        "aux_loss",
+        "MoE: the load-balancing loss (aux_loss per micro-batch, seq_aux_loss per sequence, none).",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+    )
+    use_rollout_routing_replay: bool = _opt(
+        False,
+        "MoE (R3): the engines return the experts they routed every token to, and training replays those "
+        "routes in every MoE layer (slime's flag).",
+    )
+    log_routing_replay_gap: bool = _opt(False, "R3: also log the log-prob gap without replay (one more forward).")
+    context_parallel_size: int = _opt(1, "Ranks each packed row is split over (zigzag; the fused attention).")
+    recompute_granularity: str | None = _opt(None, "Activation recompute.", choices=["full", "selective"])
+    recompute_method: str | None = _opt(None, "Full recompute: which layers.", choices=["uniform", "block"])
+    recompute_num_layers: int | None = _opt(None, "Full recompute: layers per chunk (uniform) or recomputed (block).")
+    recompute_modules: list[str] | None = _opt(None, "Selective recompute: what (default core_attn).", nargs="+")
     global_batch_size: int = _opt(256, "Samples per optimizer step (whole prompt groups).")
     micro_batch_size: int = _opt(1, "Samples per forward/backward pass.")
     max_tokens_per_micro_batch: int | None = _opt(None, "Token budget of a packed micro-batch.")
+    gpu_memory_gb: float | None = _opt(None, "Memory of one device: refuse a run whose memory plan cannot fit it.")
+    use_distributed_optimizer: bool = _opt(
+        False, "Shard the optimizer state and fp32 main weights over the data-parallel (x CP) ranks (ZeRO-1)."
+    )
     lr: float = _opt(1e-6, "Learning rate.")
     min_lr: float = _opt(0.0, "Final learning rate of the decay schedule.")
     lr_warmup_steps: int = _opt(0, "Linear warm-up steps.")
@@ -364,6 +394,11 @@ class TrainConfig:
         False,
         "Pack each micro-batch as a prefix tree: tokens shared by its sequences (a GRPO group's prompt, "
         "step-wise histories) are computed once (text models, --local-attention fused, no Transformer Engine).",
+    )
+    transformer_impl: str = _opt(
+        "transformer_engine",
+        "Megatron's layers: Transformer Engine's when it imports (GPU), or local (needed for CP on a TE machine).",
+        choices=["transformer_engine", "local"],
     )
     local_attention: str = _opt(
         "fused",

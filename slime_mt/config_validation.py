@@ -120,6 +120,74 @@ def _validate_gateway(cfg: Config) -> None:
     _require(0 <= g.gateway_port < 65536, "gateway_port", g.gateway_port, "must be a port number (0: a free one)")
 
 
+def _validate_routing_replay(cfg: Config) -> None:
+    """``--use-rollout-routing-replay`` needs engines that return routes and contexts whose tokens are
+    the trajectory's own (routes are kept per trajectory token)."""
+    if not cfg.train.use_rollout_routing_replay:
+        _require(
+            not cfg.train.log_routing_replay_gap,
+            "log_routing_replay_gap",
+            True,
+            "compares training with and without replay: it needs --use-rollout-routing-replay",
+        )
+        return
+    r, flag = cfg.rollout, "use_rollout_routing_replay"
+    _require(cfg.engine.engine != "vllm", flag, True, "needs an engine that returns routed experts; vLLM's does not")
+    _require(
+        r.context_policy == "append" and not r.context_policy_path and not r.retokenize_chat_history,
+        flag,
+        True,
+        "keeps routes per trajectory token: a context policy or --retokenize-chat-history rewrites what the "
+        "model saw; use the append-only context",
+    )
+    _require(
+        not cfg.train.shared_prefix_training,
+        flag,
+        True,
+        "does not replay into a prefix tree yet: leave out --shared-prefix-training",
+    )
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act")  # Megatron's, for these families
+
+
+def _validate_context_parallel(t) -> None:
+    """Context parallelism runs in the fused local attention, on flat packed rows."""
+    if t.context_parallel_size <= 1:
+        return
+    flag, cp = "context_parallel_size", t.context_parallel_size
+    _require(t.local_attention == "fused", flag, cp, "needs --local-attention fused (Megatron's attention has no CP)")
+    _require(
+        not t.shared_prefix_training, flag, cp, "does not split prefix trees yet: leave out --shared-prefix-training"
+    )
+
+
+def _validate_recompute(t) -> None:
+    """Megatron's rules for activation recompute, by flag name: full needs a method and a layer count,
+    selective takes modules only."""
+    if t.recompute_granularity is None:
+        for key in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+            _require(getattr(t, key) is None, key, getattr(t, key), "needs --recompute-granularity full|selective")
+        return
+    if t.recompute_granularity == "full":
+        _require(t.recompute_method is not None, "recompute_method", None, "full recompute needs uniform or block")
+        n = t.recompute_num_layers
+        _require(n is not None and n > 0, "recompute_num_layers", n, "full recompute needs a positive layer count")
+        _require(t.recompute_modules is None, "recompute_modules", t.recompute_modules, "is for selective recompute")
+        return
+    for key in ("recompute_method", "recompute_num_layers"):
+        _require(
+            getattr(t, key) is None, key, getattr(t, key), "is for full recompute; selective takes --recompute-modules"
+        )
+    for module in t.recompute_modules or []:
+        _require(
+            module in RECOMPUTE_MODULES,
+            "recompute_modules",
+            t.recompute_modules,
+            f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}",
+        )
+
+
 def _validate_debug(cfg: Config) -> None:
     """Rollout-only and train-only exclude each other; dump paths hold only ``{rollout_id}``."""
     from slime_mt.inspection.dumps import dump_path
@@ -209,9 +277,18 @@ def validate(cfg: Config) -> None:
     _validate_gateway(cfg)
     _validate_judge(cfg)
     _validate_debug(cfg)
-    for key in ("tensor_model_parallel_size", "global_batch_size", "micro_batch_size"):
+    _validate_routing_replay(cfg)
+    _validate_recompute(cfg.train)
+    _validate_context_parallel(cfg.train)
+    for key in (
+        "tensor_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "global_batch_size",
+        "micro_batch_size",
+    ):
         _require(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
-    for key in ("max_tokens_per_micro_batch",):
+    for key in ("max_tokens_per_micro_batch", "expert_tensor_parallel_size"):
         value = getattr(t, key)
         _require(value is None or value > 0, key, value, "must be a positive integer")
     for key, value in (
@@ -220,6 +297,8 @@ def validate(cfg: Config) -> None:
         ("over_sampling_batch_size", r.over_sampling_batch_size),
     ):
         _require(value is None or value > 0, key, value, "must be a positive integer")
+    _require(t.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", t.moe_aux_loss_coef, "must be >= 0")
+    _require(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "gpu_memory_gb", t.gpu_memory_gb, "must be > 0")
     _require(r.env_num_workers >= 0, "env_num_workers", r.env_num_workers, "must be >= 0")
     _require(r.env_worker_num_cpus > 0, "env_worker_num_cpus", r.env_worker_num_cpus, "must be > 0")
     _require(

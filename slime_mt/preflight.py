@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from pathlib import Path
 
-from slime_mt.backends.megatron.models import check_tp, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.convert import CheckpointReader
+from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
+from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
@@ -25,9 +28,20 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
     if not Path(t.hf_checkpoint).is_dir():
         raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
-    check_tp(
-        decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"), t.tensor_model_parallel_size
-    )
+    spec = decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json")
+    check_tp(spec, t.tensor_model_parallel_size, MoeOptions.of(t))
+    if t.use_rollout_routing_replay and spec.moe is None:
+        raise ConfigError(f"--use-rollout-routing-replay: the {spec.family} model {t.hf_checkpoint} has no experts")
+    if t.recompute_num_layers is not None and t.recompute_num_layers > spec.num_layers:
+        raise ConfigError(
+            f"--recompute-num-layers={t.recompute_num_layers}: the model {t.hf_checkpoint} has {spec.num_layers} layers"
+        )
+    if spec.moe is None and {"moe", "moe_act"} & set(t.recompute_modules or []):
+        raise ConfigError(
+            f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"
+        )
+    if not cfg.debug.debug_rollout_only:  # a rollout-only run builds no trainer
+        memory_plan(cfg, spec)
     if not cfg.data.prompt_data:
         raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
     load_rows(cfg.data.prompt_data, cfg.data)
@@ -96,11 +110,57 @@ def check_plugins(cfg: Config):
     return module
 
 
+# what a device needs beyond the plan: the CUDA context, NCCL's buffers, the caching allocator's slack
+DEVICE_RESERVE_BYTES = 2 * GIB
+
+
+def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
+    """The memory plan of one train rank (``backends/megatron/memory_plan.py``) -> report lines; a
+    plan that cannot fit ``--gpu-memory-gb`` is refused, naming a layout that fits where one does."""
+    t, c = cfg.train, cfg.cluster
+    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.rollout_max_context_len
+    # the trainer's ranks: Ray's placement, else torchrun's world (one process: 1)
+    world = c.actor_num_nodes * (c.actor_num_gpus_per_node or t.tensor_model_parallel_size) if c.ray else None
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size))
+    kw = dict(
+        vision=vision_parameters(CheckpointReader(t.hf_checkpoint)),
+        use_reference=cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef > 0,
+        data_parallel=dp,
+    )
+    plan = plan_rank(spec, t, tokens, **kw)
+    layout = f"TP={t.tensor_model_parallel_size} CP={t.context_parallel_size} EP={t.expert_model_parallel_size}"
+    layout += f" DP={dp}" + (", distributed optimizer" if t.use_distributed_optimizer else "")
+    source = (
+        "--max-tokens-per-micro-batch"
+        if t.max_tokens_per_micro_batch
+        else "--micro-batch-size x --rollout-max-context-len"
+    )
+    lines = [f"memory plan of each train rank ({layout}; {tokens} tokens per micro-batch from {source}):"]
+    lines += [f"  {line}" for line in plan.lines()]
+    if t.gpu_memory_gb is None:
+        return lines
+    budget = int(t.gpu_memory_gb * GIB) - DEVICE_RESERVE_BYTES
+    if plan.total > budget:
+        fits = fitting_layout(spec, t, tokens, budget, **kw)
+        raise ConfigError(
+            f"--gpu-memory-gb {t.gpu_memory_gb:g}: the memory plan needs {plan.total / GIB:.2f} GiB per train "
+            f"rank ({layout}, {tokens} tokens per micro-batch) and {DEVICE_RESERVE_BYTES / GIB:g} GiB stays for "
+            "the CUDA context and the allocator; "
+            + (f"{fits} fits" if fits else "lower --max-tokens-per-micro-batch or add tensor parallelism")
+        )
+    return lines + [f"  fits --gpu-memory-gb {t.gpu_memory_gb:g} ({(budget - plan.total) / GIB:.2f} GiB to spare)"]
+
+
 def dry_run(cfg: Config) -> list[str]:
-    """What ``--dry-run`` checks beyond the settings: every plug-in imports and fits its contract, the
-    first prompt row reads, and one environment is built from it (reset, then closed) -> report lines."""
+    """What ``--dry-run`` checks beyond the settings: the memory plan of a train rank (refused over
+    ``--gpu-memory-gb``), every plug-in imports and fits its contract, the first prompt row reads, and one
+    environment is built from it (reset, then closed) -> report lines."""
+    t, lines = cfg.train, []
+    if t.hf_checkpoint and Path(t.hf_checkpoint).is_dir():
+        lines += memory_plan(cfg, decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"))
     module = check_plugins(cfg)
-    lines = ["plug-ins: imported and checked"]
+    lines.append("plug-ins: imported and checked")
     path = cfg.data.prompt_data
     if not path or not Path(path).is_file():
         return lines + [f"--prompt-data {path}: not there yet; no row read, no environment built"]

@@ -12,7 +12,9 @@ Invariants of a Sample (``Sample.validate`` asserts them):
   that generated each response token, ``NO_VERSION`` (-1) on observation tokens and where the engine
   named no numeric version. A turn interrupted by a weight update and resumed (``--partial-rollout``)
   holds tokens of two versions;
-  turns are in order, each turn's output lies inside the response and is all loss_mask 1.
+  turns are in order, each turn's output lies inside the response and is all loss_mask 1;
+  ``routed_experts`` (MoE, ``--use-rollout-routing-replay``) has at most ``len(tokens)`` rows: row i
+  holds the experts the engine routed token i to (``slime_mt/routes.py``).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     token_versions: list[int] | None = field(default_factory=list)  # per response token; see module docstring
+    routed_experts: torch.Tensor | None = None  # MoE: [rows <= len(tokens), moe_layers, top_k]; routes.py
 
     @property
     def prompt_length(self) -> int:
@@ -124,6 +127,8 @@ class Sample:
         self.response, self.response_length = "", 0
         self.loss_mask, self.turns, self.weight_versions = [], [], []
         self.rollout_log_probs, self.token_versions = [], []
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts[: len(self.tokens)]
 
     def set_prompt_tokens(self, ids: list[int]) -> None:
         """Start the trajectory from its encoded prompt; only allowed before any response token."""
@@ -264,6 +269,10 @@ class Sample:
             if any(m != 0 for m in obs):
                 raise SampleError(f"{where}: observation tokens with loss_mask 1")
             previous_end = turn.observation_end
+        if self.routed_experts is not None and len(self.routed_experts) > len(self.tokens):
+            raise SampleError(
+                f"sample {self.index}: {len(self.routed_experts)} rows of routed experts for {len(self.tokens)} tokens"
+            )
         if self.turns and sum(self.loss_mask) != sum(t.output_tokens for t in self.turns):
             raise SampleError(
                 f"sample {self.index}: {sum(self.loss_mask)} trainable tokens but turns generated "
@@ -277,6 +286,7 @@ class Sample:
         out["turns"] = [dataclasses.asdict(t) for t in self.turns]
         out["multimodal_inputs"] = _encode(self.multimodal_inputs)
         out["multimodal_train_inputs"] = _encode(self.multimodal_train_inputs)
+        out["routed_experts"] = _encode(self.routed_experts)
         return out
 
     @classmethod
@@ -290,6 +300,7 @@ class Sample:
         kw["turns"] = [Turn(**t) for t in kw.get("turns", [])]
         kw["multimodal_inputs"] = _decode(kw.get("multimodal_inputs"))
         kw["multimodal_train_inputs"] = _decode(kw.get("multimodal_train_inputs"))
+        kw["routed_experts"] = _decode(kw.get("routed_experts"))
         return cls(**kw)
 
 
@@ -333,7 +344,8 @@ class TrainingSample:
     these tokens as such (a re-tokenized history); the trainer's old log-probs stand in.
     ``trajectory_id`` ties the steps of one trajectory together; ``group_id`` is its prompt group;
     ``is_last_step`` marks its final step; ``turns`` the trajectory's turns it holds (step-wise: one,
-    more where steps were merged; None: all of them, concat).
+    more where steps were merged; None: all of them, concat); ``routed_experts`` the engine's routes of
+    its first tokens (MoE with ``--use-rollout-routing-replay``; ``slime_mt/routes.py``).
     """
 
     prompt_ids: list[int]
@@ -349,6 +361,7 @@ class TrainingSample:
     status: Status = Status.COMPLETED
     token_versions: list[int] | None = None
     turns: list[int] | None = None
+    routed_experts: torch.Tensor | None = None  # [rows <= len(tokens), moe_layers, top_k]
 
     @property
     def tokens(self) -> list[int]:

@@ -157,11 +157,39 @@ def _tiny_text_config(kind: str) -> dict:
         eos_token_id=151645,
         tie_word_embeddings=True,
     )
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3-moe"):
         common.update(head_dim=16, rope_theta=1000000.0)
+    if kind in ("qwen3-moe", "qwen3-vl-moe"):
+        common.update(_TINY_EXPERTS)
     if kind == "qwen2-h64":  # vLLM's CPU attention takes head sizes of 32 and up (16 is refused)
         common.update(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2)
     return common
+
+
+# Experts of the tiny MoE models: 8 experts, 2 per token, intermediate 48 (so that neither of the fused
+# layouts' shapes can be taken for the other: 48 and 96 differ from the hidden size 64), the first
+# layer sparse and the second dense (``mlp_only_layers``), as a model with both kinds of layers is.
+_TINY_EXPERTS = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
+
+
+def _publish_fused_experts(out: Path) -> None:
+    """Rewrite transformers' saved fused experts (its in-memory ``[E, 2I, H]`` / ``[E, H, I]``) in
+    the layout Qwen3-VL-MoE checkpoints are published in (``[E, H, 2I]`` / ``[E, I, H]``), which
+    transformers transposes on load."""
+    from safetensors.torch import load_file, save_file
+
+    file = out / "model.safetensors"
+    tensors = load_file(str(file))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def _build_tiny_llama(out: Path) -> None:
@@ -200,13 +228,13 @@ def _build_tiny(out: Path, kind: str) -> None:
     if kind == "llama":
         return _build_tiny_llama(out)
     torch.manual_seed(0)
-    if kind in ("qwen2", "qwen2-h64", "qwen3"):
-        cls_config = transformers.Qwen3Config if kind == "qwen3" else transformers.Qwen2Config
-        config = cls_config(**_tiny_text_config(kind))
+    if kind in _TEXT_KINDS:
+        configs = {"qwen3": transformers.Qwen3Config, "qwen3-moe": transformers.Qwen3MoeConfig}
+        config = configs.get(kind, transformers.Qwen2Config)(**_tiny_text_config(kind))
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        variant = "qwen3" if kind == "qwen3" else "qwen2.5"
+        variant = "qwen3" if kind.startswith("qwen3") else "qwen2.5"
     else:
-        text = dict(_tiny_text_config("qwen2"), head_dim=16, rope_theta=1000000.0)
+        text = dict(_tiny_text_config(kind), head_dim=16, rope_theta=1000000.0)
         vision = dict(
             depth=2,
             hidden_size=32,
@@ -243,11 +271,19 @@ def _build_tiny(out: Path, kind: str) -> None:
                 deepstack_visual_indexes=[0, 1],
                 hidden_act="gelu_pytorch_tanh",
             )
-            config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-            model = transformers.Qwen3VLForConditionalGeneration(config)
+            if kind == "qwen3-vl-moe":
+                config = transformers.Qwen3VLMoeConfig(
+                    text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
+                )
+                model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+            else:
+                config = transformers.Qwen3VLConfig(
+                    text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
+                )
+                model = transformers.Qwen3VLForConditionalGeneration(config)
             patch, mean_std = 16, [0.5, 0.5, 0.5]
         model = model.to(torch.float32)
-        variant = kind
+        variant = "qwen3-vl" if kind == "qwen3-vl-moe" else kind
         extra = {"image_mean": mean_std, "image_std": mean_std} if mean_std else {}
         image_processor = image_processor_class()(
             patch_size=patch,
@@ -258,18 +294,21 @@ def _build_tiny(out: Path, kind: str) -> None:
             **extra,
         )
     model.save_pretrained(out, safe_serialization=True)
+    if kind == "qwen3-vl-moe":
+        _publish_fused_experts(out)
     tokenizer_dir = qwen_tokenizer_dir(variant)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    if kind in ("qwen2", "qwen2-h64", "qwen3"):
+    if kind in _TEXT_KINDS:
         _save_tokenizer(tokenizer, out)
     else:
         _save_tokenizer(QwenVLProcessor(tokenizer, image_processor), out)
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": kind, "random_weights": True, "seed": 0}))
 
 
-TINY_KINDS = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
+_TEXT_KINDS = ("qwen2", "qwen2-h64", "qwen3", "qwen3-moe")
+TINY_KINDS = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl", "qwen3-moe", "qwen3-vl-moe")
 # The tiny Qwen2 at head size 64 (hidden 128, 2 heads): the model the vLLM tests serve, because vLLM's
 # CPU attention refuses head size 16. The same family as "qwen2", so not a member of the family matrix.
 VLLM_TINY_KIND = "qwen2-h64"
@@ -281,7 +320,8 @@ def tiny_model_dir(kind: str) -> Path:
         raise AssetError(f"unknown tiny model {kind!r}; choose from {(*TINY_KINDS, VLLM_TINY_KIND)}")
     if kind == "llama":
         return cached_dir(f"tiny-llama-v{ASSET_VERSION}", lambda out: _build_tiny(out, kind))
-    variant = {"qwen2": "qwen2.5", "qwen2-h64": "qwen2.5", "qwen3": "qwen3"}.get(kind, kind)
+    variant = {"qwen2": "qwen2.5", "qwen2-h64": "qwen2.5", "qwen3": "qwen3", "qwen3-moe": "qwen3"}.get(kind, kind)
+    variant = "qwen3-vl" if kind == "qwen3-vl-moe" else variant
     return cached_dir(f"tiny-{kind}-{_tag(variant)}", lambda out: _build_tiny(out, kind))
 
 
@@ -329,14 +369,22 @@ def sized_model_dir(name: str) -> Path:
     """A random-weight (seed 0, float32) model folder with ``name``'s published configuration."""
     if name not in SIZED_MODELS:
         raise AssetError(f"unknown model {name!r}; choose from {sorted(SIZED_MODELS)}")
+    cls, kwargs = SIZED_MODELS[name]
+    return random_model_dir(name, cls, **kwargs)
+
+
+def random_model_dir(name: str, config_class: str, **config) -> Path:
+    """A random-weight (seed 0, float32) model folder of ``transformers.<config_class>(**config)``, built
+    once under ``name`` (weights and config only: no tokenizer)."""
 
     def build(out: Path) -> None:
         import torch
         import transformers
 
-        cls, kwargs = SIZED_MODELS[name]
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, config_class)(**config), dtype=torch.float32
+        )
         model.save_pretrained(out, safe_serialization=True)
         (out / "slime_mt_asset.json").write_text(json.dumps({"kind": name, "random_weights": True, "seed": 0}))
 

@@ -9,6 +9,7 @@ or engine; with ``--engine vllm`` every URL is an engine, the client routes).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -378,6 +379,18 @@ class EngineGroup:
             except Exception:  # stop everything even if one part fails
                 logger.exception("stopping an engine failed")
         self._stoppers.clear()
+
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
+
+def engine_config_for(engine: EngineConfig, routed_experts: bool) -> EngineConfig:
+    """The engines' settings for a run: with ``--use-rollout-routing-replay`` SGLang servers are
+    launched with ``--enable-return-routed-experts`` (the embedded engine always records routes)."""
+    extra = engine.sglang_extra_args or ""
+    if not routed_experts or ROUTED_EXPERTS_FLAG in extra.split():
+        return engine
+    return dataclasses.replace(engine, sglang_extra_args=f"{extra} {ROUTED_EXPERTS_FLAG}".strip())
 
 
 def start_engines(

@@ -3,7 +3,8 @@
 Request (``GenerateReqInput``): ``text`` or ``input_ids`` (one, or a batch -> the response is a
 list), ``image_data`` (per request a list: data URI, raw base64, path or ``file://``),
 ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_text_in_logprobs``,
-``return_prompt_token_ids``, ``rid`` (a batch's string rid is a prefix: ``rid_0``, ``rid_1``, ...).
+``return_prompt_token_ids``, ``return_routed_experts`` with ``routed_experts_start_len`` (MoE models:
+``slime_mt/routes.py``), ``rid`` (a batch's string rid is a prefix: ``rid_0``, ``rid_1``, ...).
 As in SGLang, null means the default for every field; numbers are range- and finiteness-checked as
 ``SamplingParams.verify`` does. Unknown top-level keys are ignored, but SGLang features this engine
 does not serve (streaming, top log-probs, LoRA, ...) are a 400 rather than silently dropped; unknown
@@ -14,7 +15,8 @@ Response: ``text``, ``output_ids``, ``meta_info`` = {``id``, ``finish_reason`` (
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``,
 ``output_token_logprobs`` = [[logprob, token_id, text|None], ...] and ``input_token_logprobs``
 (from ``logprob_start_len``, the last prompt token by default; the first entry's log-prob is None)
-when ``return_logprob``, ``e2e_latency``}.
+when ``return_logprob``, ``routed_experts`` (base64 int32, rows from ``routed_experts_start_len``,
+echoed) when ``return_routed_experts``, ``e2e_latency``}.
 
 Parsing raises ``ProtocolError`` (a client error) and nothing else, whatever the body.
 
@@ -136,6 +138,8 @@ class GenerateRequest:
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # SGLang's: rows cover [start, prompt + output - 1)
 
 
 def _is_int(x: Any) -> bool:
@@ -305,12 +309,19 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
     start = _per_request(body.get("logprob_start_len"), n, is_batch, "logprob_start_len")
     text_in_logprobs = parse_bool(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
     prompt_token_ids = parse_bool(body.get("return_prompt_token_ids"), "return_prompt_token_ids")
+    routed = _per_request(body.get("return_routed_experts"), n, is_batch, "return_routed_experts")
+    routed_start = _per_request(body.get("routed_experts_start_len"), n, is_batch, "routed_experts_start_len")
     requests = []
     for i in range(n):
         suffix = f"[{i}]" if is_batch else ""
         start_len = -1 if start[i] is None else start[i]
         if not _is_int(start_len) or start_len < -1:
             raise ProtocolError(f"logprob_start_len{suffix} must be an integer >= -1, got {show(start[i])}")
+        route_start = 0 if routed_start[i] is None else routed_start[i]
+        if not _is_int(route_start) or route_start < 0:
+            raise ProtocolError(
+                f"routed_experts_start_len{suffix} must be an integer >= 0, got {show(routed_start[i])}"
+            )
         requests.append(
             GenerateRequest(
                 rid=rids[i],
@@ -322,6 +333,8 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
                 logprob_start_len=start_len,
                 return_text_in_logprobs=text_in_logprobs,
                 return_prompt_token_ids=prompt_token_ids,
+                return_routed_experts=parse_bool(routed[i], "return_routed_experts" + suffix),
+                routed_experts_start_len=route_start,
             )
         )
     return requests, is_batch

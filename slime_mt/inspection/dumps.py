@@ -8,23 +8,26 @@ tensors that ``torch.load(PATH, weights_only=True)`` reads without slime_mt: ``f
 (``slime_mt.rollout_dump``), ``version`` (1), ``rollout_id``, ``created`` (unix time), ``records`` (JSON
 text: ``samples``, ``train`` and ``settings`` below; JSON because torch's safe loader reads large nested
 lists 7 times slower at 10,000 trajectories, benchmarks/inspect_page.py) and ``tensors`` (each by its
-place in the records, such as ``samples/3/multimodal_train_inputs/pixel_values``). ``load_dump`` puts them together:
+place in the records, such as ``samples/3/multimodal_train_inputs/pixel_values`` or
+``train/0/routed_experts``). ``load_dump`` puts them together:
 
   samples       one dict per trajectory, in group order: index, group_index, prompt, tokens, response,
                 response_length, prompt_length, label, reward, loss_mask, rollout_log_probs,
                 token_versions, weight_versions, status, metadata (JSON-safe), images (file names),
-                multimodal_train_inputs (tensors), and turns: one dict per LLM call with output_start,
+                multimodal_train_inputs (tensors), routed_experts (a tensor under
+                --use-rollout-routing-replay, else None; ``slime_mt/routes.py``), and turns: one dict
+                per LLM call with output_start,
                 output_end, observation_end, context_ids (when the context was rewritten),
                 image_indices, finish_reason, weight_version, engine_seconds, env_seconds,
                 env_retries, env_info, num_images, reward
   train         what the step trained (``types.TrainBatch``): samples (the finalized sequences:
                 prompt_ids, response_ids, loss_mask, rollout_log_probs, token_versions, reward,
                 trajectory_id = "group/index", group_id, is_last_step, turns (the trajectory's turns the
-                sequence holds; None: all), stop_reason, status, multimodal_train_inputs, and
-                train_log_probs: the trainer's log-probs of its response tokens under the weights the
-                step started from, at the rollout temperature, written after the step trained, None
-                when it did not train), advantages
-                (one per sequence), merge_metrics, rollout_metrics, metrics, rollout_seconds,
+                sequence holds; None: all), stop_reason, status, multimodal_train_inputs,
+                routed_experts, and train_log_probs: the trainer's log-probs of its response tokens
+                under the weights the step started from, at the rollout temperature, written after
+                the step trained, None when it did not train), advantages (one per sequence),
+                merge_metrics, rollout_metrics, metrics, rollout_seconds,
                 rollout_started, trained_groups, note
   settings      the settings the sequences and advantages were made with (sample format, merge,
                 advantage estimator, ...)
@@ -123,6 +126,7 @@ def sample_record(sample, images: list[str]) -> dict:
         "metadata": sample.metadata,
         "images": images,
         "multimodal_train_inputs": _tensors(sample.multimodal_train_inputs),
+        "routed_experts": sample.routed_experts,
         "turns": [dataclasses.asdict(t) for t in sample.turns],
     }
 
@@ -166,6 +170,9 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
                 tensors[f"{where}/{i}/multimodal_train_inputs/{key}"] = value
             if record["multimodal_train_inputs"]:
                 record["multimodal_train_inputs"] = {key: None for key in record["multimodal_train_inputs"]}
+            if isinstance(record.get("routed_experts"), torch.Tensor):  # R3 routes: kept as tensors too
+                tensors[f"{where}/{i}/routed_experts"] = record["routed_experts"].detach().cpu()
+                record["routed_experts"] = None
     data = {
         "format": FORMAT,
         "version": VERSION,
@@ -213,9 +220,12 @@ def load_dump(path: Path) -> dict:
         raise DumpError(f"{path}: rollout dump version {data['version']}; this slime_mt reads version {VERSION}")
     records = json.loads(data["records"])
     for where, value in data["tensors"].items():
-        part, i, field, key = where.split("/")
+        part, i, field, *key = where.split("/")
         target = records[part] if part == "samples" else records[part]["samples"]
-        target[int(i)][field][key] = value
+        if key:
+            target[int(i)][field][key[0]] = value
+        else:
+            target[int(i)][field] = value
     header = {k: v for k, v in data.items() if k not in ("records", "tensors")}
     return {**header, **records}
 

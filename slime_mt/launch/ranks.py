@@ -39,7 +39,14 @@ def train(
     (``--ray``: the driver's Ctrl-C) acts as Ctrl-C does: the first rank's request, shared with every
     rank after the step's weight export, finishes the step, saves and stops. ``rollout_host(info,
     trainer)`` (``--ray``): the first rank's end of the rollout role, instead of hosting it here."""
-    info = init_parallel(cfg.train.tensor_model_parallel_size, cfg.train.seed)
+    t = cfg.train
+    info = init_parallel(
+        t.tensor_model_parallel_size,
+        t.seed,
+        t.expert_model_parallel_size,
+        t.expert_tensor_parallel_size,
+        t.context_parallel_size,
+    )
     stop_requested = stop_requested or threading.Event()
 
     def request_stop(signum, frame):

@@ -37,7 +37,7 @@ from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_groups, rollout_output
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.rollout_workers import RolloutWorkerPool
-from slime_mt.rollout.staleness import mask_stale, staleness_metrics
+from slime_mt.rollout.staleness import mask_stale, route_staleness_metrics, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
 from slime_mt.timeline import maybe_span, now_us
 from slime_mt.types import Status, TrainBatch
@@ -101,7 +101,7 @@ class RolloutRole(RolloutSteps):
         gate, the rollout function, the metrics logger and (``sends_weights``) the weight transport;
         under ``--ray`` (``engine_actors``: the driver's EngineActors) the supervisor that starts again
         an engine that dies."""
-        from slime_mt.engine.launch import start_engines
+        from slime_mt.engine.launch import engine_config_for, start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
         eval_data = None
@@ -110,7 +110,7 @@ class RolloutRole(RolloutSteps):
                 cfg.data.eval_prompt_data, cfg.data, cfg.rollout.n_samples_per_eval_prompt
             )
         engines = start_engines(
-            cfg.engine,
+            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay),
             cfg.train.hf_checkpoint,
             run_dir / "logs",
             seed=cfg.train.seed,
@@ -224,6 +224,7 @@ class RolloutRole(RolloutSteps):
             extra["rollout/masked_stale_tokens"] = masked
             extra["async/masked_token_share"] = masked / max(trainable, 1)
         extra.update(staleness_metrics(samples, step))
+        extra.update(route_staleness_metrics([s for g in groups for s in g], step))
         if self.ctx.env_workers is not None:
             extra["env/worker_restarts"] = self.ctx.env_workers.take_restarts()
         if self.supervisor is not None:

@@ -15,17 +15,21 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
 from slime_mt.engine.clients import client_for
 from slime_mt.engine.clients.sglang import EngineClient, output_of
-from slime_mt.errors import ConfigError, PluginError
+from slime_mt.errors import ConfigError, EngineError, PluginError
 from slime_mt.plugins import load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
 from slime_mt.rollout.env_workers import EnvWorkerPool
 from slime_mt.rollout.template_check import path_of, warn_if_inexact
+from slime_mt.routes import RouteLayout
 from slime_mt.timeline import Timeline
 from slime_mt.tokenization import Encoded, ObservationEncoder
 from slime_mt.types import parse_version
@@ -53,6 +57,7 @@ class RolloutContext:
     gateway_lock: asyncio.Lock | None = None  # made on the loop by the first open_gateway
     judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
     timeline: Timeline | None = None  # this process's spans for RUN_DIR/trace.json (None: --trace off)
+    route_layout: RouteLayout | None = None  # --use-rollout-routing-replay: the model's routes (routes.py)
 
     @classmethod
     def create(
@@ -80,6 +85,8 @@ class RolloutContext:
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)
         ctx.args.rollout_context = ctx
+        if cfg.train.use_rollout_routing_replay:
+            ctx.route_layout = RouteLayout.of(json.loads((Path(model_path) / "config.json").read_text()))
         if cfg.debug.trace != "off":
             ctx.timeline = client.timeline = Timeline(process, trajectories=cfg.debug.trace == "all")
         r = cfg.rollout
@@ -148,11 +155,13 @@ class RolloutContext:
     def append_engine_turn(self, sample, response: dict):
         """Append an engine's ``/generate`` answer to ``sample`` as one model turn with its ``Turn``
         record: the output ids, their log-probs, the text, the finish reason and the weight version
-        (SGLang's ``"default"`` read as the run's starting version). -> the Turn. For custom generate
-        functions: with it (and ``append_observation``) step-wise training and merging work."""
+        (SGLang's ``"default"`` read as the run's starting version), and its routes under
+        ``--use-rollout-routing-replay`` (asked for with ``route_request``). -> the Turn. For custom
+        generate functions: with it (and ``append_observation``) step-wise training and merging work."""
         meta = response["meta_info"]
         ids, log_probs = output_of(response)
         version = self.version_of(meta.get("weight_version"))
+        self.add_routes(sample, meta)
         return sample.append_turn(
             ids,
             log_probs,
@@ -160,6 +169,36 @@ class RolloutContext:
             meta["finish_reason"]["type"],
             None if version < 0 else version,
         )
+
+    def route_request(self, sample) -> dict:
+        """The ``/generate`` fields that ask for the routes ``sample`` does not hold yet (R3: its new
+        context tokens and the output); {} without ``--use-rollout-routing-replay``."""
+        if self.route_layout is None:
+            return {}
+        held = 0 if sample.routed_experts is None else len(sample.routed_experts)
+        return {"return_routed_experts": True, "routed_experts_start_len": held}
+
+    def add_routes(self, sample, meta: dict) -> None:
+        """Append the rows of an engine answer's ``routed_experts`` to ``sample.routed_experts`` (R3;
+        nothing without ``--use-rollout-routing-replay``). An engine that returned none, or rows that do
+        not start where the sample's end, is an EngineError naming the cause."""
+        layout = self.route_layout
+        if layout is None:
+            return
+        held = layout.empty() if sample.routed_experts is None else sample.routed_experts
+        data = meta.get("routed_experts")
+        if data is None:
+            raise EngineError(
+                "the engine returned no routed_experts for --use-rollout-routing-replay; an SGLang server needs "
+                "--enable-return-routed-experts (the engines this run launches get it)"
+            )
+        start = int(meta.get("routed_experts_start_len", len(held)))
+        if start != len(held):
+            raise EngineError(
+                f"routed_experts start at token {start}, but sample {sample.index} holds {len(held)} rows"
+            )
+        rows = layout.decode(data, f"sample {sample.index} turn {len(sample.turns)}: routed_experts")
+        sample.routed_experts = torch.cat([held, rows])
 
     def append_observation(self, sample, message: dict | str) -> list[int]:
         """Append a chat message (a string: a user message) that answers the last turn, encoded by

@@ -29,6 +29,7 @@ import dataclasses
 import torch
 
 from slime_mt.errors import StepWiseError
+from slime_mt.routes import rows_for
 from slime_mt.types import NO_VERSION, Sample, Status, TrainingSample
 
 
@@ -86,6 +87,7 @@ def to_concat_samples(samples: list[Sample], mask_truncated: bool = False) -> li
                 multimodal_train_inputs=s.multimodal_train_inputs,
                 status=s.status,
                 token_versions=_versions(s),
+                routed_experts=rows_for(s.routed_experts, len(s.tokens)),
             )
         )
     return out
@@ -136,6 +138,8 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
                     status=s.status,
                     token_versions=_versions(s, turn.output_start - start, turn.output_end - start),
                     turns=[k],
+                    # append-only contexts (R3 refuses the others): the turn's sequence is tokens[:output_end]
+                    routed_experts=rows_for(s.routed_experts, turn.output_end) if turn.context_ids is None else None,
                 )
             )
     return out

@@ -372,14 +372,18 @@ async def generate_turn(
     texts: list[str] = []
     budget = params["max_new_tokens"]
     calls = aborts = 0
+    held = 0 if sample.routed_experts is None else len(sample.routed_experts)  # routed rows before this turn
     while True:
         call = dict(params, max_new_tokens=budget - len(ids))
         if calls and "sampling_seed" in call:  # a call made again must not replay the last call's draws
             call["sampling_seed"] = (call["sampling_seed"] + calls) % (2**31 - 1)
         context = engine_ids + ids if ids else engine_ids  # the growing context is copied only to resume
-        response = await ctx.client.generate(context, call, image_data=image_data or None, route=route_of(sample))
+        response = await ctx.client.generate(
+            context, call, image_data=image_data or None, route=route_of(sample), **ctx.route_request(sample)
+        )
         calls += 1
         meta = response["meta_info"]
+        ctx.add_routes(sample, meta)
         new, new_logprobs = output_of(response)
         aborted, by_update = meta["finish_reason"]["type"] == "abort", bool(meta.get(UPDATE_ABORT))
         if aborted and not by_update:
@@ -394,6 +398,8 @@ async def generate_turn(
             if by_update:
                 _count(sample, "regenerated_turns")
             ids, logprobs, versions, texts = [], [], [], []
+            if sample.routed_experts is not None:  # the turn starts again: so do its routes
+                sample.routed_experts = sample.routed_experts[:held]
             continue
         ids += new
         logprobs += new_logprobs
@@ -454,6 +460,8 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         engine_seconds = time.perf_counter() - started
         start = len(sample.tokens)
         traj.add_output(ids, logprobs, text, versions)
+        if sample.routed_experts is not None:  # a turn cut at a stop string keeps the rows of its tokens
+            sample.routed_experts = sample.routed_experts[: len(sample.tokens)]
         finish = meta["finish_reason"]
         turn = Turn(
             output_start=start,

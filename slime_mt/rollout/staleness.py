@@ -5,6 +5,12 @@ after k updates) is ``k - w`` versions stale. ``--max-staleness S`` bounds that 
 trained token: a group beyond it is dropped (``RolloutManager``) or, with
 ``--mask-offpolicy-in-partial-rollout``, its tokens beyond it get loss mask 0 (``mask_stale``).
 Observation tokens and tokens of an unnamed version (``NO_VERSION``) have no gap.
+
+Routes (R3, ``Sample.routed_experts``) have versions too: row i holds what the engine routed when it
+processed token i, which is in the call that generated the first model token after i (a prompt's and
+an observation's rows come from the next turn's prefill; the last token of a call cut by a weight
+update is processed by the resumed call). ``route_versions`` reads them from the token versions, and
+``route_staleness_metrics`` reports how far behind the trained version the replayed routes are.
 """
 
 from __future__ import annotations
@@ -53,6 +59,32 @@ def staleness_metrics(samples: list[TrainingSample], version: int) -> dict[str, 
     for gap, count in sorted(gaps.items()):
         out[f"rollout/version_gap_tokens/{gap}"] = count / total
     return out
+
+
+def route_versions(sample: Sample) -> list[int]:
+    """The weight version that routed each row of ``sample.routed_experts`` (see the module
+    docstring): the version of the first model token after the row's token; NO_VERSION where that
+    token's version is unnamed or not recorded."""
+    rows = 0 if sample.routed_experts is None else len(sample.routed_experts)
+    start, versions = sample.prompt_length, sample.token_versions or []
+    out = [NO_VERSION] * rows
+    after = NO_VERSION  # the version of the first model token after position i
+    for i in range(len(sample.tokens) - 2, -1, -1):
+        k = i + 1 - start  # token i + 1 in the response
+        if k >= 0 and sample.loss_mask[k]:
+            after = versions[k] if k < len(versions) else NO_VERSION
+        if i < rows:
+            out[i] = after
+    return out
+
+
+def route_staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
+    """Over the route rows of ``samples`` (trajectories) with a version: the largest and mean gap to
+    ``version``, the version that trains them; {} when no row has one."""
+    gaps = [version - v for s in samples for v in route_versions(s) if v != NO_VERSION]
+    if not gaps:
+        return {}
+    return {"rollout/route_version_gap_max": float(max(gaps)), "rollout/route_version_gap_mean": sum(gaps) / len(gaps)}
 
 
 def drop_metrics(trained: list[list[Sample]], dropped: list[list[Sample]]) -> dict[str, float]:

@@ -6,7 +6,6 @@ Two real runs are shared by the module: a rollout-only run of the tiny Qwen2.5-V
 the ``window:1`` context policy, an environment whose first step of every episode fails once), and a
 two-step run of the demo recipe that a train-only run replays."""
 
-import ast
 import json
 import os
 import re
@@ -59,13 +58,15 @@ def build_env(sample=None, args=None, **kw):
 # runs the CLI, then says which packages the process imported
 IMPORTS_AFTER = (
     "import sys; from slime_mt.cli import main; rc = main(sys.argv[1:]); "
-    "print('IMPORTED', sorted({m.split('.')[0] for m in sys.modules} | "
-    "{m for m in sys.modules if m.startswith('slime_mt.engine')})); sys.exit(rc)"
+    "import json; print('IMPORTED', json.dumps(sorted({m.split('.')[0] for m in sys.modules} | "
+    "{m for m in sys.modules if m.startswith('slime_mt.engine')}))); sys.exit(rc)"
 )
 
 
 def imported(stdout: str) -> list[str]:
-    return ast.literal_eval(stdout.split("IMPORTED ", 1)[1].splitlines()[0])
+    # JSON, not ast.literal_eval: CPython 3.11.7's AST constructor can raise "recursion depth
+    # mismatch" when another thread of the test process builds an AST at the same time
+    return json.loads(stdout.split("IMPORTED ", 1)[1].splitlines()[0])
 
 
 def run_cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:

@@ -135,6 +135,13 @@ def test_a_run_the_cluster_cannot_hold_names_the_resources(cluster):
         ({"NUM_NODES": "2"}, {"trainer": [(0, g) for g in range(8)], "engines": [[(1, g)] for g in range(8)]}),
         # one node, colocated: 8 ranks and an engine on each of their GPUs
         ({"COLOCATE": "1"}, {"trainer": [(0, g) for g in range(8)], "engines": [[(0, g)] for g in range(8)]}),
+        # the MoE variant: colocated, 8 ranks at EP=8, 4 engines of 2 GPUs each
+        (
+            {"MODEL": "/models/Qwen3-VL-30B-A3B-Instruct"},
+            {"trainer": [(0, g) for g in range(8)], "engines": [[(0, g), (0, g + 1)] for g in range(0, 8, 2)]},
+        ),
+        # the long-trajectory variant: colocated, 8 ranks (CP=4 x DP=2) and an engine on each GPU
+        ({"LONG": "1"}, {"trainer": [(0, g) for g in range(8)], "engines": [[(0, g)] for g in range(8)]}),
     ],
 )
 def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, layout, expect):
@@ -143,18 +150,32 @@ def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, layout, expect):
     script = REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = dict(os.environ, MODEL="/models/Qwen3-VL-2B-Instruct", PYTHON=sys.executable, RAY_ADDRESS=cluster.address)
+    env.update(layout)
+    moe, long = "A3B" in env["MODEL"], "LONG" in layout
     proc = subprocess.run(
-        ["bash", str(script), "2", "--dry-run"],
+        ["bash", str(script), *([] if moe or long else ["2"]), "--dry-run"],
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=dict(env, **layout),
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tensor_model_parallel_size: 2" in proc.stdout and "engine: sglang" in proc.stdout
-    colocated = "COLOCATE" in layout
+    assert f"tensor_model_parallel_size: {1 if moe or long else 2}" in proc.stdout and "engine: sglang" in proc.stdout
+    colocated = "COLOCATE" in layout or moe or long
     assert f"colocate: {str(colocated).lower()}" in proc.stdout and f"offload: {str(colocated).lower()}" in proc.stdout
-    assert "eps_clip_high: 0.28" in proc.stdout and "hf_checkpoint: /models/Qwen3-VL-2B-Instruct" in proc.stdout
+    assert "eps_clip_high: 0.28" in proc.stdout and f"hf_checkpoint: {env['MODEL']}" in proc.stdout
+    assert "use_distributed_optimizer: true" in proc.stdout  # every variant shards Adam's state over DP
+    experts = ["expert_model_parallel_size: 8", "expert_tensor_parallel_size: 1", "use_rollout_routing_replay: true"]
+    assert all((line in proc.stdout) == moe for line in experts), proc.stdout[-3000:]
+    recomputed = ["recompute_granularity: full", "recompute_method: uniform", "recompute_num_layers: 1"]
+    assert all((line in proc.stdout) == (moe or long) for line in recomputed), proc.stdout[-3000:]
+    lengths = [
+        "max_turns: 20",
+        "rollout_max_response_len: 32000",
+        "context_parallel_size: 4",
+        "transformer_impl: local",
+    ]
+    assert all((line in proc.stdout) == long for line in lengths), proc.stdout[-3000:]
     lines = [line.removeprefix("# placement: ") for line in proc.stdout.splitlines() if line.startswith("# placement")]
     node_order = []
     seen = {"trainer": [], "engines": []}
@@ -163,7 +184,7 @@ def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, layout, expect):
         node = where.split("(", 1)[1].split(")", 1)[0]
         if node not in node_order:
             node_order.append(node)
-        gpus = [int(g) for g in where.rsplit(" ", 1)[1].split(",")] if role.startswith("engine") else []
+        gpus = [int(g) for g in where.split(" devices ", 1)[1].split(",")] if role.startswith("engine") else []
         if role.startswith("trainer"):
             seen["trainer"].append((node_order.index(node), int(where.rsplit(" ", 1)[1])))
         else:

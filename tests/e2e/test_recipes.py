@@ -1,5 +1,6 @@
 """The recipes users start from, run as shipped: the geo3k VLM multi-turn CPU recipe (its shell script,
-with evaluation) and the context-management example (the demo game, ``window:1``, step-wise, merged)."""
+with evaluation), its long-trajectory variant (LONG=1: 20 turns, context parallelism, recompute) and
+the context-management example (the demo game, ``window:1``, step-wise, merged)."""
 
 import json
 import re
@@ -46,6 +47,27 @@ def test_cpu_recipe_runs(tmp_path):
     for row in rows:
         assert row["rollout/turns_mean"] > 1 and "rollout/status/failed" not in row
         assert row["rollout/reward_mean"] == 0.0 and row["train/grad_norm"] == 0.0
+
+
+def test_cpu_long_trajectory_recipe_runs(tmp_path):
+    """LONG=1: 20-turn trajectories of over a thousand tokens, each packed row split over two CP ranks
+    with every layer recomputed, for a step of four trajectories (~50 s)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "2"]
+        + ["--num-rollout", "1", "--eval-interval", "100", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=repo_env(RUN_DIR=str(tmp_path), PYTHON=sys.executable, LONG="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = (tmp_path / "config.yaml").read_text()
+    assert "context_parallel_size: 2" in config and "recompute_granularity: full" in config
+    (row,) = metrics(tmp_path)
+    # every trajectory ran its 20 turns, over a thousand tokens each, and trained
+    assert row["rollout/turns_mean"] == 20 and "rollout/status/failed" not in row
+    assert row["rollout/response_tokens_mean"] > 800 and row["train/tokens"] > 0
 
 
 FAILING_ENV = """

@@ -168,7 +168,9 @@ def test_a_weight_update_holds_every_process_and_their_aborted_turns_are_the_upd
     the turns the update aborted are generated again (counted as the update's, not as engine aborts)
     and no sample fails."""
     cfg = config(engine, tmp_path, three_nodes, 2, rollout_batch_size=6, rollout_concurrency=12)
-    cfg.rollout = dataclasses.replace(cfg.rollout, rollout_max_response_len=48, rollout_stop_token_ids=None)
+    # turns long enough to be running when the gate closes, however loaded the machine (at 48 tokens a
+    # CI run once saw every request finish between the check and the pause: nothing for the update to abort)
+    cfg.rollout = dataclasses.replace(cfg.rollout, rollout_max_response_len=192, rollout_stop_token_ids=None)
     data = dataset(tmp_path, cfg, [0.0] * 6)
     ctx = side_ctx(cfg, engine)
     try:

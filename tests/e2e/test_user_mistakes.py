@@ -200,8 +200,20 @@ def test_a_generate_function_that_raises_fails_its_samples_and_the_others_train(
 def test_a_module_env_path_resolves_from_the_working_directory_and_equal_rewards_warn(tmp_path):
     run, cmd = setup_run(tmp_path)
     cmd[cmd.index("--rollout-interaction-env-path") + 1] = "calc_env"
-    dry = train(cmd + ["--dry-run"], cwd=tmp_path)
+    dry = train(cmd + ["--dry-run", "--gpu-memory-gb", "80"], cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr[-3000:]
+    plan = lines(dry.stdout, "# dry run:   ")
+    assert lines(dry.stdout, "# dry run: memory plan") == [
+        "# dry run: memory plan of each train rank (TP=1 CP=1 EP=1 DP=1; 4096 tokens per micro-batch from "
+        "--micro-batch-size x --rollout-max-context-len):"
+    ]
+    assert plan[0].startswith("# dry run:   parameters ")
+    assert plan[-1].startswith("# dry run:   fits --gpu-memory-gb 80 (")
+    # the run itself refuses a plan over the device's memory before anything is written
+    refused = train(cmd + ["--gpu-memory-gb", "2"], cwd=tmp_path)
+    assert refused.returncode == 2 and not run.exists()
+    why = refused.stderr.strip().splitlines()[-1]
+    assert why.startswith("slime-mt train: error: ConfigError: --gpu-memory-gb 2: the memory plan needs "), why
     assert dry.stdout.splitlines()[-3:] == [
         "# dry run: plug-ins: imported and checked",
         f"# dry run: --prompt-data {tmp_path / 'train.jsonl'}: row 0 read",

@@ -20,6 +20,7 @@ SAMPLE_FIELDS = {
     "metadata",
     "images",
     "multimodal_train_inputs",
+    "routed_experts",
     "turns",
 }
 TURN_FIELDS = {
@@ -51,6 +52,7 @@ SEQUENCE_FIELDS = {
     "stop_reason",
     "status",
     "multimodal_train_inputs",
+    "routed_experts",
     "advantage",
     "train_log_probs",
 }

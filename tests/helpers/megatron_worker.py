@@ -17,17 +17,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron_worlds import FAMILIES, REFUSED_ROPE, ROPE_CASES
+from megatron_worlds import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, REFUSED_ROPE, ROPE_CASES
 
 from slime_mt.algo.batching import reduction_weights
 from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron.actor import MegatronActor
-from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.backends.megatron.checkpoint import _inner_optimizers
+from slime_mt.backends.megatron.convert import CheckpointReader, load_hf_state
+from slime_mt.backends.megatron.memory_plan import rank_parameters, vision_parameters
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
+SELECTED = FAMILIES  # the families this launch's checks run (--families)
 ALGO = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, use_tis=True, tis_clip=2.0)
 TEMPERATURE = 0.8
 
@@ -77,10 +80,12 @@ def sequences(path: Path, kind: str) -> list[TrainingSample]:
 
 
 def hf_model(path: Path, dtype=torch.float32, attn="eager"):
+    """transformers' model of ``path``; MoE experts run one by one (its grouped GEMM takes no fp64)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cls = AutoModelForImageTextToText if "vl" in Path(path).name else AutoModelForCausalLM
-    return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn).eval()
+    moe = {"experts_implementation": "eager"} if "moe" in Path(path).name else {}
+    return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn, **moe).eval()
 
 
 def hf_logits(model, sample: TrainingSample) -> torch.Tensor:
@@ -112,7 +117,8 @@ def check_families(args, info, out):
     """Megatron logits vs transformers (its SDPA attention: the same fp32 arithmetic as the fused core
     attention; eager; and an fp64 reference, against which transformers' own fp32 errors, eager and
     SDPA, are the bound), and Megatron -> HF export equal to the checkpoint."""
-    paths = {"smollm2": smollm2_dir(), **{k: tiny_model_dir(k) for k in FAMILIES}}
+    dense = {"smollm2": smollm2_dir()} if "llama" in SELECTED else {}
+    paths = {**dense, **{k: tiny_model_dir(k) for k in SELECTED}}
     result = {}
     for kind, path in paths.items():
         actor = MegatronActor(str(path), TrainConfig(lr=1e-5), AlgoConfig(), info)
@@ -184,43 +190,183 @@ def replicated_spread(actor) -> float:
     return spread
 
 
+def layout_tag(info) -> str:
+    """``tp2``, or ``tp2_ep2`` in an expert-parallel world (``tp2_ep2_etp1`` when experts are not split
+    like the TP), ``_cp2`` added under context parallelism."""
+    tag = f"tp{info.tp_size}" + (f"_ep{info.ep_size}" if info.ep_size > 1 else "")
+    tag += f"_etp{info.etp_size}" if info.etp_size != info.tp_size else ""
+    return tag + (f"_cp{info.cp_size}" if info.cp_size > 1 else "")
+
+
+def planned_parameters(actor, path) -> dict:
+    """This rank's parameter elements, trained and frozen, as built and as the memory plan counts them."""
+    count = rank_parameters(
+        actor.spec, actor.info.tp_size, actor.moe, vision_parameters(CheckpointReader(path)), vision_frozen=True
+    )
+    params = list(actor.policy.parameters())
+    return {
+        "built": [
+            sum(p.numel() for p in params if p.requires_grad),
+            sum(p.numel() for p in params if not p.requires_grad),
+        ],
+        "plan": [count.trained, count.frozen],
+    }
+
+
 def check_matrix(args, info, out):
     """Per family: log-probs, entropies, loss, gradients (HF layout), grad norm, replicated copies
-    after a step and the weights after a step, for TP=1 vs TP=2 vs transformers."""
-    for kind in FAMILIES:
+    after a step and the weights after a step, for TP=1 vs TP=2 vs transformers (the MoE families
+    only in an expert-parallel world); MoE families once more replaying random routes (R3,
+    ``matrix_TAG_KIND_r3.pt``), which every layout must replay alike."""
+    for kind in MOE_FAMILIES if info.ep_size > 1 else SELECTED:
         path = tiny_model_dir(kind)
-        # lr 1e-5 (RL scale): Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order
-        # noise in them shows up in the weights in proportion to lr
-        actor = MegatronActor(
-            str(path), TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2), ALGO, info, temperature=TEMPERATURE
-        )
         samples = matrix_batch(path, kind)
-        logprobs, entropies = [], []
-        with torch.no_grad():
-            for i in range(len(samples)):
-                lp, ent = actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE)
-                logprobs.append(lp.tolist())
-                entropies.append(ent.tolist())
-        sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
-        decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
-        grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
-        step = actor.apply_gradients()
-        spread = replicated_spread(actor)
-        weights = actor.export_hf()
-        if is_main(info):
-            torch.save(
-                {
-                    "logprobs": logprobs,
-                    "entropy": entropies,
-                    "loss": sums["loss"],
-                    "grads": grads,
-                    "grad_norm": step["train/grad_norm"],
-                    "replicated_spread": spread,
-                    "weights": weights,
-                },
-                Path(args.out) / f"matrix_tp{info.tp_size}_{kind}.pt",
-            )
+        runs = {"": (samples, False)}
+        if kind in MOE_FAMILIES:
+            runs["_r3"] = (random_routes(path, samples), True)
+        for suffix, (batch, replay) in runs.items():
+            # lr 1e-5 (RL scale): Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order
+            # noise in them shows up in the weights in proportion to lr
+            train = TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2, use_rollout_routing_replay=replay)
+            actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+            if not suffix:  # the memory plan's parameters of this rank against the built model's
+                out.setdefault("parameters", {})[kind] = planned_parameters(actor, path)
+            result = _matrix_run(actor, batch)
+            if is_main(info):
+                torch.save(result, Path(args.out) / f"matrix_{layout_tag(info)}_{kind}{suffix}.pt")
     out["matrix"] = "saved"
+
+
+def check_aux_loss(args, info, out):
+    """The load-balancing loss on (coefficient 0.01), the Qwen3-MoE batch: this layout's gradients (HF
+    layout) and router metrics, which every layout must give alike (a TP or CP rank's loss is its
+    tokens' share of the row's) -> ``aux_TAG.pt``."""
+    path = tiny_model_dir("qwen3-moe")
+    samples = matrix_batch(path, "qwen3-moe")
+    train = TrainConfig(lr=1e-5, micro_batch_size=2, moe_aux_loss_coef=0.01)
+    actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+    sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+    decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+    grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
+    if is_main(info):
+        metrics = {k: v for k, v in sums.items() if k.startswith("moe/")}
+        torch.save({"grads": grads, "metrics": metrics}, Path(args.out) / f"aux_{layout_tag(info)}.pt")
+    out["aux_loss"] = "saved"
+
+
+def _matrix_run(actor, samples) -> dict:
+    """One sample at a time: log-probs and entropies; then one step of the whole batch."""
+    logprobs, entropies = [], []
+    with torch.no_grad():
+        for i in range(len(samples)):
+            lp, ent = actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE)
+            logprobs.append(lp.tolist())
+            entropies.append(ent.tolist())
+    sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+    decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+    grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
+    step = actor.apply_gradients()
+    return {
+        "logprobs": logprobs,
+        "entropy": entropies,
+        "loss": sums["loss"],
+        "grads": grads,
+        "grad_norm": step["train/grad_norm"],
+        "replicated_spread": replicated_spread(actor),
+        "weights": actor.export_hf(),
+        "replayed_routes": sums.get("routing_replay_routes", 0.0),
+    }
+
+
+# activation recompute cases (Megatron's flags), each against none: whole layers by chunk and by block,
+# the core attention (Megatron's selective default), the dense MLP, and the MoE layer (MoE families)
+RECOMPUTE_CASES = {
+    "none": {},
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+    "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "selective_moe": dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+}
+RECOMPUTE_KINDS = ("qwen3", "qwen2.5-vl", "qwen3-moe", "qwen3-vl-moe")  # a text and a VLM of each kind
+
+
+def random_routes(path, samples) -> list[TrainingSample]:
+    """``samples`` with random engine routes for every token but the last (R3), as uint8 rows."""
+    from slime_mt.routes import RouteLayout
+
+    layout = RouteLayout.of(json.loads((Path(path) / "config.json").read_text()))
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for s in samples:
+        rows = (len(s.prompt_ids) + len(s.response_ids) - 1) * len(layout.moe_layers)
+        picks = torch.stack([torch.randperm(layout.num_experts, generator=g)[: layout.top_k] for _ in range(rows)])
+        out.append(dataclasses.replace(s, routed_experts=picks.reshape(-1, len(layout.moe_layers), layout.top_k)))
+    return [dataclasses.replace(r, routed_experts=r.routed_experts.to(layout.dtype)) for r in out]
+
+
+def check_recompute(args, info, out):
+    """Per family this launch runs (a text and a VLM of each kind): one step of every recompute case
+    against none, on fresh actors -> the largest differences of log-probs, entropies, loss, gradients
+    and grad norm, whether the step's metrics match, and the bytes each forward kept for its backward
+    (fewer with recompute). MoE replays random routes (R3): the recomputed layers must replay them
+    too, or the gradients move."""
+    from slime_mt.backends.megatron.models import have_transformer_engine
+    from slime_mt.backends.megatron.recompute import in_backward
+    from slime_mt.errors import ModelConfigError
+
+    results = {}
+    for kind in [k for k in RECOMPUTE_KINDS if k in (MOE_FAMILIES if info.ep_size > 1 else SELECTED)]:
+        path, moe = tiny_model_dir(kind), kind in MOE_FAMILIES
+        samples = matrix_batch(path, kind)
+        samples = random_routes(path, samples) if moe else samples
+        runs = {}
+        for case, flags in RECOMPUTE_CASES.items():
+            if case == "selective_moe" and not moe:
+                continue
+            train = TrainConfig(lr=1e-5, micro_batch_size=2, use_rollout_routing_replay=moe, **flags)
+            actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+            with torch.no_grad():
+                rows = [actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE) for i in range(4)]
+            kept = [0]
+
+            def pack(t, kept=kept):
+                kept[0] += 0 if in_backward() else t.numel() * t.element_size()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+            grads = {n: p.main_grad.clone() for n, p in actor.policy.named_parameters() if p.requires_grad}
+            runs[case] = {
+                "lp": torch.cat([lp for lp, _ in rows]),
+                "ent": torch.cat([ent for _, ent in rows]),
+                "sums": sums,
+                "grads": grads,
+                "grad_norm": actor.apply_gradients()["train/grad_norm"],
+                "kept_bytes": kept[0],
+            }
+        base = runs["none"]
+        results[kind] = {
+            case: {
+                "logprobs": float((r["lp"] - base["lp"]).abs().max()),
+                "entropy": float((r["ent"] - base["ent"]).abs().max()),
+                "loss": abs(r["sums"]["loss"] - base["sums"]["loss"]),
+                "grads": max(float((g - base["grads"][n]).abs().max()) for n, g in r["grads"].items()),
+                "grad_norm": abs(r["grad_norm"] - base["grad_norm"]),
+                "metrics_equal": r["sums"] == base["sums"],
+                "kept_bytes": r["kept_bytes"],
+                "replayed_routes": r["sums"].get("routing_replay_routes", 0.0),
+            }
+            for case, r in runs.items()
+        }
+    out["recompute"] = results
+    if not have_transformer_engine():  # what Megatron recomputes through Transformer Engine only
+        try:
+            MegatronActor(
+                str(path), TrainConfig(recompute_granularity="selective", recompute_modules=["layernorm"]), ALGO, info
+            )
+        except ModelConfigError as e:
+            out["recompute_refused"] = str(e)
 
 
 def step_outputs(path, train: TrainConfig, samples, advantages, info) -> dict:
@@ -276,7 +422,7 @@ def check_attention(args, info, out):
     matrix batch (every sequence in it): log-probs, entropies, loss and this rank's gradient shards
     (largest differences over the TP ranks), and the layout each packs with."""
     result = {}
-    for kind in FAMILIES:
+    for kind in SELECTED:
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
         got = {
@@ -370,10 +516,10 @@ def check_tree(args, info, out):
     """Per family and batch: prefix-tree packing vs the flat row: log-probs, entropies, loss and
     gradients, the tokens each forwards and the images each runs through the vision tower."""
     result = {}
-    for kind in ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl"):
+    for kind in SELECTED:
         path = tiny_model_dir(kind)
         vocab = json.loads((Path(path) / "config.json").read_text()).get("vocab_size", 151936)
-        batches = vlm_tree_batches(path) if kind.endswith("-vl") else tree_batches(vocab)
+        batches = vlm_tree_batches(path) if "-vl" in kind else tree_batches(vocab)
         for name, samples in batches.items():
             advantages = [0.5 - i / len(samples) for i in range(len(samples))]
             got = {
@@ -395,6 +541,9 @@ def check_tree(args, info, out):
                 "flat_images": got[False]["images"],
                 "tree_images": got[True]["images"],
             }
+    out["tree"] = result
+    if "qwen3" not in SELECTED:
+        return
     # a token budget counts tree tokens: 40 + 12 k <= 100 puts five responses in a row (flat: one)
     group = tree_batches(1000)["grpo"]
     budget = {
@@ -416,14 +565,13 @@ def check_tree(args, info, out):
             refused[kind] = ""
         except ModelConfigError as e:
             refused[kind] = str(e)
-    out["tree"] = result
     out["tree_refused"] = refused
 
 
 def check_hf_reference(args, info, out):
     """transformers on the matrix batch: the same loss (policy_loss on the same inputs), its
     gradients and their norm (the frozen vision tower excluded, as in the actor)."""
-    for kind in FAMILIES:
+    for kind in SELECTED:
         path = tiny_model_dir(kind)
         model = hf_model(path)
         model.train()
@@ -467,10 +615,30 @@ def check_hf_reference(args, info, out):
 
 
 def _checkpoint_names(named: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """transformers' module names -> the checkpoint's names (VLMs keep ``model.language_model.``)."""
+    """transformers' module names -> the checkpoint's names (VLMs keep ``model.language_model.``), and
+    its in-memory fused experts (``[E, 2I, H]``, ``[E, H, I]``) -> the checkpoint's expert layout
+    (per-expert tensors, or the published fused ``[E, H, 2I]``, ``[E, I, H]``)."""
     names = set(load_hf_state(path))
     out = {}
-    for name, t in named.items():
+    for name, t in list(named.items()):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mlp, which = name.rsplit("experts.", 1)
+            mlp = next(
+                m
+                for m in (mlp, mlp.replace("model.language_model.", "model.", 1))
+                if f"{m}experts.0.down_proj.weight" in names or f"{m}experts.{which}" in names
+            )
+            if f"{mlp}experts.{which}" in names:  # fused in the checkpoint: the published layout
+                out[f"{mlp}experts.{which}"] = t.transpose(1, 2)
+            else:
+                for e, expert in enumerate(t.unbind(0)):
+                    if which == "down_proj":
+                        out[f"{mlp}experts.{e}.down_proj.weight"] = expert
+                    else:
+                        gate, up = expert.chunk(2, dim=0)
+                        out[f"{mlp}experts.{e}.gate_proj.weight"] = gate
+                        out[f"{mlp}experts.{e}.up_proj.weight"] = up
+            continue
         candidates = [
             name,
             name.replace("model.language_model.", "model.", 1),
@@ -535,6 +703,68 @@ def check_dp(args, info, out):
                 Path(args.out) / f"dp_{reduction}_tp{info.tp_size}_dp{info.dp_size}.pt",
             )
     out[f"dp_tp{info.tp_size}_dp{info.dp_size}"] = "saved"
+    if info.dp_size > 1:
+        distributed_optimizer(args, info, out)
+
+
+def distributed_optimizer(args, info, out):
+    """--use-distributed-optimizer against the replicated Adam at this layout, dense and MoE, fp32 and
+    bf16: three steps (one on the whole batch, two off-policy mini-batches); this rank's optimizer
+    bytes (main copies and moments) each way."""
+    results = {}
+    for kind in ("qwen3", "qwen3-moe"):
+        for bf16 in (False, True):
+            runs = {}
+            for sharded in (False, True):
+                train = TrainConfig(
+                    lr=1e-5, clip_grad=1.0, max_tokens_per_micro_batch=64, bf16=bf16, use_distributed_optimizer=sharded
+                )
+                actor = MegatronActor(str(tiny_model_dir(kind)), train, AlgoConfig(eps_clip=0.2), info)
+                samples = dp_batch()
+                advantages = [0.5 * (-1) ** i * (1 + i % 3) for i in range(len(samples))]
+                norms = [actor.train(actor.share_of(samples, advantages, len(samples)))["train/grad_norm"]]
+                norms.append(actor.train(actor.share_of(samples, advantages, 2), on_policy=False)["train/grad_norm"])
+                state = [
+                    t
+                    for inner in _inner_optimizers(actor.optimizer)
+                    for s in inner.optimizer.state.values()
+                    for t in s.values()
+                ]
+                mains = [
+                    p
+                    for inner in _inner_optimizers(actor.optimizer)
+                    for g in inner.optimizer.param_groups
+                    for p in g["params"]
+                ]
+                bytes_ = sum(t.numel() * t.element_size() for t in state if torch.is_tensor(t) and t.dim() > 0)
+                if bf16:  # the fp32 main copies the optimizer updates (under fp32: the weights themselves)
+                    bytes_ += sum(p.numel() * p.element_size() for p in mains)
+                runs[sharded] = {"weights": actor.export_hf(), "norms": norms, "optimizer_bytes": bytes_}
+            gathered = [None] * info.world_size
+            dist.all_gather_object(gathered, [runs[False]["optimizer_bytes"], runs[True]["optimizer_bytes"]])
+            plain, sharded = runs[False], runs[True]
+            if is_main(info):
+                pairs = [(sharded["weights"][n].float(), w.float()) for n, w in plain["weights"].items()]
+                results[f"{kind}_{'bf16' if bf16 else 'fp32'}"] = {
+                    "max_abs": max(float((a - b).abs().max()) for a, b in pairs),
+                    # a bf16 weight rounds its fp32 main copy: a main copy 1e-9 away may round one step off
+                    "within_a_rounding_step": all(bool(((a - b).abs() <= b.abs() * 2**-7).all()) for a, b in pairs),
+                    "norms": [plain["norms"], sharded["norms"]],
+                    "optimizer_bytes": gathered,
+                }
+    out[f"distributed_optimizer_tp{info.tp_size}_dp{info.dp_size}"] = results
+
+
+def check_distopt_reshard(args, info, out):
+    """--use-distributed-optimizer at this layout: load the TP=1 checkpoint (reshard/a, replicated Adam),
+    save it again (reshard/d: the shards gathered), and take tp1's extra step from it."""
+    root = Path(args.out) / "reshard"
+    train = dataclasses.replace(RESHARD_CFG, use_distributed_optimizer=True)
+    actor = MegatronActor(str(tiny_model_dir("qwen3")), train, AlgoConfig(), info)
+    extra = actor.load(root / "a")
+    actor.save(root / "d", extra)
+    reshard_step(actor, args, info, f"reshard_continued_distopt_dp{info.dp_size}.pt")
+    out["distopt_reshard"] = {"step": actor.step, "extra": extra}
 
 
 # ---------------------------------------------------------------- bf16
@@ -544,7 +774,7 @@ def check_bf16(args, info, out):
     """bf16 parameters and activations with fp32 main parameters and gradients; the fp32 vs bf16
     log-prob difference per family; three training steps stay finite and move the weights."""
     result = {}
-    for kind in FAMILIES:
+    for kind in SELECTED:
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
         fp32 = MegatronActor(str(path), TrainConfig(lr=1e-4), ALGO, info, temperature=TEMPERATURE)
@@ -814,24 +1044,30 @@ def check_checkpoint_bf16(args, info, out):
 RESHARD_CFG = TrainConfig(lr=1e-3, micro_batch_size=2)
 
 
-def reshard_step(actor):
-    """One more optimizer step on a fixed batch after a resume, then the exported weights."""
-    samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
+def reshard_step(actor, args, info, continued: str, kind: str = "qwen3") -> None:
+    """One more optimizer step on a fixed batch after a resume; rank 0 keeps the exported weights in
+    ``continued`` (a file under ``--out``)."""
+    samples = matrix_batch(tiny_model_dir(kind), kind)
     actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
-    return actor.export_hf()
+    weights = actor.export_hf()
+    if is_main(info):
+        torch.save(weights, Path(args.out) / continued)
+
+
+def train_save_continue(args, info, kind: str, folder: str, extra: dict, continued: str) -> None:
+    """Two steps on ``kind``, a checkpoint in ``folder/a`` with ``extra``, then one more step from there
+    (its weights in ``continued``)."""
+    actor = MegatronActor(str(tiny_model_dir(kind)), RESHARD_CFG, AlgoConfig(), info)
+    samples = matrix_batch(tiny_model_dir(kind), kind)
+    for _ in range(2):
+        actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
+    actor.save(Path(args.out) / folder / "a", extra)
+    reshard_step(actor, args, info, continued, kind)
 
 
 def check_reshard_save(args, info, out):
     """TP=1: two steps on Qwen3 (replicated q/k norms), save; then one more step from there."""
-    path = str(tiny_model_dir("qwen3"))
-    actor = MegatronActor(path, RESHARD_CFG, AlgoConfig(), info)
-    samples = matrix_batch(tiny_model_dir("qwen3"), "qwen3")
-    for _ in range(2):
-        actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
-    actor.save(Path(args.out) / "reshard" / "a", {"layout": "tp1"})
-    continued = reshard_step(actor)
-    if is_main(info):
-        torch.save(continued, Path(args.out) / f"reshard_continued_tp{info.tp_size}.pt")
+    train_save_continue(args, info, "qwen3", "reshard", {"layout": "tp1"}, f"reshard_continued_tp{info.tp_size}.pt")
     out["reshard_save"] = "saved"
 
 
@@ -844,15 +1080,76 @@ def check_reshard_load(args, info, out):
     extra = actor.load(root / source)
     actor.save(root / target, extra)
     if info.tp_size == 2:
-        continued = reshard_step(actor)
-        if is_main(info):
-            torch.save(continued, Path(args.out) / f"reshard_continued_tp{info.tp_size}.pt")
+        reshard_step(actor, args, info, f"reshard_continued_tp{info.tp_size}.pt")
     out[f"reshard_load_tp{info.tp_size}"] = {"step": actor.step, "extra": extra}
 
 
+def check_moe_reshard_save(args, info, out):
+    """EP=2: two steps on Qwen3-MoE, save (folder a); then one more step from there."""
+    tag = layout_tag(info)
+    train_save_continue(args, info, "qwen3-moe", "reshard_moe", {"layout": tag}, f"reshard_moe_continued_{tag}.pt")
+    out["moe_reshard_save"] = "saved"
+
+
+def check_moe_reshard_load(args, info, out):
+    """EP=1: load the checkpoint EP=2 saved, save it again (folder b), and take the same extra step."""
+    root = Path(args.out) / "reshard_moe"
+    actor = MegatronActor(str(tiny_model_dir("qwen3-moe")), RESHARD_CFG, AlgoConfig(), info)
+    extra = actor.load(root / "a")
+    actor.save(root / "b", extra)
+    reshard_step(actor, args, info, f"reshard_moe_continued_{layout_tag(info)}.pt", "qwen3-moe")
+    out["moe_reshard_load"] = {"step": actor.step, "extra": extra}
+
+
+def check_ep_rows(args, info, out):
+    """Qwen3-MoE, one optimizer step on ``dp_batch`` with a 48-token budget per micro-batch: at DP=2
+    the ranks pack different numbers of rows (every MoE layer's exchange is collective, so the rank with
+    fewer runs idle passes). -> rows per rank, loss, grad norm and the weights after the step (rank 0),
+    for the same step at EP=1 on one rank to equal."""
+    path = tiny_model_dir("qwen3-moe")
+    actor = MegatronActor(str(path), TrainConfig(lr=1e-5, max_tokens_per_micro_batch=48), ALGO, info)
+    samples = dp_batch()
+    share = actor.share_of(samples, [1.0, -1.0] * 4, 4)
+    rows = len(actor._rows(share.samples, share.of_mini_batch(0)))
+    everyone = [None] * info.world_size
+    dist.all_gather_object(everyone, rows)
+    metrics = actor.train(share, on_policy=False)
+    weights = actor.export_hf()
+    if is_main(info):
+        torch.save(weights, Path(args.out) / f"ep_rows_{layout_tag(info)}.pt")
+    loads = {k: v for k, v in metrics.items() if k.startswith("train/moe/load_max_over_mean")}
+    out["ep_rows"] = {"rows": everyone, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"], **loads}
+
+
+def check_dispatchers(args, info, out):
+    """MoE families: the all-gather token dispatcher against the all-to-all one on one packed row
+    (log-probs, entropies, loss, this rank's gradient shards; largest differences over the ranks)."""
+    result = {}
+    for kind in MOE_FAMILIES:
+        path = tiny_model_dir(kind)
+        samples = matrix_batch(path, kind)
+        got = {
+            dispatcher: step_outputs(
+                path,
+                TrainConfig(
+                    lr=1e-5, micro_batch_size=len(samples), moe_token_dispatcher_type=dispatcher, moe_aux_loss_coef=0.01
+                ),
+                samples,
+                ADVANTAGES,
+                info,
+            )
+            for dispatcher in ("allgather", "alltoall")
+        }
+        result[kind] = compare(got["allgather"], got["alltoall"], info)
+        result[kind]["router"] = {d: {k: v for k, v in got[d]["sums"].items() if k.startswith("moe/")} for d in got}
+    out["dispatchers"] = result
+
+
 def check_export_ranks(args, info, out):
-    """Export gathers to global rank 0 only: the other ranks never hold a full tensor."""
-    actor = MegatronActor(str(tiny_model_dir("qwen2")), TrainConfig(), AlgoConfig(), info)
+    """Export gathers to global rank 0 only: the other ranks never hold a full tensor (an MoE model
+    in an expert-parallel world, where every rank lends its experts)."""
+    kind = "qwen3-moe" if info.ep_size > 1 else "qwen2"
+    actor = MegatronActor(str(tiny_model_dir(kind)), TrainConfig(), AlgoConfig(), info)
     counts = {"full": 0, "none": 0}
     for _, tensor in actor.iter_hf_weights():
         counts["full" if tensor is not None else "none"] += 1
@@ -1032,17 +1329,19 @@ def check_long_micro_batch(args, info, out):
 
 def check_offload(args, info, out):
     """--offload: two train steps with the trainer's state offloaded and onloaded around the second
-    (bf16 with fp32 main parameters, a KL reference model) against the same two steps without: the
+    (bf16 with fp32 main parameters, a KL reference model; the replicated and the distributed
+    optimizer) against the same two steps without: the
     device holds none of it while offloaded, and the losses, grad norms and weights are identical."""
     result = {}
-    for kind in ("qwen2", "qwen2.5-vl"):
+    for kind, sharded in (("qwen2", False), ("qwen2.5-vl", False), ("qwen2", True)):
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
         algo = dataclasses.replace(ALGO, use_kl_loss=True, kl_loss_coef=0.01)
+        train = TrainConfig(lr=1e-4, bf16=True, use_distributed_optimizer=sharded)
         runs = {}
         for offloaded in (False, True):
             torch.manual_seed(0)
-            actor = MegatronActor(str(path), TrainConfig(lr=1e-4, bf16=True), algo, info, temperature=TEMPERATURE)
+            actor = MegatronActor(str(path), train, algo, info, temperature=TEMPERATURE)
             steps = [actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)]
             held = actor.device_bytes()
             if offloaded:
@@ -1062,7 +1361,7 @@ def check_offload(args, info, out):
         same_weights = runs[False]["weights"].keys() == runs[True]["weights"].keys() and all(
             torch.equal(w, runs[True]["weights"][n]) for n, w in runs[False]["weights"].items()
         )
-        result[kind] = {
+        result[kind + ("_distributed_optimizer" if sharded else "")] = {
             "held_bytes": runs["held"],
             "offloaded_bytes": runs["while_offloaded"],
             "onloaded_bytes": runs["after_onload"],
@@ -1082,6 +1381,8 @@ CHECKS = {
     "gpu": check_gpu,
     "logprob_chunks": check_logprob_chunks,
     "matrix": check_matrix,
+    "aux_loss": check_aux_loss,
+    "recompute": check_recompute,
     "hf_reference": check_hf_reference,
     "dp": check_dp,
     "bf16": check_bf16,
@@ -1092,7 +1393,12 @@ CHECKS = {
     "checkpoint_bf16": check_checkpoint_bf16,
     "reshard_save": check_reshard_save,
     "reshard_load": check_reshard_load,
+    "distopt_reshard": check_distopt_reshard,
     "export_ranks": check_export_ranks,
+    "moe_reshard_save": check_moe_reshard_save,
+    "dispatchers": check_dispatchers,
+    "ep_rows": check_ep_rows,
+    "moe_reshard_load": check_moe_reshard_load,
 }
 
 
@@ -1117,15 +1423,112 @@ def check_train_file(args, info, out):
 CHECKS["train_file"] = check_train_file
 
 
+def _replayed(actor, sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's log-probs and the experts every MoE layer's router used ``[tokens, moe_layers, k]``."""
+    from slime_mt.backends.megatron.moe import moe_layers
+
+    layers = moe_layers(actor.policy)
+    for layer in layers:
+        layer.router.router_replay.chosen = []
+    with torch.no_grad():
+        lp, _ = actor._logprobs(actor.policy, actor.pack([sample], [0]), False, TEMPERATURE)
+    chosen = torch.stack([torch.cat(layer.router.router_replay.chosen) for layer in layers], 1)
+    for layer in layers:
+        layer.router.router_replay.chosen = None
+    return lp, chosen
+
+
+def check_replay_file(args, info, out):
+    """R3 on samples a test saved (``--samples``: {"path", "samples"} with the engine's routes): for
+    each, the experts the trainer's routers used against the engine's rows, the routes where its own
+    router differs, and the same with random routes (the replay takes them, and the log-probs move)."""
+    import dataclasses as dc
+
+    saved = torch.load(args.samples, weights_only=False)
+    actor = MegatronActor(saved["path"], TrainConfig(use_rollout_routing_replay=True), ALGO, info, TEMPERATURE)
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for sample in saved["samples"]:
+        routes = sample.routed_experts
+        lp, chosen = _replayed(actor, sample)
+        rows = len(routes)
+        picked = chosen[:rows].sort(-1).values
+        engine = routes.long().sort(-1).values
+        e, k = actor.spec.moe.num_experts, actor.spec.moe.topk
+        shuffled = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows * routes.shape[1])])
+        shuffled = shuffled.reshape(routes.shape).to(routes.dtype)
+        random_lp, random_chosen = _replayed(actor, dc.replace(sample, routed_experts=shuffled))
+        _, own = _replayed(actor, dc.replace(sample, routed_experts=None))
+        results.append(
+            {
+                "tokens": len(sample.tokens),
+                "rows": rows,
+                "rows_equal": int((picked == engine).all(-1).all(-1).sum()),
+                "own_differs": int((own[:rows].sort(-1).values != engine).any(-1).sum()),
+                "random_taken": bool(
+                    torch.equal(random_chosen[:rows].sort(-1).values, shuffled.long().sort(-1).values)
+                ),
+                "random_logprob_shift": float((random_lp - lp).abs().max()),
+            }
+        )
+    out["replay_file"] = results
+
+
+CHECKS["replay_file"] = check_replay_file
+
+
+def check_replay_gap(args, info, out):
+    """bf16 on both sides, samples a bf16 engine generated with their routes (``--samples``): the
+    train-vs-rollout log-prob gap on the generated tokens with the engine's routes replayed and with the
+    trainer routing itself, and the (token, layer) routes where its router differs from the engine's."""
+    import dataclasses as dc
+
+    saved = torch.load(args.samples, weights_only=False)
+    train = TrainConfig(bf16=True, use_rollout_routing_replay=True, log_routing_replay_gap=True)
+    actor = MegatronActor(saved["path"], train, ALGO, info, saved.get("temperature", TEMPERATURE))
+    gaps = {"replay": [], "own": []}
+    differs = routes = 0
+    for sample in saved["samples"]:
+        rollout = torch.tensor(sample.rollout_log_probs)
+        mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        replayed, _ = _replayed(actor, sample)
+        own_lp, own = _replayed(actor, dc.replace(sample, routed_experts=None))
+        gaps["replay"].append((replayed.float().cpu() - rollout)[mask].abs())
+        gaps["own"].append((own_lp.float().cpu() - rollout)[mask].abs())
+        rows = len(sample.routed_experts)
+        engine = sample.routed_experts.long().sort(-1).values
+        differs += int((own[:rows].sort(-1).values != engine).any(-1).sum())
+        routes += engine.shape[0] * engine.shape[1]
+    out["replay_gap"] = {
+        **{f"{k}_max": float(torch.cat(v).max()) for k, v in gaps.items()},
+        **{f"{k}_mean": float(torch.cat(v).mean()) for k, v in gaps.items()},
+        "routes": routes,
+        "own_router_differs": differs,
+    }
+    # a training step logs both gaps (token-mean weights: the mean gaps) and the routes that differ
+    samples = saved["samples"]
+    step = actor.train(actor.share_of(samples, [1.0, -1.0] * (len(samples) // 2), len(samples)))
+    out["replay_gap"]["step"] = {k: v for k, v in step.items() if "rollout_logprob" in k or "routing_replay" in k}
+
+
+CHECKS["replay_gap"] = check_replay_gap
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--families", choices=["all", "dense", "moe"], default="all")
     parser.add_argument("--checks", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--samples", help="train_file: a torch-saved dict of samples written by a test")
     parser.add_argument("--name", help="results_NAME.json (default: results_tpTP_worldWORLD.json)")
     args = parser.parse_args()
-    info = init_parallel(args.tp, seed=1234)
+    global SELECTED
+    SELECTED = {"all": FAMILIES, "dense": DENSE_FAMILIES, "moe": MOE_FAMILIES}[args.families]
+    info = init_parallel(args.tp, seed=1234, ep_size=args.ep, etp_size=args.etp, cp_size=args.cp)
     out = {}
     for name in args.checks.split(","):
         CHECKS[name](args, info, out)

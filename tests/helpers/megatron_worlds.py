@@ -10,7 +10,9 @@ from pathlib import Path
 
 from train_helpers import HELPERS, repo_env
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")  # every supported family, tiny
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl")
+MOE_FAMILIES = ("qwen3-moe", "qwen3-vl-moe")
+FAMILIES = (*DENSE_FAMILIES, *MOE_FAMILIES)  # every supported family, tiny
 ROPE_CASES = {
     "llama-linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
     "llama-llama3": (
@@ -40,15 +42,34 @@ REFUSED_ROPE = {
     ),
 }
 
-# name: (tensor-parallel size, world size, the checks of megatron_worker.py it runs). Two worlds at
-# TP=1 so that each launch stays well within a test's time budget; reshard_load at TP=2 reads the
-# checkpoint tp1 saved, and at DP=2 the one tp2 saved again.
+# name: (tensor-parallel size, world size, the checks of megatron_worker.py it runs, its other
+# arguments). The family checks run in two launches, the dense families and the MoE ones (``_moe``), so
+# that each launch stays well within a test's time budget, as do the two TP=1 launches of each;
+# reshard_load at TP=2 reads the checkpoint tp1 saved, and at DP=2 the one tp2 saved again. The
+# expert-parallel worlds run the MoE families only; moe_reshard_load at EP=1 reads the checkpoint ep2
+# saved.
+DENSE, MOE = ["--families", "dense"], ["--families", "moe"]
 WORLDS = {
-    "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload"),
-    "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16"),
-    "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload"),
-    "dp2": (1, 2, "dp,reshard_load"),
-    "tp2dp2": (2, 4, "dp"),
+    "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload", DENSE),
+    "tp1_moe": (1, 1, "attention,tree,matrix,hf_reference,aux_loss", MOE),
+    "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16", DENSE),
+    "tp1_models_moe": (1, 1, "families,bf16", MOE),
+    "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload", DENSE),
+    "tp2_moe": (2, 2, "attention,tree,matrix,aux_loss", MOE),
+    "dp2": (1, 2, "dp,reshard_load,distopt_reshard", []),
+    "tp2dp2": (2, 4, "dp", []),
+    "ep2": (1, 2, "matrix,moe_reshard_save,export_ranks,dispatchers,ep_rows", ["--ep", "2"]),
+    "tp2ep2": (2, 4, "matrix", ["--ep", "2"]),
+    "tp2ep2_etp1": (2, 2, "matrix", ["--ep", "2", "--etp", "1"]),  # MoE parallel folding: EP over TP ranks
+    "ep1_resume": (1, 1, "moe_reshard_load,ep_rows", []),
+    # context parallelism (the zigzag split of every row): CP=2 for every family, TP=2 x CP=2 dense
+    "cp2": (1, 2, "matrix", [*DENSE, "--cp", "2"]),
+    "cp2_moe": (1, 2, "matrix,aux_loss", [*MOE, "--cp", "2"]),
+    "tp2cp2": (2, 4, "matrix", [*DENSE, "--cp", "2"]),
+    # activation recompute against none: a text and a VLM of each kind at TP=1 and TP=2, MoE at EP=2
+    "recompute": (1, 1, "recompute", []),
+    "tp2_recompute": (2, 2, "recompute", []),
+    "ep2_recompute": (1, 2, "recompute", ["--ep", "2"]),
 }
 
 
@@ -69,8 +90,13 @@ def launch(tp: int, world: int, checks: str, out: Path, name: str, *extra: str, 
 
 def launch_world(name: str, out: Path) -> dict:
     """One of ``WORLDS``, its results written under ``out``."""
-    tp, world, checks = WORLDS[name]
-    return launch(tp, world, checks, out, name)
+    tp, world, checks, extra = WORLDS[name]
+    return launch(tp, world, checks, out, name, *extra)
+
+
+def world_name(name: str, kind: str) -> str:
+    """The world whose ``name`` checks ran ``kind`` (the MoE families have their own launches)."""
+    return f"{name}_moe" if kind in MOE_FAMILIES and f"{name}_moe" in WORLDS else name
 
 
 def rel(a, b) -> float:

@@ -108,12 +108,17 @@ REPO = Path(__file__).resolve().parents[2]
 def train_in_megatron(tmp_path, payload: dict) -> dict:
     """One Megatron train step (TP=1, a real worker process) on a saved payload: {"path", "samples",
     "advantages"} and optionally "algo" and "prompts_per_step" (megatron_worker's train_file check)."""
+    return train_in_megatron_check(tmp_path, "train_file", payload)
+
+
+def train_in_megatron_check(tmp_path, check: str, payload: dict):
+    """megatron_worker's ``check`` (TP=1, a real worker process) on a saved payload -> its result."""
     import torch
     from megatron_worlds import launch
 
     out = tmp_path / "samples.pt"
     torch.save(payload, out)
-    return launch(1, 1, "train_file", tmp_path, "train_file", "--samples", str(out), timeout=900)["train_file"]
+    return launch(1, 1, check, tmp_path, check, "--samples", str(out), timeout=900)[check]
 
 
 def picture(seed):

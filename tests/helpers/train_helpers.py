@@ -70,27 +70,37 @@ def make_geo3k(out: Path) -> Path:
     return out
 
 
-def geo3k_train_cmd(geo3k: Path, run: Path, *extra: str, tp: int = 1, steps: int = 2) -> list[str]:
-    """``slime-mt train`` of the tiny Qwen2.5-VL on ``geo3k`` (``make_geo3k``) with the geo3k env, writing to
-    ``run``: TP=``tp`` (under torchrun when > 1), ``steps`` steps, ``extra`` flags last."""
+def geo3k_train_cmd(
+    geo3k: Path,
+    run: Path,
+    *extra: str,
+    tp: int = 1,
+    steps: int = 2,
+    model: str = "qwen2.5-vl",
+    ranks: int | None = None,
+) -> list[str]:
+    """``slime-mt train`` of a tiny VLM (``model``, Qwen2.5-VL by default) on ``geo3k`` (``make_geo3k``)
+    with the geo3k env, writing to ``run``: TP=``tp``, ``ranks`` processes (default ``tp``; under
+    torchrun when > 1), ``steps`` steps, ``extra`` flags last."""
     from slime_mt.assets import tiny_model_dir
 
+    ranks = ranks or tp
     launch = [sys.executable, "-m", "slime_mt.cli"]
-    if tp > 1:
+    if ranks > 1:
         launch = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",  # the rendezvous binds a port of its own: no race with another run's
             "--nproc-per-node",
-            str(tp),
+            str(ranks),
             "-m",
             "slime_mt.cli",
         ]
     return launch + [
         "train",
         "--hf-checkpoint",
-        str(tiny_model_dir("qwen2.5-vl")),
+        str(tiny_model_dir(model)),
         "--prompt-data",
         str(geo3k / "train.jsonl"),
         "--input-key",

@@ -115,6 +115,21 @@ def test_cli_values_are_typed():
     assert cfg.data.apply_chat_template is True
     assert cfg.algo.eps_clip_high == 0.28
     assert cfg.engine.engine_url == ["http://127.0.0.1:3000"]
+    moe = parse_config(
+        "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type allgather "
+        "--moe-aux-loss-coef 0.001 --moe-router-load-balancing-type seq_aux_loss".split()
+    ).train
+    assert (moe.expert_model_parallel_size, moe.expert_tensor_parallel_size) == (4, 1)
+    assert (moe.moe_token_dispatcher_type, moe.moe_aux_loss_coef) == ("allgather", 0.001)
+    assert moe.moe_router_load_balancing_type == "seq_aux_loss"
+    assert parse_config([]).train.expert_tensor_parallel_size is None  # Megatron's default: the TP size
+    long = parse_config(
+        "--context-parallel-size 4 --transformer-impl local --recompute-granularity full --recompute-method block "
+        "--recompute-num-layers 2".split()
+    ).train
+    assert (long.context_parallel_size, long.transformer_impl) == (4, "local")
+    assert (long.recompute_granularity, long.recompute_method, long.recompute_num_layers) == ("full", "block", 2)
+    assert parse_config([]).train.transformer_impl == "transformer_engine"  # Megatron's default
 
 
 def test_cli_beats_yaml_and_custom_config_path_beats_config(tmp_path):
@@ -216,6 +231,52 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--rollout-process-num-cpus", "0"], r"--rollout-process-num-cpus=0.0: must be > 0"),
         (["--rollout-num-processes", "2", "--slime-compat"], r"--rollout-num-processes=2: .*--slime-compat"),
         (["--actor-num-nodes", "0"], r"--actor-num-nodes=0: must be a positive integer"),
+        (["--expert-model-parallel-size", "0"], r"--expert-model-parallel-size=0: must be a positive integer"),
+        (["--expert-tensor-parallel-size", "0"], r"--expert-tensor-parallel-size=0: must be a positive integer"),
+        (["--moe-aux-loss-coef", "-0.1"], r"--moe-aux-loss-coef=-0.1: must be >= 0"),
+        (
+            ["--use-rollout-routing-replay", "--engine", "vllm"],
+            r"--use-rollout-routing-replay=True: needs an engine that returns routed experts; vLLM's does not",
+        ),
+        (
+            ["--use-rollout-routing-replay", "--sample-format", "step_wise", "--context-policy", "strip_thinking"],
+            r"--use-rollout-routing-replay=True: keeps routes per trajectory token: a context policy",
+        ),
+        (
+            ["--use-rollout-routing-replay", "--shared-prefix-training"],
+            r"--use-rollout-routing-replay=True: does not replay into a prefix tree yet",
+        ),
+        (["--context-parallel-size", "0"], r"--context-parallel-size=0: must be a positive integer"),
+        (
+            ["--context-parallel-size", "2", "--local-attention", "megatron"],
+            r"--context-parallel-size=2: needs --local-attention fused",
+        ),
+        (
+            ["--context-parallel-size", "2", "--shared-prefix-training"],
+            r"--context-parallel-size=2: does not split prefix trees yet",
+        ),
+        (["--recompute-method", "uniform"], r"--recompute-method='uniform': needs --recompute-granularity full"),
+        (
+            ["--recompute-granularity", "full", "--recompute-num-layers", "1"],
+            r"--recompute-method=None: full recompute needs uniform or block",
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block"],
+            r"--recompute-num-layers=None: full recompute needs a positive layer count",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+            r"--recompute-num-layers=2: is for full recompute; selective takes --recompute-modules",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mla_up_proj"],
+            r"--recompute-modules=\['core_attn', 'mla_up_proj'\]: 'mla_up_proj' is not one of core_attn, mlp",
+        ),
+        (
+            ["--log-routing-replay-gap"],
+            r"--log-routing-replay-gap=True: compares training with and without replay: it needs "
+            r"--use-rollout-routing-replay",
+        ),
         (["--rollout-num-gpus-per-engine", "-2"], r"--rollout-num-gpus-per-engine=-2: must be a positive integer"),
         (["--ray", "--engine-url", "http://a:1"], r"--engine-url with --ray: the run places and starts its engines"),
         (["--ray", "--weight-transport", "inprocess"], r"--weight-transport inprocess: the engines are not in"),
@@ -287,6 +348,7 @@ def test_fully_async_takes_retokenized_histories_step_wise():
         (["--sample-format", "stepwise"], r"--sample-format: invalid choice: 'stepwise'"),
         (["--multimodal-keys", "{image: x}"], r"--multimodal-keys: not valid JSON"),
         (["--multimodal-keys", "[1]"], r"--multimodal-keys: expected a JSON object"),
+        (["--moe-token-dispatcher-type", "flex"], r"--moe-token-dispatcher-type: invalid choice: 'flex'"),
     ],
 )
 def test_malformed_cli_values(argv, pattern):
@@ -346,3 +408,18 @@ def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(t
         assert default.client.max_connections == 512
     finally:
         default.close()
+
+
+def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
+    """Checks that need the model's config (preflight, before anything starts): a recompute of more
+    layers than the model has, MoE recompute or routing replay on a dense model."""
+    from slime_mt.preflight import preflight
+
+    model = ["--hf-checkpoint", str(tiny_paths["qwen3"])]
+    full = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9"]
+    with pytest.raises(ConfigError, match=r"--recompute-num-layers=9: the model .* has 2 layers"):
+        preflight(parse_config(model + full))
+    with pytest.raises(ConfigError, match=r"--recompute-modules core_attn moe: the qwen3 model has no experts"):
+        preflight(parse_config(model + "--recompute-granularity selective --recompute-modules core_attn moe".split()))
+    with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: the qwen3 model .* has no experts"):
+        preflight(parse_config([*model, "--use-rollout-routing-replay"]))

@@ -21,6 +21,7 @@ and log-softmax is computed in fp32. Every tensor lives on ``parallel.current_de
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -32,8 +33,11 @@ import torch.distributed as dist
 from slime_mt.algo.batching import RankShare, micro_batches_by_count, micro_batches_by_tokens, split_by_dp
 from slime_mt.algo.losses import LossInputs, policy_loss, sft_loss
 from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from slime_mt.backends.megatron.context_parallel import gather_owned
 from slime_mt.backends.megatron.convert import (
     CheckpointReader,
+    ExpertGather,
+    ExpertLayout,
     TPGather,
     iter_hf_to_megatron,
     iter_megatron_to_hf,
@@ -42,6 +46,8 @@ from slime_mt.backends.megatron.convert import (
 )
 from slime_mt.backends.megatron.logprobs import hidden_logprobs
 from slime_mt.backends.megatron.models import (
+    MoeOptions,
+    Recompute,
     TextPolicy,
     build_gpt,
     decoder_spec,
@@ -49,12 +55,23 @@ from slime_mt.backends.megatron.models import (
     padded_vocab,
     read_hf_config,
 )
-from slime_mt.backends.megatron.packing import PackedRow, pack_row, pack_tree_row, tree_keys
+from slime_mt.backends.megatron.moe import (
+    count_routes,
+    moe_layers,
+    replay_counts,
+    reset_router_metrics,
+    router_metrics,
+    set_aux_loss_scale,
+    sum_sequence_sharded_grads,
+)
+from slime_mt.backends.megatron.offload import offload, onload, state_storages
+from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.errors import ModelConfigError
+from slime_mt.routes import replay_targets
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
 
@@ -80,20 +97,36 @@ class MegatronActor:
         self.temperature, self.norm_max_len = temperature, norm_max_len
         self.device = current_device()
         self.dtype = torch.bfloat16 if train.bf16 else torch.float32
-        self.te = have_transformer_engine()
+        self.te = train.transformer_impl == "transformer_engine" and have_transformer_engine()
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
+        # the experts' placement is the parallel state's (the flags made it); the rest is the flags'
+        self.moe = dataclasses.replace(
+            MoeOptions.of(train), expert_parallel=info.ep_size, expert_tensor_parallel=info.etp_size
+        )
+        # this rank's experts (MoE): which block of experts, which slice of each
+        self.experts = ExpertLayout(info.ep_rank, info.ep_size, info.etp_rank, info.etp_size)
         if train.shared_prefix_training and (self.te or train.local_attention != "fused"):
             raise ModelConfigError(
-                "--shared-prefix-training needs the fused local attention (--local-attention fused, "
-                "no Transformer Engine)"
+                "--shared-prefix-training needs the fused local attention (--local-attention fused, and "
+                "--transformer-impl local where Transformer Engine imports)"
             )
+        if info.cp_size > 1 and self.te:
+            raise ModelConfigError(
+                f"--context-parallel-size {info.cp_size}: with Transformer Engine's layers not yet (its THD "
+                "context parallelism splits every sequence); pass --transformer-impl local for the fused attention's"
+            )
+        needs_te = sorted({"layernorm", "moe_act"} & set(train.recompute_modules or []))
+        if needs_te and not self.te:  # Megatron recomputes these through Transformer Engine's checkpoint
+            raise ModelConfigError(f"--recompute-modules {' '.join(needs_te)}: needs Transformer Engine (a GPU)")
         reader = CheckpointReader(hf_path)
         self.prefix = text_prefix(reader.names())
         self.policy = self._build(reader)
         self.model = DistributedDataParallel(
             self.policy.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=train.use_distributed_optimizer
+            ),
             self.policy,
         )
         self.optimizer = get_megatron_optimizer(
@@ -105,6 +138,7 @@ class MegatronActor:
                 clip_grad=train.clip_grad,
                 bf16=train.bf16,
                 params_dtype=self.dtype,
+                use_distributed_optimizer=train.use_distributed_optimizer,
                 adam_beta1=0.9,
                 adam_beta2=0.98,
                 adam_eps=1e-8,
@@ -150,18 +184,32 @@ class MegatronActor:
                 self.te,
                 freeze_vision=frozen or self.train_cfg.freeze_vision_tower,
                 attention=self.train_cfg.local_attention,
+                moe=self.moe,
+                experts=self.experts,
+                recompute=None if frozen else Recompute.of(self.train_cfg),
             )
         else:
             gpt = build_gpt(
-                self.spec, self.info.tp_size, self.dtype, self.device, self.te, self.train_cfg.local_attention
+                self.spec,
+                self.info.tp_size,
+                self.dtype,
+                self.device,
+                self.te,
+                self.train_cfg.local_attention,
+                self.moe,
+                None if frozen else Recompute.of(self.train_cfg),  # a frozen model has no backward
             )
-            load_into(gpt, iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te))
+            load_into(gpt, self.iter_megatron_tensors(reader))
             model = TextPolicy(gpt)
         if frozen:
             model.eval()
             for p in model.parameters():
                 p.requires_grad_(False)
         return model
+
+    def iter_megatron_tensors(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's Megatron-named decoder tensors from an HF folder (its TP slices, its experts)."""
+        return iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te, self.experts)
 
     @property
     def _mrope(self):
@@ -178,12 +226,26 @@ class MegatronActor:
         fused attention or a dense mask for Megatron's."""
         return "thd" if self.te else ("segments" if self.train_cfg.local_attention == "fused" else "dense")
 
-    def pack(self, samples: list[TrainingSample], indices: list[int]) -> PackedRow:
+    def pack(self, samples: list[TrainingSample], indices: list[int], replay: bool = True) -> PackedRow:
         """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with
-        ``--shared-prefix-training``)."""
+        ``--shared-prefix-training``), with the engine's routes under ``--use-rollout-routing-replay``
+        unless ``replay`` is False."""
         if self.train_cfg.shared_prefix_training:
             return pack_tree_row(samples, indices, self._mrope, self._image_token_id).to(self.device)
-        return pack_row(samples, indices, self._mrope, self.layout).to(self.device)
+        row = pack_row(samples, indices, self._mrope, self.layout)
+        if self.spec.moe is not None and self.train_cfg.use_rollout_routing_replay and replay:
+            moe, top_k = sum(self.spec.moe.sparse_layers), self.spec.moe.topk
+            row.routes = torch.cat(
+                [replay_targets(samples[i].routed_experts, n, moe, top_k) for i, n in zip(indices, row.lengths)]
+            )
+        if self.info.cp_size > 1:  # this rank's share of the row
+            row = cp_share(row, self.info.cp_size, self.info.cp_rank, self._cp_group())
+        return row.to(self.device)
+
+    def _cp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
 
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
         """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens; the entropy
@@ -193,9 +255,14 @@ class MegatronActor:
             if self._mrope
             else {}
         )
+        # R3: each MoE layer replays the engine's routes of the row (None: its own), until the next
+        # forward: a backward that recomputes the layer replays them again
+        for k, layer in enumerate(moe_layers(module)):
+            layer.replay_routes = None if row.routes is None else row.routes[:, k]
+            layer.row_padding = row.padding  # context parallel: pad tokens route nowhere that counts
         hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
-        return hidden_logprobs(
+        lp, entropy = hidden_logprobs(
             rows,
             module.output_weight(),
             row.targets,
@@ -205,6 +272,11 @@ class MegatronActor:
             chunk=self.logit_chunk_rows,
             entropy_grad=self.algo.entropy_coef != 0,
         )
+        if row.logit_owner is not None:  # context parallel: the whole row's, from every CP rank
+            group = self._cp_group()
+            lp = gather_owned(lp, row.logit_owner, group)
+            entropy = None if entropy is None else gather_owned(entropy, row.logit_owner, group)
+        return lp, entropy
 
     def _rows(self, samples: list[TrainingSample], indices: list[int]) -> list[list[int]]:
         budget = self.train_cfg.max_tokens_per_micro_batch
@@ -227,21 +299,53 @@ class MegatronActor:
             [indices[k] for k in row] for row in micro_batches_by_count(len(indices), self.train_cfg.micro_batch_size)
         ]
 
+    def _aligned(self, rows: list[list[int]]) -> list[list[int] | None]:
+        """``rows`` padded with None to the largest row count of any rank when experts are split over
+        ranks: every MoE layer's token exchange is collective over the expert-parallel group, so every
+        rank runs as many forward (and backward) passes as the busiest one."""
+        if self.spec.moe is None or self.info.ep_size == 1:
+            return list(rows)
+        count = torch.tensor([len(rows)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return list(rows) + [None] * (int(count) - len(rows))
+
+    def _idle_pass(self, module, temperature: float, backward: bool) -> None:
+        """A forward (and backward) pass of one placeholder token pair that trains nothing: its log-prob
+        enters the graph times zero and the load-balancing loss is off for it."""
+        placeholder = TrainingSample([0], [0], [0], [0.0], 0.0, "idle/0", -1, True)
+        row = self.pack([placeholder], [0])
+        set_aux_loss_scale(self.spec.moe, 0.0)
+        count_routes(module, False)
+        try:
+            lp, _ = self._logprobs(module, row, False, temperature)
+            if backward:
+                (lp.sum() * 0.0).backward()
+        finally:
+            count_routes(module, True)
+
     # ------------------------------------------------------------------ log-probs
 
     @torch.no_grad()
     def compute_logprobs(
-        self, samples: list[TrainingSample], indices: list[int] | None = None, reference: bool = False
+        self,
+        samples: list[TrainingSample],
+        indices: list[int] | None = None,
+        reference: bool = False,
+        replay: bool = True,
     ) -> list[torch.Tensor | None]:
         """Response log-probs ``[len(response)]`` of ``samples[indices]`` (all by default; None for the
-        others), at the rollout temperature; nothing is trained."""
+        others), at the rollout temperature; nothing is trained. ``replay=False``: the routers choose
+        their own experts even under ``--use-rollout-routing-replay``."""
         module = self.reference if reference else self.policy
         was_training = module.training
         module.eval()
         out: list[torch.Tensor | None] = [None] * len(samples)
         indices = list(range(len(samples))) if indices is None else indices
-        for row_indices in self._rows(samples, indices):
-            row = self.pack(samples, row_indices)
+        for row_indices in self._aligned(self._rows(samples, indices)):
+            if row_indices is None:  # another expert-parallel rank still has a row
+                self._idle_pass(module, self.temperature, backward=False)
+                continue
+            row = self.pack(samples, row_indices, replay)
             lp, _ = self._logprobs(module, row, False, self.temperature)
             for k, i in enumerate(row.sample_index):
                 out[i] = lp[row.seq_ids == k]
@@ -281,10 +385,14 @@ class MegatronActor:
         if self.reference is not None:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
                 ref = self.compute_logprobs(share.samples, everything, reference=True)
+        unreplayed = None
+        if self.train_cfg.log_routing_replay_gap and self.spec.moe is not None:  # at the weights ``old`` has
+            with maybe_span(self.timeline, "log-probs without routing replay", "train", lane="train"):
+                unreplayed = self.compute_logprobs(share.samples, everything, replay=False)
         totals: dict[str, float] = collections.defaultdict(float)
         for m in range(share.mini_batches):
             with maybe_span(self.timeline, "forward-backward", "train", lane="train", mini_batch=m):
-                sums = self.accumulate_gradients(share, m, old, ref)
+                sums = self.accumulate_gradients(share, m, old, ref, unreplayed)
             metrics = {f"train/{k}": v for k, v in sums.items()}
             with maybe_span(self.timeline, "optimizer step", "train", lane="train", mini_batch=m):
                 metrics.update(self.apply_gradients())
@@ -295,19 +403,34 @@ class MegatronActor:
         return dict(totals)
 
     def accumulate_gradients(
-        self, share: RankShare, m: int = 0, old: list | None = None, ref: list | None = None
+        self,
+        share: RankShare,
+        m: int = 0,
+        old: list | None = None,
+        ref: list | None = None,
+        unreplayed: list | None = None,
     ) -> dict[str, float]:
         """Forward/backward of mini-batch ``m`` of this rank's ``share`` into the (zeroed) gradient
-        buffers, then ``finalize_model_grads``. ``old``, ``ref``: log-probs by position in the share.
-        -> metric sums over the global mini-batch."""
+        buffers, then ``finalize_model_grads``. ``old``, ``ref``, ``unreplayed`` (the routers' own
+        routes, R3 off): log-probs by position in the share. -> metric sums over the global mini-batch."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         samples = share.samples
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        replay_counts(self.policy)  # count this mini-batch's routes only
+        reset_router_metrics(self.policy)
         sums: dict[str, float] = collections.defaultdict(float)
         temperature = 1.0 if self.train_cfg.sft else self.temperature
-        for row_indices in self._rows(samples, share.of_mini_batch(m)):
+        rows = self._aligned(self._rows(samples, share.of_mini_batch(m)))
+        trained_rows = sum(r is not None for r in rows)  # this rank's, without the idle passes
+        # a CP rank's load-balancing loss is its tokens' share of the row's (Megatron's global-batch form):
+        # summed over CP as the policy loss is
+        set_aux_loss_scale(self.spec.moe, self.info.cp_size / max(1, trained_rows))
+        for row_indices in rows:
+            if row_indices is None:  # another expert-parallel rank still has a row
+                self._idle_pass(self.policy, temperature, backward=True)
+                continue
             row = self.pack(samples, row_indices)
             lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
             if self.keep_log_probs and not old and not self.train_cfg.sft:  # one mini-batch: the step's own
@@ -328,7 +451,14 @@ class MegatronActor:
                 ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
             )
             loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
-            (loss * self.info.dp_size).backward()  # DDP averages over DP ranks; the weights are global
+            sampled = ~torch.isnan(inputs.rollout_log_probs)
+            if unreplayed and bool(sampled.any()):  # the gap R3 closes: train_rollout_logprob_abs_diff's, unreplayed
+                own = self._cat([unreplayed[i] for i in row.sample_index])
+                gap = (own - inputs.rollout_log_probs).abs() * inputs.weights
+                metrics["train_rollout_logprob_abs_diff_without_replay"] = float(gap[sampled].sum())
+            # DDP averages over DP x CP ranks; the weights are global, and each CP rank's gradient is
+            # its tokens' share of the row's
+            (loss * self.info.dp_size * self.info.cp_size).backward()
             metrics["loss"] = float(loss.detach())
             metrics["tokens"] = sum(len(samples[i].response_ids) for i in row.sample_index)
             if self.train_cfg.shared_prefix_training:
@@ -337,7 +467,17 @@ class MegatronActor:
             for k, v in metrics.items():
                 sums[k] += v
         finalize_model_grads([self.model])
-        return self._dp_sum(sums)
+        if self.spec.moe is None:
+            return self._dp_sum(sums)
+        sum_sequence_sharded_grads(self.policy, self._tp_group())
+        totals = self._dp_sum(sums)
+        totals.update(router_metrics(self.policy, trained_rows, self.device))
+        if self.train_cfg.use_rollout_routing_replay:  # every rank routed its own tokens: sum over all
+            counts = torch.tensor(replay_counts(self.policy), dtype=torch.float64, device=self.device)
+            dist.all_reduce(counts)
+            totals["routing_replay_routes"] = float(counts[0])
+            totals["routing_replay_mismatch_frac"] = float(counts[1] / counts[0]) if counts[0] else 0.0
+        return totals
 
     def apply_gradients(self) -> dict[str, float]:
         """Clip, Adam step and LR schedule step on the finalized gradients."""
@@ -352,62 +492,23 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ offload (--offload)
 
-    def _device_storages(self) -> list[tuple[torch.UntypedStorage, bool]]:
-        """Every storage on the device that holds the trainer's state, once: parameters (and their fp32
-        main copies), gradient buffers, optimizer state, the reference model -> (storage, whether its
-        content must survive an offload; gradients need not, every step zeroes them first)."""
-        tensors: list[tuple[torch.Tensor, bool]] = []
-        for module in (self.model, self.reference):
-            for param in module.parameters() if module is not None else []:
-                tensors.append((param, True))
-                for attr, keep in (("main_param", True), ("main_grad", False)):
-                    if isinstance(getattr(param, attr, None), torch.Tensor):
-                        tensors.append((getattr(param, attr), keep))
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(optimizer, "optimizer", optimizer)
-            tensors += [(param, True) for group in inner.param_groups for param in group["params"]]
-            tensors += [(v, True) for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
-        found: dict[int, list] = {}  # by the storage's address: views of one buffer share it
-        for tensor, keep in tensors:
-            storage = tensor.untyped_storage()
-            if tensor.device.type == self.device.type and storage.nbytes() > 0:
-                entry = found.setdefault(storage.data_ptr(), [storage, False])
-                entry[1] = entry[1] or keep
-        return [(storage, keep) for storage, keep in found.values()]
-
     def device_bytes(self) -> int:
         """Bytes of the trainer's state on its device now (0 while offloaded)."""
-        return sum(storage.nbytes() for storage, _ in self._device_storages())
+        return sum(
+            storage.nbytes() for storage, _ in state_storages((self.model, self.reference), self.optimizer, self.device)
+        )
 
     def offload(self) -> None:
-        """Free the device while colocated engines generate: every storage of parameters, gradients and
-        optimizer state is copied to (pinned) host memory, gradients are not, and its device memory is
-        released in place, so every view of it (DDP's buffers, ``main_grad``) stays valid for ``onload``."""
-        if getattr(self, "_offloaded", None) is not None:
-            return
-        pin = self.device.type == "cuda"
-        offloaded = []
-        for storage, keep in self._device_storages():
-            backup = None
-            if keep:
-                backup = torch.UntypedStorage(storage.nbytes(), device="cpu")
-                backup.copy_(storage)
-                backup = backup.pin_memory() if pin else backup
-            offloaded.append((storage, storage.nbytes(), backup))
-            storage.resize_(0)
-        self._offloaded = offloaded
-        if pin:
-            torch.cuda.empty_cache()
+        """Free the device while colocated engines generate (``offload.py``); twice is once."""
+        if getattr(self, "_offloaded", None) is None:
+            self._offloaded = offload(
+                state_storages((self.model, self.reference), self.optimizer, self.device), self.device
+            )
 
     def onload(self) -> None:
         """The trainer's state back on its device, bit for bit (gradients zeroed)."""
         offloaded, self._offloaded = getattr(self, "_offloaded", None), None
-        for storage, nbytes, backup in offloaded or []:
-            storage.resize_(nbytes)
-            if backup is None:
-                storage.fill_(0)
-            else:
-                storage.copy_(backup)
+        onload(offloaded or [])
 
     def _cat(self, values) -> torch.Tensor:
         """Per-sample lists or tensors -> one float32 tensor on the trainer's device."""
@@ -440,16 +541,34 @@ class MegatronActor:
 
         return TPGather(self.info.tp_size, self._tp_group(), parallel_state.get_tensor_model_parallel_src_rank())
 
+    def _expert_gather(self) -> ExpertGather | None:
+        """Gathers experts over ETP then EP to global rank 0 (None for dense models); expert
+        data-parallel replicas other than the first take no part."""
+        if self.spec.moe is None:
+            return None
+        from megatron.core import parallel_state
+
+        etp_group = parallel_state.get_expert_tensor_parallel_group()
+        etp_dst = dist.get_process_group_ranks(etp_group)[0] if self.info.etp_size > 1 else self.info.rank
+        etp = TPGather(self.info.etp_size, etp_group, etp_dst)
+        ep_group = parallel_state.get_expert_model_parallel_group() if self.info.ep_size > 1 else None
+        return ExpertGather(self.experts, etp, ep_group, active=self.info.edp_rank == 0)
+
     def iter_hf_weights(
         self, tensors: dict[str, torch.Tensor] | None = None
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(HF name, full tensor on global rank 0 / None elsewhere), one tensor at a time. Collective
-        over the TP group of DP rank 0; other DP ranks yield nothing. ``tensors``: megatron-named
+        over the TP group of DP rank 0 (and, for MoE, over the expert groups: other DP ranks lend their
+        experts and yield None for them); other DP ranks yield nothing else. ``tensors``: megatron-named
         decoder tensors to export instead of the weights (gradients, optimizer states)."""
-        if self.info.dp_rank != 0:
+        experts = self._expert_gather()
+        first = self.info.first_replica
+        if not first and experts is None:
             return
         state = tensors if tensors is not None else self.policy.decoder_state_dict()
-        yield from iter_megatron_to_hf(state, self.spec, self._tp_gather(), self.prefix, self.te)
+        yield from iter_megatron_to_hf(state, self.spec, self._tp_gather(), self.prefix, self.te, experts, dense=first)
+        if not first:
+            return
         if tensors is None and hasattr(self.policy, "vision_state_dict"):
             here = self.info.rank == 0
             for name, t in self.policy.vision_state_dict().items():

@@ -11,6 +11,8 @@ CUDA), never holding the scores:
                                                          built from the tree; elsewhere one SDPA call
                                                          per branch over its ancestors and itself
   a boolean mask ``[1, 1, L, L]`` (True = masked)        one SDPA call with that mask
+  ``ContextParallelSegments`` (this CP rank's share of   keys and values gathered over the CP group,
+  a row, ``context_parallel.py``)                        then tile-by-tile attention of its queries
 
 Shapes follow Megatron: ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` (``ng`` key/value
 groups, repeated to the ``np`` heads of this tensor-parallel rank), output ``[sq, b, np * hn]``.
@@ -22,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from slime_mt.backends.megatron.layouts import Segments, Tree, tree_attention
+from slime_mt.backends.megatron.context_parallel import ContextParallelSegments, gather_sequence, segment_attention
+from slime_mt.backends.megatron.layouts import Segments, Tree, segments_attention, tree_attention
 
 
 class FusedCoreAttention(MegatronModule):
@@ -74,22 +77,26 @@ class FusedCoreAttention(MegatronModule):
                 "or an attention bias (those are the Transformer Engine path's)"
             )
         sq, b = query.shape[:2]
+        cp = isinstance(attention_mask, ContextParallelSegments)
+        if cp:  # the keys and values of the whole row, from every CP rank (before repeating the groups)
+            key, value = gather_sequence(key, attention_mask.group), gather_sequence(value, attention_mask.group)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
         if self.heads != self.groups:
             k = k.repeat_interleave(self.heads // self.groups, dim=1)
             v = v.repeat_interleave(self.heads // self.groups, dim=1)
         dropout = self.dropout if self.training else 0.0
-        if isinstance(attention_mask, Segments):
+        if cp:
+            if dropout:
+                raise ValueError("context parallelism without Transformer Engine has no attention dropout")
+            m = attention_mask
+            out = segment_attention(
+                q, k, v, m.query_segment, m.query_position, m.key_segment, m.key_position, self.scale
+            )
+        elif isinstance(attention_mask, Segments):
             if sum(attention_mask.lengths) != sq:
                 raise ValueError(f"segments cover {sum(attention_mask.lengths)} tokens but the row has {sq}")
-            parts = [
-                F.scaled_dot_product_attention(
-                    q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout, is_causal=True, scale=self.scale
-                )
-                for a, e in attention_mask.bounds()
-            ]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            out = segments_attention(q, k, v, attention_mask, self.scale, dropout)
         elif isinstance(attention_mask, Tree):
             if len(attention_mask) != sq:
                 raise ValueError(f"the tree has {len(attention_mask)} nodes but the row has {sq}")
@@ -100,7 +107,7 @@ class FusedCoreAttention(MegatronModule):
             )
         else:
             raise ValueError(
-                f"FusedCoreAttention needs a Segments or Tree layout or a boolean mask, got "
+                f"FusedCoreAttention needs a Segments, Tree or ContextParallelSegments layout or a boolean mask, got "
                 f"{type(attention_mask).__name__}"
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * out.shape[-1])  # [sq, b, np * hn]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.backends.megatron.convert import CheckpointReader, ShardWriter, iter_hf_to_megatron
+from slime_mt.backends.megatron.convert import CheckpointReader, ShardWriter
 from slime_mt.errors import CheckpointError
 
 
@@ -48,6 +48,45 @@ def _split_names(actor) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.
         else:
             raise CheckpointError(f"parameter {name} belongs to neither the decoder nor the vision tower")
     return decoder, vision
+
+
+def _sharding(actor) -> dict[torch.nn.Parameter, object]:
+    """param -> the distributed optimizer holding a shard of its main copy and state over its DP group
+    (``--use-distributed-optimizer``); {} for the replicated optimizer."""
+    owners = {}
+    for inner in _inner_optimizers(actor.optimizer):
+        if hasattr(inner, "model_param_gbuf_map"):  # every parameter of its buffers, held here or not
+            for buffer in inner.buffers:
+                owners.update((param, inner) for param in buffer.params)
+    return owners
+
+
+def _gathered(owner, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """The whole fp32 main copy (``key`` "param") or optimizer state ``key`` of ``param``, from the
+    shards of ``owner``'s DP group (each element is on one rank: a sum gathers them); collective, so a
+    rank holding none of it joins too (``key`` is one the saving ranks found in their state)."""
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    if param in owner.model_param_group_index_map:  # this rank holds a piece of it
+        piece = owner._get_model_param_range_map(param)["param"]
+        full[piece.start : piece.end] = owner._get_main_param_and_optimizer_states(param)[key]
+    dist.all_reduce(full, group=owner.data_parallel_group)
+    return full.view(param.shape)
+
+
+def _scatter(owner, param: torch.nn.Parameter, key: str, tensor: torch.Tensor, scalars: dict) -> None:
+    """Set this rank's shard of ``param``'s main copy (``key`` "param") or state ``key`` from the whole."""
+    if param not in owner.model_param_group_index_map:
+        return
+    piece = owner._get_model_param_range_map(param)["param"]
+    values = tensor.reshape(-1)[piece.start : piece.end]
+    main = owner._get_main_param_and_optimizer_states(param)["param"]
+    if key == "param":
+        main.copy_(values)
+        return
+    entry = owner.optimizer.state[main]
+    entry[key] = values.to(device=main.device, dtype=main.dtype).clone()
+    for scalar, value in scalars.items():
+        entry.setdefault(scalar, torch.tensor(value, dtype=torch.float32))
 
 
 def _optimizer_state(actor) -> dict[int, dict]:
@@ -83,16 +122,27 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     writer = ShardWriter(tmp, "model") if main else None
-    for hf_name, t in _hf_tensors(actor, lambda p: _main(p).detach()):
+    sharded = _sharding(actor)
+
+    def weight(param):
+        return _gathered(sharded[param], param, "param") if param in sharded else _main(param).detach()
+
+    for hf_name, t in _hf_tensors(actor, weight):
         if writer:
             writer.add(hf_name, t.float())
     if writer:
         writer.close()
     states = _optimizer_state(actor)
     keys = sorted({k for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+
+    def state(param, key):
+        if param in sharded:
+            return _gathered(sharded[param], param, key)
+        return states.get(id(_main(param)), {}).get(key)
+
     for key in keys:
         writer = ShardWriter(tmp / "optimizer" / key, "model") if main else None
-        for hf_name, t in _hf_tensors(actor, lambda p, k=key: states.get(id(_main(p)), {}).get(k)):
+        for hf_name, t in _hf_tensors(actor, lambda p, k=key: state(p, k)):
             if writer:
                 writer.add(hf_name, t.float())
         if writer:
@@ -121,7 +171,7 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
                     "optimizer_keys": keys,
                     "optimizer_scalars": scalars,
                     "param_groups": groups,
-                    "layout": {"tp": actor.info.tp_size, "dp": actor.info.dp_size},
+                    "layout": _layout(actor),
                     "extra": extra,
                 },
                 indent=1,
@@ -140,6 +190,17 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
     return root / name
 
 
+def _layout(actor) -> dict[str, int]:
+    """The saving layout (RNG states are restored only at the same one); EP and CP only when above 1,
+    so checkpoints of dense runs keep their earlier layout record."""
+    layout = {"tp": actor.info.tp_size, "dp": actor.info.dp_size}
+    if actor.info.ep_size > 1 or actor.info.etp_size != actor.info.tp_size:
+        layout.update(ep=actor.info.ep_size, etp=actor.info.etp_size)
+    if actor.info.cp_size > 1:
+        layout.update(cp=actor.info.cp_size)
+    return layout
+
+
 def _read_latest(root: Path) -> Path:
     if root.name.startswith("iter_"):
         return root
@@ -155,11 +216,10 @@ def _read_latest(root: Path) -> Path:
 def _load_params(actor, reader: CheckpointReader, target) -> None:
     """Copy this rank's slices of the checkpoint tensors into ``target(param)`` for every parameter."""
     decoder, vision = _split_names(actor)
-    info = actor.info
     names = reader.names()
     seen = set()
     with torch.no_grad():
-        for name, tensor in iter_hf_to_megatron(reader, actor.spec, info.tp_rank, info.tp_size, actor.te):
+        for name, tensor in actor.iter_megatron_tensors(reader):
             if name not in decoder:
                 raise CheckpointError(f"checkpoint tensor {name} has no parameter in this model")
             target(decoder[name], tensor)
@@ -180,9 +240,13 @@ def load_checkpoint(actor, root: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")
     saved = json.loads(state_file.read_text())
 
+    sharded = _sharding(actor)
+
     def set_weight(param, tensor):
         param.copy_(tensor)
-        if _main(param) is not param:
+        if param in sharded:
+            _scatter(sharded[param], param, "param", tensor, {})
+        elif _main(param) is not param:
             _main(param).copy_(tensor)
 
     _load_params(actor, CheckpointReader(folder), set_weight)
@@ -194,6 +258,9 @@ def load_checkpoint(actor, root: str | Path) -> dict:
     for key in saved["optimizer_keys"]:
 
         def set_state(param, tensor, key=key):
+            if param in sharded:
+                _scatter(sharded[param], param, key, tensor, saved["optimizer_scalars"])
+                return
             owner, main = states[id(_main(param))]
             entry = owner.state[main]
             entry[key] = tensor.to(device=main.device, dtype=main.dtype).clone()
@@ -207,7 +274,7 @@ def load_checkpoint(actor, root: str | Path) -> dict:
     actor.scheduler.load_state_dict(saved["scheduler"])
     actor.step = int(saved["step"])
     rng_file = folder / "rng" / f"rank_{actor.info.rank:03d}.pt"
-    if saved["layout"] == {"tp": actor.info.tp_size, "dp": actor.info.dp_size} and rng_file.is_file():
+    if saved["layout"] == _layout(actor) and rng_file.is_file():
         from megatron.core.tensor_parallel import random as mp_random
 
         rng = torch.load(rng_file, weights_only=True)

@@ -161,6 +161,80 @@ def _cuda_type_names(init):
     return wrapped
 
 
+def _splits_on_host(tensor, as_numpy: bool = False):
+    """A split-size tensor as the host copy the all-to-all takes (numpy with ``as_numpy``)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+    """Replaces ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, which copies the split
+    sizes to the host on a CUDA side stream and waits on a CUDA event: on the CPU they are host
+    tensors already, so at the same point they only become the numpy arrays the all-to-all takes."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _splits_on_host(self.input_splits, as_numpy=True)
+        self.output_splits = _splits_on_host(self.output_splits, as_numpy=True)
+        self.output_splits_tp = _splits_on_host(self.output_splits_tp, as_numpy=True)
+    return tokens_per_expert
+
+
+def _gloo_gather(gather):
+    """Wrap ``mappings._gather_along_first_dim`` for gloo: it gathers no bool tensors (the MoE
+    all-gather dispatcher's routing map; they travel as uint8) and equal sizes only, so an uneven
+    gather (``output_split_sizes``: the dispatcher's tokens per rank) pads every rank's part to the
+    largest, gathers, and cuts the padding out again."""
+
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if input_.dtype == torch.bool and group.size() > 1:
+            return wrapped(input_.to(torch.uint8), group, output_split_sizes, use_global_buffer).bool()
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = torch.zeros((longest, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        padded[: input_.shape[0]] = input_
+        gathered = gather(padded, group, None, False).split(longest, dim=0)
+        return torch.cat([part[:n] for part, n in zip(gathered, sizes)])
+
+    return wrapped
+
+
+def _uneven_reduce_scatter(reduce_scatter):
+    """Wrap ``mappings._reduce_scatter_along_first_dim``: gloo has no uneven reduce-scatter, so the
+    whole tensor is summed over the group and each rank keeps its own rows (``input_split_sizes``)."""
+
+    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.contiguous().clone()
+        torch.distributed.all_reduce(summed, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return summed[start : start + sizes[group.rank()]].contiguous()
+
+    return wrapped
+
+
+def _patch_moe() -> None:
+    """The MoE layer on the CPU: the all-to-all dispatcher's device-to-host stream (a class attribute
+    created with ``torch.cuda.Stream()`` when the first dispatcher is built) gets a placeholder, its
+    split sizes become host arrays without a CUDA event, ``moe_utils.te_general_gemm`` (left
+    undefined by megatron-core 0.16.1 when Transformer Engine does not import) is None, so the
+    router's fp32 gemm takes its torch path, and the uneven all-gather and reduce-scatter of tokens
+    over the expert-tensor-parallel group work on gloo."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    mappings._gather_along_first_dim = _gloo_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    dispatcher.cuda_dtoh_stream = object()  # never used on the CPU: only the patched method read it
+    dispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU when CUDA is absent; returns True when patches were applied."""
     global _APPLIED
@@ -177,6 +251,10 @@ def apply_cpu_patches() -> bool:
     from megatron.core.transformer import utils as transformer_utils
 
     random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # activation recompute keeps and restores the CUDA generator's state (torch.cuda.get_rng_state):
+    # there is none; the CPU generator and the tracker's states are kept and restored as on a GPU
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     random.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
     tensor_parallel.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
@@ -192,5 +270,10 @@ def apply_cpu_patches() -> bool:
     )
     optimizer.get_grad_norm_fp32 = _cpu_grad_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_by_total_norm
+    # so does the distributed optimizer (--use-distributed-optimizer) as it shards them
+    from megatron.core.optimizer import distrib_optimizer
+
+    distrib_optimizer.DistributedOptimizer.__init__ = _cuda_type_names(distrib_optimizer.DistributedOptimizer.__init__)
+    _patch_moe()
     _APPLIED = True
     return True

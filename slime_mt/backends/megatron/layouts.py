@@ -30,6 +30,17 @@ class Segments:
         return self
 
 
+def segments_attention(q, k, v, segments: Segments, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """Causal SDPA per packed sequence of ``q, k, v [b, h, L, d]`` (one fused call each) -> ``[b, h, L, d]``."""
+    parts = [
+        F.scaled_dot_product_attention(
+            q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=dropout, is_causal=True, scale=scale
+        )
+        for a, e in segments.bounds()
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 @dataclass(frozen=True, eq=False)
 class Tree:
     """The attention layout of a prefix-tree row: nodes in depth-first order, ``parents[i]`` the node

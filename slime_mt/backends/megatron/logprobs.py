@@ -147,7 +147,7 @@ def hidden_logprobs(
         )
         logprob_chunks.append(lp)
         entropy_chunks.append(ent)
-    if not logprob_chunks:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+    if not logprob_chunks:  # still on the graph: a context-parallel rank with no response token backpropagates
+        empty = hidden.float().sum(dim=-1)  # [0]
         return empty, empty.clone() if with_entropy else None
     return torch.cat(logprob_chunks), torch.cat(entropy_chunks) if with_entropy else None

@@ -1,10 +1,20 @@
 """Megatron-core models built from a Hugging Face checkpoint folder's config.
 
-Text families: Llama (SmolLM2), Qwen2/Qwen2.5 (qkv bias), Qwen3 (q/k RMSNorm) -> ``GPTModel`` with the
-local layer spec on CPU (the Transformer Engine spec when ``transformer_engine`` imports and CUDA is
-present), RMSNorm, SwiGLU, and rotary embeddings from the checkpoint's rope configuration
-(``rope.py``: default, linear, llama3, yarn; the others are refused at start-up). VLMs wrap such a
-decoder (``vlm.py``).
+Text families: Llama (SmolLM2), Qwen2/Qwen2.5 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE ->
+``GPTModel`` with the local layer spec on CPU (the Transformer Engine spec when ``transformer_engine``
+imports and CUDA is present), RMSNorm, SwiGLU, and rotary embeddings from the checkpoint's rope
+configuration (``rope.py``: default, linear, llama3, yarn; the others are refused at start-up). VLMs
+wrap such a decoder (``vlm.py``), Qwen3-VL-MoE included.
+
+Mixture-of-experts (``MoeSpec``, from the HF keys ``num_experts``, ``num_experts_per_tok``,
+``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``, ``moe_intermediate_size``): the
+sparse layers get Megatron's ``MoELayer`` (a top-k softmax router computed in fp32, its experts
+sequential on CPU and grouped GEMMs with Transformer Engine), the others a dense MLP. Qwen's router
+takes the softmax over every expert, then the top k, renormalised when ``norm_topk_prob``: the same
+as Megatron's softmax over the top-k logits (``moe_router_pre_softmax=False``); without
+renormalisation Megatron's pre-softmax. How experts are placed and routed is ``MoeOptions``
+(``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``, ``--moe-token-dispatcher-type``,
+the load-balancing loss); routing replay is the MoE layer's own (``moe.py``).
 
 Device and dtype policy: parameters are created on ``parallel.current_device()`` in ``dtype``
 (bf16 with ``--bf16``); nothing else differs between CPU and GPU.
@@ -24,15 +34,62 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
+from slime_mt.backends.megatron.moe import shard_moe_layers
 from slime_mt.backends.megatron.parallel import current_device
+from slime_mt.backends.megatron.recompute import Recompute
 from slime_mt.backends.megatron.rope import PositionRotary, rope_frequencies
 from slime_mt.errors import ModelConfigError, RopeConfigError
+from slime_mt.routes import sparse_layers
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
-TEXT_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-VLM_FAMILIES = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl"}
+TEXT_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe"}
+VLM_FAMILIES = {"qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl", "qwen3_vl_moe": "qwen3-vl-moe"}
+QK_NORM_TYPES = ("qwen3", "qwen3_vl", "qwen3_moe", "qwen3_vl_moe")
+MOE_TYPES = ("qwen3_moe", "qwen3_vl_moe")
+
+
+@dataclass
+class MoeSpec:
+    """The experts of a mixture-of-experts decoder, as its HF config states them."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # each expert's intermediate size
+    sparse_layers: list[bool]  # per decoder layer: an MoE layer (else a dense MLP)
+    norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1
+
+    @property
+    def layer_pattern(self) -> list[int]:
+        """Megatron's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(sparse) for sparse in self.sparse_layers]
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """How an MoE decoder is placed and trained (Megatron's names; ``TrainConfig`` carries the flags)."""
+
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: the tensor-parallel size, as Megatron defaults it
+    dispatcher: str = "alltoall"
+    aux_loss_coef: float = 0.0
+    load_balancing: str = "aux_loss"
+
+    def expert_tp(self, tp: int) -> int:
+        return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @classmethod
+    def of(cls, train) -> MoeOptions:
+        """The options a ``TrainConfig`` sets."""
+        return cls(
+            expert_parallel=train.expert_model_parallel_size,
+            expert_tensor_parallel=train.expert_tensor_parallel_size,
+            dispatcher=train.moe_token_dispatcher_type,
+            aux_loss_coef=train.moe_aux_loss_coef,
+            load_balancing=train.moe_router_load_balancing_type,
+        )
 
 
 @dataclass
@@ -57,6 +114,7 @@ class DecoderSpec:
     attention_factor: float = 1.0  # YaRN: cos/sin scale, i.e. attention logits x factor**2
     mrope_section: list[int] | None = None
     mrope_interleaved: bool = False
+    moe: MoeSpec | None = None
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -70,6 +128,29 @@ def read_hf_config(path: str | Path) -> dict:
 
 def _rope(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def moe_spec(text: dict, text_type: str, where: str) -> MoeSpec | None:
+    """The experts of a Qwen3-MoE / Qwen3-VL-MoE text config (None for dense families). A layer is
+    sparse when it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, as
+    transformers builds it; Qwen3-VL-MoE always renormalises its top-k probabilities."""
+    if text_type.removesuffix("_text") not in MOE_TYPES:
+        return None
+    experts = text.get("num_experts") or text.get("num_local_experts")
+    topk = text.get("num_experts_per_tok")
+    if not experts or not topk:
+        raise ModelConfigError(f"{where}: a {text_type} config needs num_experts and num_experts_per_tok")
+    if topk > experts:
+        raise ModelConfigError(f"{where}: num_experts_per_tok {topk} exceeds num_experts {experts}")
+    if text.get("shared_expert_intermediate_size"):
+        raise ModelConfigError(f"{where}: shared experts are not supported for {text_type}")
+    return MoeSpec(
+        num_experts=experts,
+        topk=topk,
+        ffn_hidden_size=text["moe_intermediate_size"],
+        sparse_layers=sparse_layers(text),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if text_type == "qwen3_moe" else True,
+    )
 
 
 def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
@@ -101,13 +182,14 @@ def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
         rms_eps=text.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
         qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or bool(text.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_vl"),
+        qk_norm=model_type in QK_NORM_TYPES,
         tie_embeddings=bool(tie),
         max_positions=text.get("max_position_embeddings", 4096),
         inv_freq=inv_freq,
         attention_factor=attention_factor,
         mrope_section=rope.get("mrope_section"),
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        moe=moe_spec(text, text_type, where),
     )
 
 
@@ -122,20 +204,64 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def check_tp(spec: DecoderSpec, tp: int) -> None:
+def check_tp(spec: DecoderSpec, tp: int, moe: MoeOptions | None = None) -> None:
     if spec.num_heads % tp or spec.num_kv_heads % tp:
         raise ModelConfigError(
             f"--tensor-model-parallel-size {tp} must divide the {spec.num_heads} attention heads "
             f"and {spec.num_kv_heads} key/value heads of this {spec.family} model"
         )
+    moe = moe or MoeOptions()
+    etp = moe.expert_tp(tp)
+    if spec.moe is None:
+        if moe.expert_parallel > 1:
+            raise ModelConfigError(
+                f"--expert-model-parallel-size {moe.expert_parallel}: this {spec.family} model has no experts"
+            )
+        return
+    if spec.moe.num_experts % moe.expert_parallel:
+        raise ModelConfigError(
+            f"--expert-model-parallel-size {moe.expert_parallel} must divide the {spec.moe.num_experts} "
+            f"experts of this {spec.family} model"
+        )
+    if etp < 1 or spec.moe.ffn_hidden_size % etp:
+        raise ModelConfigError(
+            f"--expert-tensor-parallel-size {etp} must be at least 1 and divide the experts' intermediate "
+            f"size {spec.moe.ffn_hidden_size}"
+        )
 
 
-def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.float32):
+def transformer_config(
+    spec: DecoderSpec,
+    tp: int,
+    dtype: torch.dtype = torch.float32,
+    moe: MoeOptions | None = None,
+    te: bool = False,
+    recompute: Recompute | None = None,
+):
     """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_tp(spec, tp)
+    check_tp(spec, tp, moe)
     gpu = torch.cuda.is_available()
+    experts = {}
+    if spec.moe is not None:
+        moe = moe or MoeOptions()
+        experts = dict(
+            num_moe_experts=spec.moe.num_experts,
+            moe_router_topk=spec.moe.topk,
+            moe_ffn_hidden_size=spec.moe.ffn_hidden_size,
+            moe_layer_freq=spec.moe.layer_pattern,
+            moe_router_pre_softmax=not spec.moe.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type=moe.dispatcher,
+            moe_router_load_balancing_type=moe.load_balancing,
+            moe_aux_loss_coeff=moe.aux_loss_coef,
+            moe_grouped_gemm=te,  # Transformer Engine's grouped GEMM on GPU; sequential experts otherwise
+            moe_permute_fusion=False,
+            expert_model_parallel_size=moe.expert_parallel,
+            expert_tensor_parallel_size=moe.expert_tp(tp),
+        )
     # rope's attention factor scales q and k, so the logits by its square (YaRN's mscale)
     softmax_scale = spec.attention_factor**2 / spec.head_dim**0.5 if spec.attention_factor != 1.0 else None
     return TransformerConfig(
@@ -170,6 +296,8 @@ def transformer_config(spec: DecoderSpec, tp: int, dtype: torch.dtype = torch.fl
         attention_softmax_in_fp32=True,
         softmax_scale=softmax_scale,
         mrope_section=list(spec.mrope_section) if spec.mrope_section else [spec.head_dim // 2],
+        **experts,
+        **(recompute or Recompute()).config_kwargs(),
     )
 
 
@@ -220,22 +348,30 @@ def mark_tensor_parallel(model: torch.nn.Module) -> None:
 ATTENTION = ("fused", "megatron")
 
 
-def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused"):
+def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused", config=None):
     """Transformer Engine's layer spec, else Megatron's local one with ``attention``: ``fused``
     (``attention.FusedCoreAttention``, PyTorch's fused kernels, no ``[L, L]`` scores) or ``megatron``
-    (its ``DotProductAttention``, which materialises them; kept as the reference)."""
+    (its ``DotProductAttention``, which materialises them; kept as the reference). An MoE decoder gets
+    Megatron's block spec (``config``'s layer pattern: MoE and dense layers)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}: use one of {ATTENTION}")
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if attention == "fused":
+    if spec.moe is not None:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+        layers = block.layer_specs
+        shard_moe_layers(layers, config)
+    elif te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        block = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layers = [block]
+    if attention == "fused" and not te:
         from slime_mt.backends.megatron.attention import FusedCoreAttention
 
-        layer.submodules.self_attention.submodules.core_attention = FusedCoreAttention
-    return layer
+        for layer in layers:  # the block's layers may share one spec object
+            layer.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+    return block
 
 
 def build_gpt(
@@ -245,19 +381,22 @@ def build_gpt(
     device: torch.device | None = None,
     te: bool | None = None,
     attention: str = "fused",
+    moe: MoeOptions | None = None,
+    recompute: Recompute | None = None,
 ):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
-    ``attention``: the core attention without Transformer Engine (``layer_spec``)."""
+    ``attention``: the core attention without Transformer Engine (``layer_spec``); ``moe``: how an MoE
+    decoder's experts are placed and routed; ``recompute``: which activations the backward recomputes."""
     from megatron.core.models.gpt import GPTModel
 
     device = device or current_device()
     te = have_transformer_engine() if te is None else te
-    config = transformer_config(spec, tp, dtype)
+    config = transformer_config(spec, tp, dtype, moe, te, recompute)
     with torch.device(device):
         model = GPTModel(
             config,
-            layer_spec(spec, te, attention),
+            layer_spec(spec, te, attention, config),
             vocab_size=padded_vocab(spec.vocab_size, tp),
             max_sequence_length=spec.max_positions,
             pre_process=True,
@@ -296,9 +435,14 @@ class TextPolicy(torch.nn.Module):
         packed_seq_params=None,
         decoder_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``tokens [1, L]``, ``position_ids [1, L]`` (``[3, 1, L]`` M-RoPE) -> hidden ``[L, 1, H]``."""
+        """``tokens [1, L]``, ``position_ids [1, L]`` (``[3, 1, L]`` M-RoPE) -> hidden ``[L, 1, H]``; under
+        context parallelism (a ``ContextParallelSegments`` layout) the row is embedded whole and this
+        rank's tokens go through the decoder -> ``[L / cp, 1, H]`` in the layout's order."""
         if decoder_input is None:
             decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
+        if isinstance(attention_mask, ContextParallelSegments):
+            decoder_input = decoder_input.index_select(0, attention_mask.query_position)
+            position_ids = position_ids.index_select(-1, attention_mask.query_position)
         rotary = self.gpt.rotary_pos_emb(position_ids)
         return self.gpt.decoder(
             hidden_states=decoder_input,

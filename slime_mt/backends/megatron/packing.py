@@ -19,15 +19,19 @@ Sequences are isolated in one of three ways (``layout``):
 trie's nodes, each shared token once, with its ``attention.Tree`` layout (every node sees its
 ancestors; no ``[N, N]`` tensor) and each node's position; the response tokens are gathered per
 path, so log-probs equal the flat row's.
+
+``cp_share`` gives a context-parallel rank its share of a flat row (``context_parallel.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
 
+from slime_mt.backends.megatron.context_parallel import ContextParallelSegments, padded_length, zigzag_index
 from slime_mt.backends.megatron.layouts import Segments, Tree
 from slime_mt.backends.megatron.prefix_tree import build_tree
 from slime_mt.types import TrainingSample
@@ -49,6 +53,11 @@ class PackedRow:
     image_grid_thw: torch.Tensor | None = None
     packed_seq_params: object | None = None  # megatron PackedSeqParams (THD) with Transformer Engine
     image_order: list[int] | None = None  # prefix trees: the image (of pixel_values') of each pad run, in row order
+    routes: torch.Tensor | None = None  # R3: [L, moe_layers, top_k] int64, -1 where the router decides
+    # context parallel (``cp_share``): the CP rank holding each response token's logit row; logit_index
+    # and targets are then this rank's, in row order, and tokens and positions stay the whole row's
+    logit_owner: torch.Tensor | None = None
+    padding: torch.Tensor | None = None  # [L / cp] bool: this rank's tokens that only pad the row
 
     @property
     def num_real_tokens(self) -> int:
@@ -76,6 +85,9 @@ class PackedRow:
             move(self.image_grid_thw),
             params,
             self.image_order,
+            move(self.routes),
+            move(self.logit_owner),
+            move(self.padding),
         )
 
 
@@ -141,6 +153,39 @@ def pack_row(
         pixel_values=torch.cat(pixels) if pixels else None,
         image_grid_thw=torch.cat(grids) if grids else None,
         packed_seq_params=_thd_params(lengths) if layout == "thd" else None,
+    )
+
+
+def cp_share(row: PackedRow, cp: int, rank: int, group) -> PackedRow:
+    """CP rank ``rank``'s share of a flat packed ``row`` (``context_parallel.py``): the row padded to
+    a multiple of ``2 * cp`` (the padding one more sequence), its layout, the logit rows this rank
+    holds (the others' are gathered after the log-probs) and its tokens' routes; the tokens and
+    positions stay the whole row's (the policy embeds the row, then keeps this rank's tokens)."""
+    length = row.num_real_tokens
+    padded = padded_length(length, cp)
+    pad = padded - length
+    layout = ContextParallelSegments.of(row.lengths, padded, cp, rank, group)
+    owner = torch.zeros(padded, dtype=torch.long, device="cpu")
+    local = torch.zeros(padded, dtype=torch.long, device="cpu")
+    for r in range(cp):
+        held = zigzag_index(padded, cp, r)
+        owner[held] = r
+        local[held] = torch.arange(len(held), device="cpu")
+    logit_owner = owner[row.logit_index]
+    mine = logit_owner == rank
+    routes = None
+    if row.routes is not None:
+        routes = torch.nn.functional.pad(row.routes, (0, 0, 0, 0, 0, pad), value=-1)[layout.query_position]
+    return dataclasses.replace(
+        row,
+        tokens=torch.nn.functional.pad(row.tokens, (0, pad)),
+        position_ids=torch.nn.functional.pad(row.position_ids, (0, pad)),
+        attention_mask=layout,
+        logit_index=local[row.logit_index[mine]],
+        targets=row.targets[mine],
+        routes=routes,
+        logit_owner=logit_owner,
+        padding=layout.query_padding,
     )
 
 

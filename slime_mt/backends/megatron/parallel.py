@@ -2,7 +2,11 @@
 and the one device policy (``current_device``).
 
 Launched by ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR in the environment) or as a single process
-(world size 1, a local TCP store on 127.0.0.1). DP = world / TP; ranks r and r+1 share a TP group.
+(world size 1, a local TCP store on 127.0.0.1). DP = world / (TP x CP); ranks r and r+1 share a TP
+group, then the TP groups of one DP rank form its CP group (Megatron's order).
+Experts (MoE) are placed by Megatron's expert groups, carved from the same world: expert-tensor
+parallel (ETP, the TP size unless given), expert parallel (EP, within DP), and the expert
+data-parallel replicas left over (world / (ETP x EP)).
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ class ParallelInfo:
     tp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_rank: int = 0  # expert data-parallel rank: which replica of this rank's experts
+    cp_rank: int = 0  # context parallel: which share of every packed row this rank holds
+    cp_size: int = 1
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank's model shard is the one exports and checkpoints read (DP rank 0, CP rank 0):
+        every DP and CP rank holds the same dense weights."""
+        return self.dp_rank == 0 and self.cp_rank == 0
 
 
 def current_device() -> torch.device:
@@ -35,8 +52,12 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
-    """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs."""
+def init_parallel(
+    tp_size: int, seed: int, ep_size: int = 1, etp_size: int | None = None, cp_size: int = 1
+) -> ParallelInfo:
+    """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs.
+    ``ep_size``/``etp_size``: the expert-parallel and expert-tensor-parallel sizes (MoE); ``cp_size``:
+    the context-parallel size (each packed row split over that many ranks)."""
     import_megatron_core()
     from megatron.core import parallel_state, tensor_parallel
 
@@ -52,13 +73,27 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
             world = 1
             dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % tp_size:
-        raise ValueError(f"--tensor-model-parallel-size {tp_size} must divide the {world} launched processes")
+    if world % (tp_size * cp_size):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp_size} x --context-parallel-size {cp_size} must divide the {world} "
+            "launched processes"
+        )
+    etp_size = tp_size if etp_size is None else etp_size
+    if world % (ep_size * etp_size):  # Megatron's MoE parallel folding: EP x ETP over all the ranks
+        raise ValueError(
+            f"--expert-model-parallel-size {ep_size} x --expert-tensor-parallel-size {etp_size} must divide the "
+            f"{world} launched processes"
+        )
     if not gpu and "OMP_NUM_THREADS" not in os.environ:
         # the cores shared by the processes (oversubscription is slower); a user's OMP_NUM_THREADS wins
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            context_parallel_size=cp_size,
+            expert_model_parallel_size=ep_size,
+            expert_tensor_parallel_size=etp_size,
+        )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
         dist.get_rank(),
@@ -67,6 +102,13 @@ def init_parallel(tp_size: int, seed: int) -> ParallelInfo:
         tp_size,
         parallel_state.get_data_parallel_rank(),
         parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+        parallel_state.get_expert_data_parallel_rank(),
+        parallel_state.get_context_parallel_rank(),
+        cp_size,
     )
 
 

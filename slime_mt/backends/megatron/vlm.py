@@ -1,4 +1,4 @@
-"""Qwen2.5-VL / Qwen3-VL policies: the transformers vision tower (replicated on every TP rank) under
+"""Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE policies: the transformers vision tower (replicated on every TP rank) under
 a Megatron decoder with multimodal rotary positions.
 
 Only the vision tower is built from transformers (not the whole VLM): its weights are read from the
@@ -16,8 +16,9 @@ import types
 
 import torch
 
-from slime_mt.backends.megatron.convert import CheckpointReader, iter_hf_to_megatron, load_into
-from slime_mt.backends.megatron.models import DecoderSpec, TextPolicy, build_gpt
+from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
+from slime_mt.backends.megatron.convert import CheckpointReader, ExpertLayout, iter_hf_to_megatron, load_into
+from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt
 from slime_mt.types import TrainingSample
 
 
@@ -27,6 +28,10 @@ def _classes(model_type: str):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
 
         return m.Qwen2_5_VLModel, m.Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as m
+
+        return m.Qwen3VLMoeModel, m.Qwen3VLMoeVisionModel
     from transformers.models.qwen3_vl import modeling_qwen3_vl as m
 
     return m.Qwen3VLModel, m.Qwen3VLVisionModel
@@ -110,6 +115,12 @@ class VLMPolicy(TextPolicy):
                 raise ValueError(f"{int(mask.sum())} image pad tokens but {image_embeds.shape[0]} image embeddings")
             embeds = embeds.clone()
             embeds[mask] = image_embeds.to(embeds.dtype)
+            if features and isinstance(attention_mask, ContextParallelSegments):  # this rank's pads only
+                mine = attention_mask.query_position
+                pad_number = mask[:, 0].long().cumsum(0) - 1
+                local = mask.index_select(0, mine)
+                features = [f[pad_number[mine][local[:, 0]]] for f in features]
+                mask = local
             if features:
                 self._deepstack = (mask, list(features))
         try:
@@ -135,6 +146,12 @@ class VLMPolicy(TextPolicy):
         return {self.vision_prefix + k: v.detach() for k, v in self.visual.state_dict().items()}
 
 
+def checkpoint_vision_prefix(names) -> str:
+    """Where a VLM checkpoint keeps its vision tower's tensors: ``model.visual.`` (transformers 4.5x) or
+    ``visual.``."""
+    return "model.visual." if any(k.startswith("model.visual.") for k in names) else "visual."
+
+
 def build_vlm(
     hf_config: dict,
     spec: DecoderSpec,
@@ -146,6 +163,9 @@ def build_vlm(
     te: bool,
     freeze_vision: bool = True,
     attention: str = "fused",
+    moe: MoeOptions | None = None,
+    experts: ExpertLayout | None = None,
+    recompute: Recompute | None = None,
 ) -> VLMPolicy:
     """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
     rank's Megatron decoder."""
@@ -154,7 +174,7 @@ def build_vlm(
     config = transformers.AutoConfig.for_model(**hf_config)
     _, vision_cls = _classes(hf_config["model_type"])
     names = reader.names()
-    vision_prefix = "model.visual." if any(k.startswith("model.visual.") for k in names) else "visual."
+    vision_prefix = checkpoint_vision_prefix(names)
     with torch.device(device):
         visual = vision_cls._from_config(config.vision_config, dtype=dtype)
     vision_state = {k[len(vision_prefix) :]: reader.get(k) for k in names if k.startswith(vision_prefix)}
@@ -162,8 +182,8 @@ def build_vlm(
     if missing or unexpected:
         raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
     visual.to(device=device)
-    gpt = build_gpt(spec, tp, dtype, device, te, attention)
-    load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te))
+    gpt = build_gpt(spec, tp, dtype, device, te, attention, moe, recompute)
+    load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te, experts))
     policy = VLMPolicy(
         visual,
         gpt,

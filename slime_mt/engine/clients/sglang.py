@@ -27,6 +27,7 @@ import functools
 import logging
 import resource
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -173,8 +174,14 @@ class EngineClient:
             body["image_data"] = image_data
         body.update(extra)
         header = f"X-SMG-Routing-Key: {_header_value(route)}\r\n" if route else ""
+        where = self.url
+        if extra.get("return_routed_experts") and self.url not in self.worker_urls:
+            # sglang-router (0.3.2 and earlier) drops return_routed_experts and routed_experts_start_len:
+            # a request for routes goes to its trajectory's worker directly, always the same one, so the
+            # trajectory's prefix stays in that worker's cache
+            where = self.worker_urls[zlib.crc32((route or rid).encode()) % len(self.worker_urls)]
         with default_lane(f"route {route}" if route else None):
-            return await self._generate(self.url + "/generate", body, [rid], timeout, header=header)
+            return await self._generate(where + "/generate", body, [rid], timeout, header=header)
 
     async def generate_batch(
         self,

@@ -7,6 +7,9 @@ prefills only the rest, so the next turn of a trajectory (its prompt is the prev
 previous output and the observation) and a resumed turn prefill only their new tokens; the response
 reports the reused count as ``meta_info.cached_tokens``, as SGLang does.
 
+An MoE model's entries also keep their tokens' routes (``slime_mt/routes.py``): a request that reuses
+a prefix reports the routes it was computed with, as SGLang keeps them with its KV slots.
+
 The cache holds at most ``max_tokens`` tokens over all entries, least recently used evicted first.
 An entry that is a prefix of a newer one is dropped (the newer one covers it). A weight update
 clears it (states of the old weights must not be reused), as does ``/flush_cache``. Text models
@@ -43,6 +46,7 @@ class PrefixCache:
             raise ValueError(f"the engine's prefix cache size must be >= 0 tokens, got {max_tokens}")
         self.max_tokens = max_tokens
         self._entries: collections.OrderedDict[tuple[int, ...], KV] = collections.OrderedDict()
+        self._routes: dict[tuple[int, ...], torch.Tensor] = {}  # MoE: [len(key), moe_layers, top_k]
         self.tokens = 0  # held over all entries
         self.reused_tokens = 0  # served from the cache since the start
         self.hits = 0
@@ -53,20 +57,28 @@ class PrefixCache:
     def lookup(self, ids: list[int], limit: int) -> tuple[int, KV | None]:
         """The longest cached prefix of ``ids`` of at most ``limit`` tokens -> (its length, its KV
         (views of the entry: the caller must not write into them)), or (0, None)."""
+        n, kv, _ = self.match(ids, limit)
+        return n, kv
+
+    def match(self, ids: list[int], limit: int) -> tuple[int, KV | None, torch.Tensor | None]:
+        """``lookup``, with the routes of the reused tokens (MoE models; None otherwise)."""
         best, best_key = 0, None
         for key in self._entries:
             n = common_prefix(key, ids, limit)
             if n > best:
                 best, best_key = n, key
         if best_key is None:
-            return 0, None
+            return 0, None, None
         self._entries.move_to_end(best_key)
         self.hits += 1
         self.reused_tokens += best
-        return best, [(k[..., :best, :], v[..., :best, :]) for k, v in self._entries[best_key]]
+        routes = self._routes.get(best_key)
+        kv = [(k[..., :best, :], v[..., :best, :]) for k, v in self._entries[best_key]]
+        return best, kv, None if routes is None else routes[:best]
 
-    def insert(self, ids: list[int], kv: KV) -> None:
-        """Keep ``kv`` (the state of exactly ``ids``; owned by the cache from now on)."""
+    def insert(self, ids: list[int], kv: KV, routes: torch.Tensor | None = None) -> None:
+        """Keep ``kv`` (the state of exactly ``ids``; owned by the cache from now on) and, for an MoE
+        model, ``routes`` (one row per token of ``ids``)."""
         if not ids or len(ids) > self.max_tokens:
             return
         key = tuple(ids)
@@ -77,12 +89,15 @@ class PrefixCache:
             if other == key[: len(other)]:  # the new entry covers this one
                 self._drop(other)
         self._entries[key] = kv
+        if routes is not None:
+            self._routes[key] = routes
         self.tokens += len(key)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
     def clear(self) -> None:
         self._entries.clear()
+        self._routes.clear()
         self.tokens = 0
 
     def nbytes(self) -> int:
@@ -91,4 +106,5 @@ class PrefixCache:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         del self._entries[key]
+        self._routes.pop(key, None)
         self.tokens -= len(key)

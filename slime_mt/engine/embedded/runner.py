@@ -5,10 +5,15 @@ per layer, ``attention_mask [B, L]`` (1 = real token), ``positions [B]`` (next r
 for M-RoPE models the text position shared by the 3 axes, ``prompt_len + rope_delta``).
 Log-probs are ``log_softmax(logits / T)`` of the sampled token, as SGLang reports them
 (temperature applied, top-p/top-k/min-p not renormalised).
+
+MoE models: every forward pass records the experts each MoE layer's router chose for every token it
+processed (a hook on each router; ``slime_mt/routes.py``), and each sequence keeps its tokens' routes
+(``Sequence.routes``), as SGLang's ``--enable-return-routed-experts`` keeps them with the KV cache.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from slime_mt.engine.protocol import SamplingParams, expand_image_pads
 from slime_mt.engine.weights.checkpoint import checkpoint_files
 from slime_mt.errors import ProtocolError, WeightUpdateError
 from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
+from slime_mt.routes import RouteLayout
 
 
 @dataclass
@@ -37,6 +43,14 @@ class Sequence:
     position: int = 0  # next rotary position
     cached_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache
     epoch: int = 0  # the scheduler's weight updates when it was admitted
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, moe_layers, top_k] per forward, in order
+
+    def routed(self, layout: RouteLayout) -> torch.Tensor:
+        """The routes ``[prompt + outputs - 1, moe_layers, top_k]`` of every processed token but the last
+        of the sequence (MoE models), as SGLang answers them: a prefill that sampled nothing
+        (``max_new_tokens`` 0) processed the last prompt token too, and its row is not returned."""
+        rows = torch.cat(self.routes) if self.routes else layout.empty()
+        return rows[: max(0, len(self.prompt_ids) + len(self.output_ids) - 1)]
 
 
 class ModelRunner:
@@ -58,6 +72,33 @@ class ModelRunner:
         self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
         self.eos_ids = self._eos_ids()
         self.image_token_id = self.processor.image_token_id if self.is_vlm else None
+        self.route_layout = RouteLayout.of(self.config.to_dict())  # None: no experts
+        self._captured: dict[int, torch.Tensor] = {}
+        if self.route_layout is not None:
+            self._hook_routers()
+
+    def _hook_routers(self) -> None:
+        """A forward hook on each MoE layer's router records its top-k expert indices (its third
+        output) for the tokens of the current forward pass, by MoE layer."""
+        position = {layer: k for k, layer in enumerate(self.route_layout.moe_layers)}
+        for name, module in self.model.named_modules():
+            head, _, tail = name.rpartition(".layers.")
+            index, _, rest = tail.partition(".")
+            if head and rest == "mlp.gate" and index.isdigit() and int(index) in position:
+                k = position[int(index)]
+                module.register_forward_hook(lambda mod, args, out, k=k: self._captured.__setitem__(k, out[2]))
+
+    def _take_routes(self, tokens: int) -> torch.Tensor | None:
+        """The routes of the last forward pass's ``tokens`` tokens, ``[tokens, moe_layers, top_k]`` (None
+        for a model without experts)."""
+        layout = self.route_layout
+        if layout is None:
+            return None
+        captured, self._captured = self._captured, {}
+        if sorted(captured) != list(range(len(layout.moe_layers))):
+            raise RuntimeError(f"routes captured for MoE layers {sorted(captured)} of {len(layout.moe_layers)}")
+        routes = torch.stack([captured[k].reshape(tokens, layout.top_k) for k in range(len(layout.moe_layers))], 1)
+        return routes.to(device="cpu", dtype=layout.dtype)
 
     def _load_model(self) -> torch.nn.Module:
         if self.is_vlm:
@@ -114,12 +155,14 @@ class ModelRunner:
         vision: dict,
         input_logprob_start: int | None = None,
         past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        past_routes: torch.Tensor | None = None,
     ) -> tuple[DynamicCache, torch.Tensor]:
         """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
         Sets ``seq.position``; with ``input_logprob_start`` = s in [0, L), ``seq.input_logprobs`` for
         prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i).
         ``past``: the KV state of the prompt's first m tokens (a text model's cached prefix, m <= s
-        and m < L): only tokens m..L-1 are computed."""
+        and m < L): only tokens m..L-1 are computed; ``past_routes`` their routes (MoE models), which
+        ``seq.routes`` starts with."""
         ids = torch.tensor([seq.prompt_ids], device=self.device)
         kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
         if past:
@@ -137,7 +180,11 @@ class ModelRunner:
         length = len(seq.prompt_ids)
         start = length - 1 if input_logprob_start is None else input_logprob_start
         kwargs["logits_to_keep"] = length - start  # logits of positions start..L-1
+        self._captured = {}
         out = self.model(**kwargs)
+        routes = self._take_routes(kwargs["input_ids"].shape[1])
+        if routes is not None:
+            seq.routes = ([] if past_routes is None else [past_routes]) + [routes]
         logits = out.logits[0].float()  # [L - start, V]
         seq.position = length
         deltas = getattr(self.model.model, "rope_deltas", None) if self.is_vlm else None
@@ -157,9 +204,14 @@ class ModelRunner:
         mask = torch.cat([batch.attention_mask, torch.ones_like(last)], dim=1)  # [B, L+1]
         pos = torch.tensor([[s.position] for s in batch.seqs], device=self.device)  # [B, 1]
         position_ids = pos.unsqueeze(0).expand(3, -1, -1) if self.is_vlm else pos
+        self._captured = {}
         out = self.model(
             input_ids=last, attention_mask=mask, position_ids=position_ids, past_key_values=batch.cache, use_cache=True
         )
+        routes = self._take_routes(len(batch.seqs))
+        if routes is not None:
+            for row, s in enumerate(batch.seqs):
+                s.routes.append(routes[row : row + 1])
         batch.attention_mask = mask
         for s in batch.seqs:
             s.position += 1
@@ -254,13 +306,13 @@ class ModelRunner:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         aliases = _hf_name_aliases(params)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for name, tensor in named.items():
-            target = params.get(name) if name in params else params.get(aliases.get(name, ""))
-            if target is None:
-                raise WeightUpdateError(f"weight '{name}' is not a parameter of {type(self.model).__name__}")
             if not isinstance(tensor, torch.Tensor):
                 raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")
+            base, target, tensor = _target(params, aliases, name, tensor)
+            if target is None:
+                raise WeightUpdateError(f"weight '{name}' is not a parameter of {type(self.model).__name__}")
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightUpdateError(
                     f"weight '{name}': shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
@@ -269,10 +321,10 @@ class ModelRunner:
                 raise WeightUpdateError(
                     f"weight '{name}': dtype {tensor.dtype} cannot replace the model's {target.dtype}"
                 )
-            staged.append((target, tensor.to(dtype=target.dtype)))
-        for target, tensor in staged:  # same shape and dtype: a plain copy that cannot fail half-way
+            staged.append((base, target, tensor.to(dtype=target.dtype)))
+        for base, target, tensor in staged:  # same shape and dtype: a plain copy that cannot fail half-way
             target.copy_(tensor)
-            self._unloaded.discard(id(target))
+            self._unloaded.discard(id(base))
         return len(staged)
 
     def load_weights_from_disk(self, model_path: str) -> int:
@@ -362,6 +414,40 @@ def _filtered_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
     return probs
+
+
+_EXPERT = re.compile(r"^(?P<experts>.*\.mlp\.experts\.)(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _target(
+    params: dict[str, torch.Tensor], aliases: dict[str, str], name: str, tensor: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(the model's tensor, the part of it ``name`` writes, the tensor to write) for a checkpoint
+    name; (None, None, tensor) when the model has no such weight. transformers keeps MoE experts
+    fused (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``): a per-expert
+    checkpoint tensor writes its expert's rows of them, and the published fused layout (``[E, H, 2I]``,
+    ``[E, I, H]``, Qwen3-VL-MoE's) is transposed into them."""
+
+    def lookup(key: str) -> torch.Tensor | None:
+        return params.get(key) if key in params else params.get(aliases.get(key, ""))
+
+    found = lookup(name)
+    if found is not None:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and tensor.dim() == 3:
+            if tensor.shape != found.shape and tensor.transpose(1, 2).shape == found.shape:
+                return found, found, tensor.transpose(1, 2)
+        return found, found, tensor
+    expert = _EXPERT.match(name)
+    if expert is None:
+        return None, None, tensor
+    proj, index = expert["proj"], int(expert["index"])
+    fused = lookup(expert["experts"] + ("down_proj" if proj == "down_proj" else "gate_up_proj"))
+    if fused is None or fused.dim() != 3 or index >= fused.shape[0]:
+        return None, None, tensor
+    if proj == "down_proj":
+        return fused, fused[index], tensor
+    inter = fused.shape[1] // 2
+    return fused, fused[index, :inter] if proj == "gate_proj" else fused[index, inter:], tensor
 
 
 def _hf_name_aliases(params: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -304,11 +304,11 @@ class Scheduler:
             start = req.logprob_start_len if req.return_logprob else None
             if start is not None and start < 0:
                 start = len(seq.prompt_ids) - 1  # SGLang's default: the last prompt token
-            past = None
+            past = past_routes = None
             if self.prefix_cache is not None:  # at least the last prompt token is computed, and every
                 limit = len(seq.prompt_ids) - 1 if start is None else start  # requested input log-prob
-                seq.cached_tokens, past = self.prefix_cache.lookup(seq.prompt_ids, limit)
-            cache, logits = self.runner.prefill(seq, vision, start, past)
+                seq.cached_tokens, past, past_routes = self.prefix_cache.match(seq.prompt_ids, limit)
+            cache, logits = self.runner.prefill(seq, vision, start, past, past_routes)
             if not generates:
                 self._settle(job, finish_length(0))
                 return
@@ -343,6 +343,12 @@ class Scheduler:
         if req.return_logprob and req.logprob_start_len >= len(prompt_ids):
             raise ProtocolError(
                 f"logprob_start_len={req.logprob_start_len} is not below the number of input tokens ({len(prompt_ids)})"
+            )
+        if req.return_routed_experts and self.runner.route_layout is None:
+            raise ProtocolError(f"return_routed_experts: the served model {self.runner.model_path} has no experts")
+        if req.return_routed_experts and req.routed_experts_start_len > len(prompt_ids):
+            raise ProtocolError(
+                f"routed_experts_start_len={req.routed_experts_start_len} is past the {len(prompt_ids)} input tokens"
             )
         generator = self._generator
         if sampling.sampling_seed is not None:
@@ -464,7 +470,9 @@ class Scheduler:
 
     def _remember(self, seq: Sequence, kv) -> None:
         if self.prefix_cache is not None and seq.epoch == self._epoch:  # no state of older weights
-            self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv)
+            layout = self.runner.route_layout
+            routes = seq.routed(layout) if layout is not None else None
+            self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv, routes)
 
     def _job_of(self, seq: Sequence) -> Job:
         return self._running[id(seq)]
@@ -530,4 +538,18 @@ class Scheduler:
                 ]
         if req.return_prompt_token_ids and seq is not None:
             meta["prompt_token_ids"] = list(seq.prompt_ids)
+        if req.return_routed_experts:
+            meta["routed_experts"] = self._wire_routes(seq, req.routed_experts_start_len)
+            meta["routed_experts_start_len"] = req.routed_experts_start_len
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def _wire_routes(self, seq: Sequence | None, start: int) -> str:
+        """SGLang's ``routed_experts``: the routes of tokens ``[start, prompt + output - 1)`` over every
+        decoder layer (-1 in dense ones), int32, base64."""
+        layout = self.runner.route_layout
+        if layout is None:
+            return ""
+        rows = seq.routed(layout)[start:] if seq is not None else layout.empty()
+        wire = torch.full((len(rows), layout.num_layers, layout.top_k), -1, dtype=torch.int32)
+        wire[:, list(layout.moe_layers)] = rows.to(torch.int32)
+        return layout.encode(wire)

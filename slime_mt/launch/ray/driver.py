@@ -51,6 +51,13 @@ def plan_of(cfg: Config, use_gpus: bool) -> Plan:
             f"--tensor-model-parallel-size={tp} must divide the trainer's {result.trainer_ranks} ranks "
             f"(--actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    t = cfg.train
+    ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel_size or tp
+    if result.trainer_ranks % (ep * etp):
+        raise ConfigError(
+            f"--expert-model-parallel-size={ep} x --expert-tensor-parallel-size={etp} must divide the trainer's "
+            f"{result.trainer_ranks} ranks"
+        )
     if e.engine == "local" and use_gpus and c.rollout_num_gpus_per_engine != 1:
         raise ConfigError("--rollout-num-gpus-per-engine: the embedded engine (--engine local) runs on one device")
     return result
@@ -192,6 +199,7 @@ def trainer_actors(placement: Placement) -> list:
 def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
     """One EngineActor per engine, in the bundle of its first device and showing only its devices;
     Ray restarts one whose process dies (the rollout role starts its engine again)."""
+    from slime_mt.engine.launch import engine_config_for
     from slime_mt.launch.ray.actors import EngineActor
 
     no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
@@ -202,7 +210,7 @@ def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
             slots[0].bundle,
             0,
             [s.gpu for s in slots if s.gpu is not None],
-            cfg.engine,
+            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay),
             cfg.train.hf_checkpoint,
             cfg.train.seed + e,
             str(log_dir),

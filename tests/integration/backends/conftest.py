@@ -1,10 +1,14 @@
 """The Megatron worlds of the backend tests (``megatron_worlds.WORLDS``): each launched once per pytest
 session, when a test first reads it, and read by every module that needs it (megatron is imported once
 per launch, not per test or module). ``megatron_dir`` holds what the worlds write (results, the TP
-matrix, the DP runs, the resharded checkpoints)."""
+matrix, the DP runs, the resharded checkpoints). Each world is the session fixture ``megatron_NAME``."""
 
 import pytest
-from megatron_worlds import launch_world
+from megatron_worlds import WORLDS, launch_world, world_name
+
+# a world that reads what another saved is launched after it: TP=2's reshard_load reads the checkpoint
+# TP=1 saved, DP=2's the one TP=2 saved again, and EP=1's resume the one EP=2 saved
+AFTER = {"tp2": "tp1", "dp2": "tp2", "ep1_resume": "ep2"}
 
 
 @pytest.fixture(scope="session")
@@ -12,28 +16,21 @@ def megatron_dir(session_dir):
     return session_dir("megatron")
 
 
-@pytest.fixture(scope="session")
-def megatron_tp1(megatron_dir):
-    return launch_world("tp1", megatron_dir)
+def _world(name: str):
+    def launched(request, megatron_dir):
+        if name in AFTER:
+            request.getfixturevalue(f"megatron_{AFTER[name]}")
+        return launch_world(name, megatron_dir)
+
+    launched.__doc__ = f"The results of the {name!r} world (megatron_worlds.WORLDS)."
+    return pytest.fixture(scope="session", name=f"megatron_{name}")(launched)
 
 
-@pytest.fixture(scope="session")
-def megatron_tp1_models(megatron_dir):
-    return launch_world("tp1_models", megatron_dir)
+for _name in WORLDS:
+    globals()[f"_megatron_{_name}"] = _world(_name)
 
 
-@pytest.fixture(scope="session")
-def megatron_tp2(megatron_dir, megatron_tp1):
-    """TP=2 (its reshard_load reads the checkpoint the TP=1 world saved)."""
-    return launch_world("tp2", megatron_dir)
-
-
-@pytest.fixture(scope="session")
-def megatron_dp2(megatron_dir, megatron_tp2):
-    """TP=1 x DP=2 (its reshard_load reads the checkpoint the TP=2 world saved again)."""
-    return launch_world("dp2", megatron_dir)
-
-
-@pytest.fixture(scope="session")
-def megatron_tp2dp2(megatron_dir):
-    return launch_world("tp2dp2", megatron_dir)
+@pytest.fixture
+def world_of(request):
+    """``world_of(name, kind)``: the results of the launch whose ``name`` checks ran family ``kind``."""
+    return lambda name, kind: request.getfixturevalue(f"megatron_{world_name(name, kind)}")

@@ -1,5 +1,6 @@
 """Checkpoints: a bitwise resume that survives a killed save, bf16 checkpoints with their fp32 main
-parameters and optimizer state, and resharding TP=1 -> TP=2 -> TP=1 (TP=1 x DP=2)."""
+parameters and optimizer state, resharding TP=1 -> TP=2 -> TP=1 (TP=1 x DP=2), and the distributed
+optimizer's shards scattered from and gathered into the same HF-named checkpoint."""
 
 import json
 
@@ -44,3 +45,23 @@ def test_checkpoints_reshard_tp1_to_tp2_to_tp1(megatron_dir, megatron_tp2, megat
     tp2 = torch.load(megatron_dir / "reshard_continued_tp2.pt", weights_only=True)
     for name in tp1:
         assert torch.allclose(tp1[name], tp2[name], rtol=0, atol=1e-5), name
+
+
+def test_the_distributed_optimizer_resumes_a_replicated_checkpoint_and_saves_it_bit_for_bit(megatron_dir, megatron_dp2):
+    """DP=2 with --use-distributed-optimizer loads the TP=1 checkpoint (each rank its shard of the main
+    weights and Adam's moments) and saves it again: the same files, bit for bit (so a run resumes it at
+    any layout, sharded or not); and its next step is TP=1's."""
+    root = megatron_dir / "reshard"
+    a, d = (root / x / (root / x / "latest").read_text() for x in "ad")
+    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
+        first, again = load_hf_state(a / sub), load_hf_state(d / sub)
+        assert first.keys() == again.keys() and len(first) > 0
+        for name in first:
+            assert torch.equal(first[name], again[name]), (sub, name)
+    saved = json.loads((d / "trainer_state.json").read_text())
+    assert saved["step"] == 2 and saved["optimizer_scalars"] == {"step": 2.0} and saved["layout"] == {"tp": 1, "dp": 2}
+    assert megatron_dp2["distopt_reshard"] == {"step": 3, "extra": {"layout": "tp1"}}
+    tp1 = torch.load(megatron_dir / "reshard_continued_tp1.pt", weights_only=True)
+    sharded = torch.load(megatron_dir / "reshard_continued_distopt_dp2.pt", weights_only=True)
+    for name in tp1:  # DP=2 sums the batch's gradient in two halves
+        assert torch.allclose(tp1[name], sharded[name], rtol=0, atol=1e-6), name

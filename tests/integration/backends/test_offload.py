@@ -1,10 +1,11 @@
-"""--offload (colocated): the trainer's state leaves the device and comes back bit for bit, TP=1 and TP=2."""
+"""--offload (colocated): the trainer's state leaves the device and comes back bit for bit, TP=1 and TP=2,
+with the replicated and the distributed optimizer."""
 
 import pytest
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-vl"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-vl", "qwen2_distributed_optimizer"])
 def test_offload_frees_the_device_and_onload_trains_on_bit_for_bit(request, tp, kind):
     """--offload (colocated): while offloaded the trainer's parameters, fp32 main parameters,
     gradients, optimizer state and reference model hold no device memory; onloaded, the next step's

@@ -7,13 +7,13 @@ from megatron_worlds import FAMILIES, REFUSED_ROPE, ROPE_CASES
 
 
 @pytest.mark.parametrize("kind", ["smollm2", *FAMILIES])
-def test_logits_match_transformers_and_export_round_trips(megatron_tp1_models, kind):
+def test_logits_match_transformers_and_export_round_trips(world_of, kind):
     """Against transformers' SDPA attention (the same fp32 arithmetic as the fused core attention)
     Megatron is exact to 1e-5; against an fp64 reference it is no further off than transformers' own
     fp32 results, eager and SDPA (which of the two is closer depends on the CPU's kernels: on one
     machine SDPA's error was 1.27x eager's). SmolLM2's residual stream reaches ~2.5e4, so any two fp32
     implementations are ~1e-4 apart on its logits: transformers' eager and SDPA differ by as much."""
-    r = megatron_tp1_models["families"][kind]
+    r = world_of("tp1_models", kind)["families"][kind]
     for seq in r["sequences"]:
         assert seq["vs_sdpa"] < 1e-5, seq
         assert seq["vs_fp64"] <= 1.05 * max(seq["hf_fp32_vs_fp64"], seq["hf_sdpa_fp32_vs_fp64"]) + 1e-6, seq

@@ -1,10 +1,13 @@
 """Weight updates in the middle of a turn (``--fully-async``): a real embedded engine over HTTP, the
 client's UpdateGate, new weights pushed while the turn generates. With ``--partial-rollout`` the
 turn keeps what it generated under version 0 and continues under version 1; without it the turn is
-generated again. Text and VLM (the images go with the resumed call)."""
+generated again. Text and VLM (the images go with the resumed call); with routing replay (the tiny
+Qwen3-MoE, ~6 s) each route row keeps the version that routed it."""
 
 import asyncio
+import json
 
+import httpx
 import pytest
 import torch
 from rollout_helpers import make_ctx, picture
@@ -16,6 +19,8 @@ from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
+from slime_mt.rollout.staleness import route_staleness_metrics, route_versions
+from slime_mt.routes import RouteLayout
 from slime_mt.types import Sample
 
 BUDGET = 160
@@ -23,10 +28,13 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": BUDGET}
 
 
 def new_weights(path) -> dict:
-    """Version 1: the model with its final norm scaled, so every log-prob moves."""
+    """Version 1: the model with its final norm scaled, so every log-prob moves, and (MoE) each router's
+    rows shifted by one expert, so every route of the first MoE layer moves (expert e -> e - 1)."""
     named = load_hf_state(path)
     norm = next(k for k in named if k.endswith("model.norm.weight") or k == "model.language_model.norm.weight")
     named[norm] = named[norm] * 1.7
+    for router in [k for k in named if k.endswith("mlp.gate.weight")]:
+        named[router] = named[router].roll(1, dims=0)
     return named
 
 
@@ -41,9 +49,10 @@ def prompt_of(kind):
     return [{"role": "user", "content": "Count from one to a hundred."}]
 
 
-def interrupted_episode(kind, path, partial):
-    """One single-turn episode whose turn a weight update interrupts after >= 8 generated tokens
-    -> (ctx, sample, engine); the engine (now version 1) is left running for the caller to stop."""
+def interrupted_episode(kind, path, partial, layout: RouteLayout | None = None):
+    """One single-turn episode whose turn a weight update interrupts after >= 8 generated tokens (with
+    the routes of ``layout``, R3) -> (ctx, sample, engine); the engine (now version 1) is left running
+    for the caller to stop."""
     engine = LocalEngine(path, max_batch_size=4).start()
     ctx = make_ctx(
         engine.url,
@@ -55,6 +64,7 @@ def interrupted_episode(kind, path, partial):
         rollout_max_context_len=4096,
     )
     ctx.client.gate = UpdateGate()
+    ctx.route_layout = layout
     named = new_weights(path)
 
     async def main():
@@ -136,6 +146,45 @@ def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version_and_log
         assert torch.allclose(weights, torch.exp(old - behaviour), rtol=1e-5)
         assert torch.allclose(weights[len(a) :], torch.ones(len(b)), atol=2e-3)  # version 1 scored by version 1
         assert (weights[: len(a)] - 1).abs().max() > 0.05  # version 0 tokens against their own, older log-probs
+    finally:
+        engine.stop()
+
+
+def routes_of(url, ids, layout: RouteLayout) -> torch.Tensor:
+    """The engine's routes of every token of ``ids`` but the last, under its current weights."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_routed_experts": True}
+    return layout.decode(httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]["routed_experts"])
+
+
+def test_routes_of_a_turn_resumed_across_a_weight_update_keep_the_version_that_routed_them(tiny_paths):
+    """R3 with --partial-rollout on the tiny Qwen3-MoE, version 1 routing every token elsewhere: the
+    rows the turn's first call returned are version 0's routing, the rest (from the last token before
+    the update on) version 1's, and ``route_versions`` says which is which."""
+    path = tiny_paths["qwen3-moe"]
+    layout = RouteLayout.of(json.loads((path / "config.json").read_text()))
+    ctx, sample, engine = interrupted_episode("qwen3-moe", path, partial=True, layout=layout)
+    try:
+        sample.validate()
+        first, second = ctx.client.calls
+        assert first["response"]["meta_info"][UPDATE_ABORT] is True and sample.metadata["partial_resumes"] == 1
+        a, b = first["response"]["output_ids"], second["response"]["output_ids"]
+        prompt = len(first["input_ids"])
+        # the resumed call asked for the rows from the first call's last token (which it did not process) on
+        assert second["response"]["meta_info"]["routed_experts_start_len"] == prompt + len(a) - 1
+        routes = sample.routed_experts
+        assert routes.shape == (len(sample.tokens) - 1, 1, 2)
+        before = prompt + len(a) - 1  # rows of the tokens the first call processed
+        assert route_versions(sample) == [0] * before + [1] * len(b)
+        now = routes_of(engine.url, sample.tokens, layout)
+        with LocalEngine(path, max_batch_size=2) as original:
+            then = routes_of(original.url, sample.tokens, layout)
+        assert now.shape == then.shape == routes.shape  # as SGLang: no row for the last token, even unsampled
+        assert (now.sort(-1).values != then.sort(-1).values).any(-1).all()  # the versions route every token apart
+        assert torch.equal(routes[:before], then[:before]) and torch.equal(routes[before:], now[before:])
+        assert route_staleness_metrics([sample], 1) == {
+            "rollout/route_version_gap_max": 1.0,
+            "rollout/route_version_gap_mean": before / len(routes),
+        }
     finally:
         engine.stop()
 

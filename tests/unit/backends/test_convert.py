@@ -42,7 +42,7 @@ def _round_trip(path, tp: int, te: bool) -> dict[str, torch.Tensor]:
     return dict(iter_megatron_to_hf(per_rank[0], spec, _Shards(per_rank, name_of), prefix, te))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2.5-vl", "qwen3-vl", "qwen3-moe", "qwen3-vl-moe"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("te", [False, True])
 def test_conversion_round_trips_per_family_tp_and_spec(tiny_paths, kind, tp, te):

@@ -1,0 +1,204 @@
+"""The memory one train rank needs, planned before the run (``--dry-run``; ``--gpu-memory-gb`` refuses a
+plan that cannot fit): parameters, gradients, optimizer state and activations, from the model's
+config, the layout (TP, CP, EP) and the tokens of one micro-batch.
+
+Static memory is exact: Megatron's DDP keeps fp32 gradient buffers (``grad_reduce_in_fp32``), Adam
+keeps two fp32 moments and, under ``--bf16``, fp32 main parameters (sharded over DP x CP, experts over
+their own DP group, with ``--use-distributed-optimizer``); a frozen vision tower has neither (its
+weights only), the KL reference model its weights only. Parameters per rank follow the sharding:
+vocabulary rows (padded) and the attention and MLP projections split over TP, experts over EP (and
+their own TP), norms and routers replicated; the vision tower replicated.
+
+Activations are what this project's layers keep for the backward pass, counted per token and layer
+with ``torch.autograd.graph.saved_tensors_hooks`` on the fused attention's path (Llama, Qwen2, Qwen3,
+Qwen3-MoE), for a layer of hidden size h, q/kv heads nq/nkv of size d and MLP width f (TP splits the
+heads and f; CP splits the tokens, and each CP rank keeps its row's gathered keys and values whole):
+
+    attention  6h + 4d + (4 nq d + 2 nkv d + nq) / tp + 2    (+ 3 (nq + nkv) d + nq + nkv with q/k norms)
+    dense MLP  5f / tp                                       MoE: k (2h + 5 f_expert / etp) + 4 E
+    recompute  full: h per recomputed chunk's input, and one chunk's whole activations while its
+               backward runs; selective core_attn: 2d + nq / tp fewer; mlp/moe: the MLP's terms
+    outside    2h + 57 per token (final norm, log-prob bookkeeping)
+
+The peak adds the larger of two working sets on top of what is kept: the log-probs' backward (2.5
+chunks of fp32 logits) and a layer's backward (its activations, recomputed under full recompute, and
+the gradients of them, about 0.3 of a layer's). Measured on CPU, glibc's malloc told to map each
+tensor on its own (``MALLOC_MMAP_THRESHOLD_``), what is not a tensor adds about 64 MiB. Beyond the
+plan a device needs its CUDA context and the allocator's slack (``--gpu-memory-gb`` keeps 2 GiB for
+them). The vision tower's activations (frozen: none kept) and the engines' memory (colocated engines
+release theirs while the trainer trains) are not in the plan; nor are pipeline stages yet (open
+issue). Checked against measured peaks: ``benchmarks/memory_plan.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from slime_mt.backends.megatron.actor import LOGIT_CHUNK_BYTES
+from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, padded_vocab
+from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
+
+GIB = 2**30
+# fp32 logit chunks alive at once while the log-probs' backward runs (logits, softmax, their gradient)
+LOGIT_PHASE_CHUNKS = 2.5
+# a layer's backward working set (the gradients of its activations), in layers' activations
+LAYER_BACKWARD = 0.3
+# what is not a tensor: module and optimizer objects, the allocator's bookkeeping (measured on CPU)
+RUNTIME_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one train rank holds at its peak, by part."""
+
+    params: int
+    grads: int
+    optimizer: int
+    reference: int
+    activations: int  # kept for the backward pass at the end of the forward
+    working: int  # the backward's working set or the logit chunks (the larger), on top of the activations
+    runtime: int  # what is not a tensor
+    tokens: int  # of one micro-batch on this rank
+
+    @property
+    def total(self) -> int:
+        parts = (self.params, self.grads, self.optimizer, self.reference, self.activations, self.working, self.runtime)
+        return sum(parts)
+
+    def lines(self) -> list[str]:
+        gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+        return [
+            f"parameters {gib(self.params)}, gradients {gib(self.grads)}, optimizer {gib(self.optimizer)}"
+            + (f", KL reference {gib(self.reference)}" if self.reference else ""),
+            f"activations {gib(self.activations)} for {self.tokens} tokens per micro-batch on this rank, "
+            f"backward working set {gib(self.working)}",
+            f"peak {gib(self.total)}",
+        ]
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Elements on one rank: ``trained`` get gradients and optimizer state, ``frozen`` only weights."""
+
+    trained: int
+    frozen: int
+    experts: int = 0  # of ``trained``: expert weights (their optimizer shards over the expert-DP group)
+
+
+def _sparse_layers(spec: DecoderSpec) -> list[bool]:
+    """Per decoder layer: an MoE layer."""
+    return spec.moe.sparse_layers if spec.moe else [False] * spec.num_layers
+
+
+def rank_parameters(spec: DecoderSpec, tp: int, moe: MoeOptions, vision: int = 0, vision_frozen=True):
+    """-> ParameterCount of one rank of the decoder (and the replicated vision tower, ``vision`` elements)."""
+    h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+    embedding = padded_vocab(spec.vocab_size, tp) // tp * h
+    n = embedding * (1 if spec.tie_embeddings else 2) + h  # + the final norm
+    qkv = (nq + 2 * nkv) * d
+    attention = 2 * h + (qkv * h + nq * d * h + (qkv if spec.qkv_bias else 0)) // tp + (2 * d if spec.qk_norm else 0)
+    experts = 0
+    for sparse in _sparse_layers(spec):
+        if sparse:
+            m = spec.moe
+            n += attention + m.num_experts * h
+            experts += m.num_experts // moe.expert_parallel * 3 * h * m.ffn_hidden_size // moe.expert_tp(tp)
+        else:
+            n += attention + 3 * h * spec.ffn_hidden_size // tp
+    trained = n + experts + (0 if vision_frozen else vision)
+    return ParameterCount(trained=trained, frozen=vision if vision_frozen else 0, experts=experts)
+
+
+def layer_activations(spec: DecoderSpec, tp: int, moe: MoeOptions, sparse: bool, modules: frozenset = frozenset()):
+    """Elements one layer keeps per token of this rank (``modules``: what selective recompute recomputes)
+    -> (per local token, per token of the whole row: the gathered keys and values under CP)."""
+    h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+    local = 6 * h + 4 * d + (4 * nq * d + nq) / tp + 2
+    if spec.qk_norm:
+        local += (3 * (nq + nkv) * d + nq + nkv) / tp
+    if "core_attn" in modules:
+        local -= 2 * d + nq / tp
+    if sparse:
+        m = spec.moe
+        mlp = m.topk * (2 * h + 5 * m.ffn_hidden_size / moe.expert_tp(tp)) + 4 * m.num_experts
+    else:
+        mlp = 5 * spec.ffn_hidden_size / tp
+    if not ({"moe"} if sparse else {"mlp"}) & modules:
+        local += mlp
+    return local, 2 * nkv * d / tp
+
+
+def plan_rank(
+    spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
+) -> RankMemory:
+    """The peak of one train rank of ``train`` (a ``TrainConfig``) on micro-batches of ``tokens``, among
+    ``data_parallel`` DP ranks (they share the optimizer's state under ``--use-distributed-optimizer``)."""
+    tp, cp = train.tensor_model_parallel_size, train.context_parallel_size
+    moe = MoeOptions.of(train)
+    b = 2 if train.bf16 else 4
+    count = rank_parameters(spec, tp, moe, vision, train.freeze_vision_tower)
+    weights = count.trained + count.frozen
+    optimized = count.trained  # elements of main weights and moments on this rank
+    if train.use_distributed_optimizer:  # sharded over DP x CP; experts over their own DP group
+        expert_dp = max(1, tp * cp * data_parallel // (moe.expert_parallel * moe.expert_tp(tp)))
+        dense = math.ceil((count.trained - count.experts) / (data_parallel * cp))
+        optimized = dense + math.ceil(count.experts / expert_dp)
+    local = math.ceil(tokens / (2 * cp)) * 2 if cp > 1 else tokens  # the zigzag pads to 2 cp chunks
+    row = local * cp
+    modules = (
+        frozenset(train.recompute_modules or ["core_attn"])
+        if train.recompute_granularity == "selective"
+        else frozenset()
+    )
+    per_layer = [layer_activations(spec, tp, moe, s, modules) for s in _sparse_layers(spec)]
+    whole = [a * local + kv * row for a, kv in per_layer]  # elements a layer keeps without full recompute
+    h = spec.hidden_size
+    if train.recompute_granularity == "full":
+        n = train.recompute_num_layers or 1
+        layers = spec.num_layers
+        if train.recompute_method == "block":  # the first n layers keep their input only
+            kept = h * local * min(n, layers) + sum(whole[n:])
+            recomputed = max(whole[:n], default=0)
+        else:  # uniform: every chunk of n layers keeps its input only
+            kept = h * local * math.ceil(layers / n)
+            recomputed = max(sum(whole[i : i + n]) for i in range(0, layers, n))
+    else:
+        kept, recomputed = sum(whole), 0
+    outside = (2 * h + 57) * local
+    vocab = padded_vocab(spec.vocab_size, tp) // tp
+    logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * local)
+    layer = (recomputed + LAYER_BACKWARD * max(whole)) * b
+    return RankMemory(
+        params=weights * b,
+        grads=count.trained * 4,
+        optimizer=optimized * (12 if train.bf16 else 8),
+        reference=weights * b if use_reference else 0,
+        activations=int((kept + outside) * b),
+        working=int(max(logits, layer)),
+        runtime=RUNTIME_BYTES,
+        tokens=local,
+    )
+
+
+def vision_parameters(reader) -> int:
+    """Elements of the vision tower in a checkpoint (a ``CheckpointReader``); 0 for a text model."""
+    names = reader.names()
+    prefix = checkpoint_vision_prefix(names)
+    return sum(math.prod(reader.shape(name)) for name in names if name.startswith(prefix))
+
+
+def fitting_layout(spec: DecoderSpec, train, tokens: int, budget: int, **kw) -> str | None:
+    """The first of: full recompute, then CP doubled (up to 8 times the given) without and with it,
+    whose plan fits ``budget`` bytes -> the flags that change, or None."""
+    cp = train.context_parallel_size
+    tries = [(cp, "full")] + [(cp * k, r) for k in (2, 4, 8) for r in (None, "full")]
+    for size, recompute in tries:
+        flags = dict(context_parallel_size=size, recompute_granularity=recompute)
+        flags.update(recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None)
+        if plan_rank(spec, dataclasses.replace(train, **flags), tokens, **kw).total <= budget:
+            named = [f"--context-parallel-size {size}"] if size != cp else []
+            if recompute:
+                named.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+            return " ".join(named)
+    return None
