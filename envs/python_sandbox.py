@@ -52,6 +52,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 from envs.base import BaseInteractionEnv
@@ -213,10 +214,12 @@ async def run_python(
             "--sandbox-allow-unisolated to run it with resource limits, a wall time, a fresh folder and a "
             "cleared environment only"
         )
-    root = tempfile.mkdtemp(prefix="slime-mt-sandbox-")
-    read_only = [*SYSTEM_READ_ONLY, *interpreter_paths()]
+    # off the event loop: the paths and the limits (RLIMIT_NPROC counts this user's processes in /proc,
+    # thousands on a busy node); many runs started at once then spawn in turns, the loop ticking between
+    read_only, rlimits = await asyncio.to_thread(lambda: ([*SYSTEM_READ_ONLY, *interpreter_paths()], _rlimits(limits)))
     if isolate and any(p == WORKDIR or p.startswith(WORKDIR + "/") for p in read_only):
         raise RuntimeError(f"python sandbox: the interpreter lives under {WORKDIR}, the sandbox's working folder")
+    root = tempfile.mkdtemp(prefix="slime-mt-sandbox-")
     status_read, status_write = os.pipe()
     report_read, report_write = os.pipe() if report else (None, None)
     config = {
@@ -231,13 +234,13 @@ async def run_python(
         "report_fd": report_write,
         "workdir_bytes": limits.workdir_mb * 2**20,
         "pid_max": max(limits.processes, 301) if isolate else 0,
-        "rlimits": _rlimits(limits),
+        "rlimits": rlimits,
     }
     command = [sys.executable, "-I", "-S", str(INIT), json.dumps(config)]
     if isolate:
         command = [shutil.which("unshare"), *_UNSHARE_FLAGS, *command]
-    process = await asyncio.create_subprocess_exec(
-        *command,
+    process = await _spawn(
+        command,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -288,6 +291,18 @@ async def run_python(
         isolated=isolate,
         escaped=escaped,
     )
+
+
+_SPAWNING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+async def _spawn(command: list[str], **kwargs) -> asyncio.subprocess.Process:
+    """Start ``command``, one spawn at a time per event loop: a spawn holds the loop (fork, exec, the
+    child watcher), tens of milliseconds on a loaded machine, and a batch of tool calls starts many runs
+    at once; in turns, the loop serves its other work between two."""
+    lock = _SPAWNING.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+    async with lock:
+        return await asyncio.create_subprocess_exec(*command, **kwargs)
 
 
 def _read_status(fd: int) -> int | str | None:
