@@ -14,6 +14,7 @@ run), fails the session after the summary, which prints each tier's test count a
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -69,9 +70,22 @@ def _guarded_socket_method(name: str, original):
     return method
 
 
+@functools.cache
+def _library_set_up() -> None:
+    """What a library the unit tests use does once per machine, done before the guard: matplotlib lists
+    the system's fonts with ``fc-list`` (a subprocess) when it finds no font cache (a fresh machine or
+    home), then caches them."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _unit_guard() -> ExitStack:
     """Patches that make a unit test fail when it starts what it may not; undone by closing the stack."""
     import multiprocessing.process
+
+    _library_set_up()
 
     import torch.distributed
 
