@@ -370,6 +370,11 @@ class TrainConfig:
     )
     log_routing_replay_gap: bool = _opt(False, "R3: also log the log-prob gap without replay (one more forward).")
     context_parallel_size: int = _opt(1, "Ranks each packed row is split over (zigzag; the fused attention).")
+    sequence_parallel: bool = _opt(
+        False,
+        "Megatron's sequence parallelism: under TP, norms and the residual stream hold 1/TP of the row's "
+        "tokens on each TP rank (off at TP=1, as Megatron's).",
+    )
     recompute_granularity: str | None = _opt(None, "Activation recompute.", choices=["full", "selective"])
     recompute_method: str | None = _opt(None, "Full recompute: which layers.", choices=["uniform", "block"])
     recompute_num_layers: int | None = _opt(None, "Full recompute: layers per chunk (uniform) or recomputed (block).")

@@ -162,6 +162,17 @@ def _validate_context_parallel(t) -> None:
     )
 
 
+def _validate_sequence_parallel(t) -> None:
+    """Sequence parallelism splits flat packed rows over the TP ranks."""
+    if t.sequence_parallel and t.tensor_model_parallel_size > 1:
+        _require(
+            not t.shared_prefix_training,
+            "sequence_parallel",
+            True,
+            "does not split prefix trees yet: leave out --shared-prefix-training",
+        )
+
+
 def _validate_recompute(t) -> None:
     """Megatron's rules for activation recompute, by flag name: full needs a method and a layer count,
     selective takes modules only."""
@@ -280,6 +291,7 @@ def validate(cfg: Config) -> None:
     _validate_routing_replay(cfg)
     _validate_recompute(cfg.train)
     _validate_context_parallel(cfg.train)
+    _validate_sequence_parallel(cfg.train)
     for key in (
         "tensor_model_parallel_size",
         "context_parallel_size",

@@ -59,7 +59,9 @@ class TrainRole:
         self.actor.kept_log_probs = {}  # a skipped step trains nothing and keeps none
         started = time.time()
         if share.trainable:
-            with maybe_span(self.timeline, "train step", "train", lane="train", step=step):
+            with maybe_span(
+                self.timeline, "train step", "train", lane="train", step=step, layout=self.actor.layout_name
+            ):
                 metrics = self.actor.train(share, on_policy=self.on_policy)
         else:
             logger.warning("step %d: no trainable token in the batch; the step is skipped", step)

@@ -91,11 +91,11 @@ def test_one_process_torchrun_and_ray_run_the_same_driver_alike(straight, torchr
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ray"])
 def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, request):
-    """--fully-async at TP=2, under torchrun and on four Ray nodes: rank 0's manager feeds both ranks,
-    the weights reach the engine mid-generation (on Ray: broadcast to two engines on two other nodes,
-    behind the router, while two rollout processes generate), every group is trained once and no
-    token is staler than S=1."""
-    flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
+    """--fully-async at TP=2 with sequence parallelism, under torchrun and on four Ray nodes: rank 0's
+    manager feeds both ranks, the weights reach the engine mid-generation (on Ray: broadcast to two
+    engines on two other nodes, behind the router, while two rollout processes generate), every group
+    is trained once and no token is staler than S=1."""
+    flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis", "--sequence-parallel"]
     flags += ["--save-debug-rollout-data", dump_template(tmp_path)]
     if launcher == "ray":
         cluster = request.getfixturevalue("three_nodes")
@@ -139,6 +139,7 @@ def check_fully_async_records(run_dir: Path, rows: list[dict]) -> None:
     for rank in (0, 1):
         train = lanes[(f"trainer rank {rank}", "train")]
         assert [e["args"]["step"] for e in train if e["name"] == "train step"] == [0, 1, 2]
+        assert {e["args"]["layout"] for e in train if e["name"] == "train step"} == {"TP=2 (SP) CP=1 EP=1 DP=1"}
         assert [e["args"]["version"] for e in train if e["name"] == "export weights"] == [1, 2, 3]
     dumps = [load_dump(dump_path(dump_template(run_dir), k)) for k in range(3)]
     assert [sorted({s["group_index"] for s in d["samples"]}) for d in dumps] == [r["trained_groups"] for r in rows]

@@ -31,6 +31,7 @@ from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
 SELECTED = FAMILIES  # the families this launch's checks run (--families)
+SEQUENCE_PARALLEL = False  # --sp: the matrix and load-balancing checks train with --sequence-parallel
 ALGO = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, use_tis=True, tis_clip=2.0)
 TEMPERATURE = 0.8
 
@@ -192,10 +193,10 @@ def replicated_spread(actor) -> float:
 
 def layout_tag(info) -> str:
     """``tp2``, or ``tp2_ep2`` in an expert-parallel world (``tp2_ep2_etp1`` when experts are not split
-    like the TP), ``_cp2`` added under context parallelism."""
+    like the TP), ``_cp2`` added under context parallelism, ``_sp`` under sequence parallelism."""
     tag = f"tp{info.tp_size}" + (f"_ep{info.ep_size}" if info.ep_size > 1 else "")
     tag += f"_etp{info.etp_size}" if info.etp_size != info.tp_size else ""
-    return tag + (f"_cp{info.cp_size}" if info.cp_size > 1 else "")
+    return tag + (f"_cp{info.cp_size}" if info.cp_size > 1 else "") + ("_sp" if SEQUENCE_PARALLEL else "")
 
 
 def planned_parameters(actor, path) -> dict:
@@ -227,7 +228,13 @@ def check_matrix(args, info, out):
         for suffix, (batch, replay) in runs.items():
             # lr 1e-5 (RL scale): Adam turns near-zero gradients into lr-sized steps, so fp32 reduction-order
             # noise in them shows up in the weights in proportion to lr
-            train = TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2, use_rollout_routing_replay=replay)
+            train = TrainConfig(
+                lr=1e-5,
+                clip_grad=1.0,
+                micro_batch_size=2,
+                use_rollout_routing_replay=replay,
+                sequence_parallel=SEQUENCE_PARALLEL,
+            )
             actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
             if not suffix:  # the memory plan's parameters of this rank against the built model's
                 out.setdefault("parameters", {})[kind] = planned_parameters(actor, path)
@@ -243,7 +250,7 @@ def check_aux_loss(args, info, out):
     tokens' share of the row's) -> ``aux_TAG.pt``."""
     path = tiny_model_dir("qwen3-moe")
     samples = matrix_batch(path, "qwen3-moe")
-    train = TrainConfig(lr=1e-5, micro_batch_size=2, moe_aux_loss_coef=0.01)
+    train = TrainConfig(lr=1e-5, micro_batch_size=2, moe_aux_loss_coef=0.01, sequence_parallel=SEQUENCE_PARALLEL)
     actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
     sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
     decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
@@ -256,12 +263,14 @@ def check_aux_loss(args, info, out):
 
 def _matrix_run(actor, samples) -> dict:
     """One sample at a time: log-probs and entropies; then one step of the whole batch."""
-    logprobs, entropies = [], []
+    logprobs, entropies, pads = [], [], []
     with torch.no_grad():
         for i in range(len(samples)):
-            lp, ent = actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE)
+            row = actor.pack(samples, [i])
+            lp, ent = actor._logprobs(actor.policy, row, True, TEMPERATURE)
             logprobs.append(lp.tolist())
             entropies.append(ent.tolist())
+            pads.append(row.pad)
     sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
     decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
     grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
@@ -275,6 +284,8 @@ def _matrix_run(actor, samples) -> dict:
         "replicated_spread": replicated_spread(actor),
         "weights": actor.export_hf(),
         "replayed_routes": sums.get("routing_replay_routes", 0.0),
+        "sequence_parallel": bool(actor.policy.config.sequence_parallel),
+        "row_pads": pads,  # tokens sequence parallelism padded each one-sample row with
     }
 
 
@@ -324,7 +335,13 @@ def check_recompute(args, info, out):
         for case, flags in RECOMPUTE_CASES.items():
             if case == "selective_moe" and not moe:
                 continue
-            train = TrainConfig(lr=1e-5, micro_batch_size=2, use_rollout_routing_replay=moe, **flags)
+            train = TrainConfig(
+                lr=1e-5,
+                micro_batch_size=2,
+                use_rollout_routing_replay=moe,
+                sequence_parallel=SEQUENCE_PARALLEL,
+                **flags,
+            )
             actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
             with torch.no_grad():
                 rows = [actor._logprobs(actor.policy, actor.pack(samples, [i]), True, TEMPERATURE) for i in range(4)]
@@ -1132,7 +1149,11 @@ def check_dispatchers(args, info, out):
             dispatcher: step_outputs(
                 path,
                 TrainConfig(
-                    lr=1e-5, micro_batch_size=len(samples), moe_token_dispatcher_type=dispatcher, moe_aux_loss_coef=0.01
+                    lr=1e-5,
+                    micro_batch_size=len(samples),
+                    moe_token_dispatcher_type=dispatcher,
+                    moe_aux_loss_coef=0.01,
+                    sequence_parallel=SEQUENCE_PARALLEL,
                 ),
                 samples,
                 ADVANTAGES,
@@ -1520,14 +1541,16 @@ def main():
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism in the matrix and aux-loss checks")
     parser.add_argument("--families", choices=["all", "dense", "moe"], default="all")
     parser.add_argument("--checks", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--samples", help="train_file: a torch-saved dict of samples written by a test")
     parser.add_argument("--name", help="results_NAME.json (default: results_tpTP_worldWORLD.json)")
     args = parser.parse_args()
-    global SELECTED
+    global SELECTED, SEQUENCE_PARALLEL
     SELECTED = {"all": FAMILIES, "dense": DENSE_FAMILIES, "moe": MOE_FAMILIES}[args.families]
+    SEQUENCE_PARALLEL = args.sp
     info = init_parallel(args.tp, seed=1234, ep_size=args.ep, etp_size=args.etp, cp_size=args.cp)
     out = {}
     for name in args.checks.split(","):

@@ -59,16 +59,20 @@ WORLDS = {
     "dp2": (1, 2, "dp,reshard_load,distopt_reshard", []),
     "tp2dp2": (2, 4, "dp", []),
     "ep2": (1, 2, "matrix,moe_reshard_save,export_ranks,dispatchers,ep_rows", ["--ep", "2"]),
-    "tp2ep2": (2, 4, "matrix", ["--ep", "2"]),
+    # TP=2 with sequence parallelism (SP on == off at TP=2: test_sequence_parallel.py); the 4-rank worlds
+    # run it too, as TP > 1 runs do (Megatron's MoE needs it with EP and TP)
+    "tp2sp": (2, 2, "matrix", [*DENSE, "--sp"]),
+    "tp2sp_moe": (2, 2, "matrix,aux_loss", [*MOE, "--sp"]),
+    "tp2ep2sp": (2, 4, "matrix,dispatchers", ["--ep", "2", "--sp"]),
     "tp2ep2_etp1": (2, 2, "matrix", ["--ep", "2", "--etp", "1"]),  # MoE parallel folding: EP over TP ranks
     "ep1_resume": (1, 1, "moe_reshard_load,ep_rows", []),
     # context parallelism (the zigzag split of every row): CP=2 for every family, TP=2 x CP=2 dense
     "cp2": (1, 2, "matrix", [*DENSE, "--cp", "2"]),
     "cp2_moe": (1, 2, "matrix,aux_loss", [*MOE, "--cp", "2"]),
-    "tp2cp2": (2, 4, "matrix", [*DENSE, "--cp", "2"]),
+    "tp2cp2sp": (2, 4, "matrix", [*DENSE, "--cp", "2", "--sp"]),
     # activation recompute against none: a text and a VLM of each kind at TP=1 and TP=2, MoE at EP=2
     "recompute": (1, 1, "recompute", []),
-    "tp2_recompute": (2, 2, "recompute", []),
+    "tp2_recompute": (2, 2, "recompute", ["--sp"]),  # recompute under TP with sequence parallelism, as run
     "ep2_recompute": (1, 2, "recompute", ["--ep", "2"]),
 }
 

@@ -130,6 +130,10 @@ def test_cli_values_are_typed():
     assert (long.context_parallel_size, long.transformer_impl) == (4, "local")
     assert (long.recompute_granularity, long.recompute_method, long.recompute_num_layers) == ("full", "block", 2)
     assert parse_config([]).train.transformer_impl == "transformer_engine"  # Megatron's default
+    # slime's recipes pass --sequence-parallel at every TP size; at TP=1 it is off, as Megatron's
+    assert parse_config(["--sequence-parallel"]).train.sequence_parallel
+    assert parse_config(["--sequence-parallel", "--shared-prefix-training"]).train.shared_prefix_training
+    assert not parse_config([]).train.sequence_parallel
 
 
 def test_cli_beats_yaml_and_custom_config_path_beats_config(tmp_path):
@@ -254,6 +258,10 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (
             ["--context-parallel-size", "2", "--shared-prefix-training"],
             r"--context-parallel-size=2: does not split prefix trees yet",
+        ),
+        (
+            ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--shared-prefix-training"],
+            r"--sequence-parallel=True: does not split prefix trees yet",
         ),
         (["--recompute-method", "uniform"], r"--recompute-method='uniform': needs --recompute-granularity full"),
         (

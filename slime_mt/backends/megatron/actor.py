@@ -65,7 +65,7 @@ from slime_mt.backends.megatron.moe import (
     sum_sequence_sharded_grads,
 )
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
-from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, tree_keys
+from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, sp_pad, tree_keys
 from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
@@ -98,6 +98,7 @@ class MegatronActor:
         self.device = current_device()
         self.dtype = torch.bfloat16 if train.bf16 else torch.float32
         self.te = train.transformer_impl == "transformer_engine" and have_transformer_engine()
+        self.sequence_parallel = train.sequence_parallel and info.tp_size > 1  # Megatron's: off at TP=1
         self.hf_config = read_hf_config(hf_path)
         self.spec = decoder_spec(self.hf_config, f"{hf_path}/config.json")
         # the experts' placement is the parallel state's (the flags made it); the rest is the flags'
@@ -110,6 +111,10 @@ class MegatronActor:
             raise ModelConfigError(
                 "--shared-prefix-training needs the fused local attention (--local-attention fused, and "
                 "--transformer-impl local where Transformer Engine imports)"
+            )
+        if self.sequence_parallel and train.shared_prefix_training:
+            raise ModelConfigError(
+                "--sequence-parallel does not split prefix trees yet: leave out --shared-prefix-training"
             )
         if info.cp_size > 1 and self.te:
             raise ModelConfigError(
@@ -187,6 +192,7 @@ class MegatronActor:
                 moe=self.moe,
                 experts=self.experts,
                 recompute=None if frozen else Recompute.of(self.train_cfg),
+                sequence_parallel=self.sequence_parallel,
             )
         else:
             gpt = build_gpt(
@@ -198,6 +204,7 @@ class MegatronActor:
                 self.train_cfg.local_attention,
                 self.moe,
                 None if frozen else Recompute.of(self.train_cfg),  # a frozen model has no backward
+                self.sequence_parallel,
             )
             load_into(gpt, self.iter_megatron_tensors(reader))
             model = TextPolicy(gpt)
@@ -226,6 +233,13 @@ class MegatronActor:
         fused attention or a dense mask for Megatron's."""
         return "thd" if self.te else ("segments" if self.train_cfg.local_attention == "fused" else "dense")
 
+    @property
+    def layout_name(self) -> str:
+        """This rank's parallel layout, as the trace names it: ``TP=2 (SP) CP=1 EP=1 DP=2``."""
+        i = self.info
+        sp = " (SP)" if self.sequence_parallel else ""
+        return f"TP={i.tp_size}{sp} CP={i.cp_size} EP={i.ep_size} DP={i.dp_size}"
+
     def pack(self, samples: list[TrainingSample], indices: list[int], replay: bool = True) -> PackedRow:
         """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with
         ``--shared-prefix-training``), with the engine's routes under ``--use-rollout-routing-replay``
@@ -239,7 +253,10 @@ class MegatronActor:
                 [replay_targets(samples[i].routed_experts, n, moe, top_k) for i, n in zip(indices, row.lengths)]
             )
         if self.info.cp_size > 1:  # this rank's share of the row
-            row = cp_share(row, self.info.cp_size, self.info.cp_rank, self._cp_group())
+            tp = self.info.tp_size if self.sequence_parallel else 1
+            row = cp_share(row, self.info.cp_size, self.info.cp_rank, self._cp_group(), tp)
+        elif self.sequence_parallel:  # each TP rank a slice of the row
+            row = sp_pad(row, self.info.tp_size)
         return row.to(self.device)
 
     def _cp_group(self):
@@ -469,7 +486,8 @@ class MegatronActor:
         finalize_model_grads([self.model])
         if self.spec.moe is None:
             return self._dp_sum(sums)
-        sum_sequence_sharded_grads(self.policy, self._tp_group())
+        if not self.sequence_parallel:  # under SP finalize_model_grads summed them
+            sum_sequence_sharded_grads(self.policy, self._tp_group())
         totals = self._dp_sum(sums)
         totals.update(router_metrics(self.policy, trained_rows, self.device))
         if self.train_cfg.use_rollout_routing_replay:  # every rank routed its own tokens: sum over all

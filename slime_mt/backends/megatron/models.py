@@ -39,6 +39,12 @@ from slime_mt.backends.megatron.moe import shard_moe_layers
 from slime_mt.backends.megatron.parallel import current_device
 from slime_mt.backends.megatron.recompute import Recompute
 from slime_mt.backends.megatron.rope import PositionRotary, rope_frequencies
+from slime_mt.backends.megatron.sequence_parallel import (
+    SequenceParallelNorm,
+    gather_sequence,
+    scatter_sequence,
+    use_sequence_parallel_norms,
+)
 from slime_mt.errors import ModelConfigError, RopeConfigError
 from slime_mt.routes import sparse_layers
 
@@ -237,8 +243,10 @@ def transformer_config(
     moe: MoeOptions | None = None,
     te: bool = False,
     recompute: Recompute | None = None,
+    sequence_parallel: bool = False,
 ):
-    """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels)."""
+    """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels);
+    ``sequence_parallel`` under TP > 1 only (``sequence_parallel.py``)."""
     from megatron.core.transformer import TransformerConfig
 
     check_tp(spec, tp, moe)
@@ -281,7 +289,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and tp > 1,
         use_cpu_initialization=not gpu,
         perform_initialization=False,
         params_dtype=dtype,
@@ -352,8 +360,10 @@ def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused", config=Non
     """Transformer Engine's layer spec, else Megatron's local one with ``attention``: ``fused``
     (``attention.FusedCoreAttention``, PyTorch's fused kernels, no ``[L, L]`` scores) or ``megatron``
     (its ``DotProductAttention``, which materialises them; kept as the reference). An MoE decoder gets
-    Megatron's block spec (``config``'s layer pattern: MoE and dense layers)."""
+    Megatron's block spec (``config``'s layer pattern: MoE and dense layers). Under sequence
+    parallelism the local spec's norms are ``SequenceParallelNorm`` (a block spec: the final one too)."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}: use one of {ATTENTION}")
@@ -371,6 +381,12 @@ def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused", config=Non
 
         for layer in layers:  # the block's layers may share one spec object
             layer.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+    if config is not None and config.sequence_parallel and not te:
+        use_sequence_parallel_norms(layers)
+        if isinstance(block, TransformerBlockSubmodules):
+            block.layer_norm = SequenceParallelNorm
+        else:
+            block = TransformerBlockSubmodules(layer_specs=[block] * spec.num_layers, layer_norm=SequenceParallelNorm)
     return block
 
 
@@ -383,16 +399,20 @@ def build_gpt(
     attention: str = "fused",
     moe: MoeOptions | None = None,
     recompute: Recompute | None = None,
+    sequence_parallel: bool = False,
 ):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
     ``attention``: the core attention without Transformer Engine (``layer_spec``); ``moe``: how an MoE
-    decoder's experts are placed and routed; ``recompute``: which activations the backward recomputes."""
+    decoder's experts are placed and routed; ``recompute``: which activations the backward recomputes;
+    ``sequence_parallel``: the decoder runs on this TP rank's slice of the row (``TextPolicy.hidden``
+    splits it after the embedding and gathers the final hidden states: the embedding and the output
+    layer see whole rows)."""
     from megatron.core.models.gpt import GPTModel
 
     device = device or current_device()
     te = have_transformer_engine() if te is None else te
-    config = transformer_config(spec, tp, dtype, moe, te, recompute)
+    config = transformer_config(spec, tp, dtype, moe, te, recompute, sequence_parallel)
     with torch.device(device):
         model = GPTModel(
             config,
@@ -403,7 +423,9 @@ def build_gpt(
             post_process=True,
             share_embeddings_and_output_weights=spec.tie_embeddings,
             position_embedding_type="mrope",
+            scatter_embedding_sequence_parallel=False,
         )
+    model.output_layer.sequence_parallel = False  # it is given gathered rows
     model.rotary_pos_emb = PositionRotary(spec.inv_freq, spec.mrope_section, spec.mrope_interleaved, device=device)
     model.to(device=device)
     # The local spec builds its norms in fp32 whatever params_dtype says (megatron casts whole models
@@ -437,19 +459,22 @@ class TextPolicy(torch.nn.Module):
     ) -> torch.Tensor:
         """``tokens [1, L]``, ``position_ids [1, L]`` (``[3, 1, L]`` M-RoPE) -> hidden ``[L, 1, H]``; under
         context parallelism (a ``ContextParallelSegments`` layout) the row is embedded whole and this
-        rank's tokens go through the decoder -> ``[L / cp, 1, H]`` in the layout's order."""
+        rank's tokens go through the decoder -> ``[L / cp, 1, H]`` in the layout's order. Under sequence
+        parallelism the decoder runs on this TP rank's slice of those tokens, gathered back after it."""
         if decoder_input is None:
             decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
         if isinstance(attention_mask, ContextParallelSegments):
             decoder_input = decoder_input.index_select(0, attention_mask.query_position)
             position_ids = position_ids.index_select(-1, attention_mask.query_position)
-        rotary = self.gpt.rotary_pos_emb(position_ids)
-        return self.gpt.decoder(
-            hidden_states=decoder_input,
+        rotary = self.gpt.rotary_pos_emb(position_ids)  # the whole (CP-local) row's: attention sees it whole
+        sequence_parallel = self.config.sequence_parallel
+        hidden = self.gpt.decoder(
+            hidden_states=scatter_sequence(decoder_input) if sequence_parallel else decoder_input,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary,
             packed_seq_params=packed_seq_params,
         )
+        return gather_sequence(hidden) if sequence_parallel else hidden
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output projection ``[V/tp, H]`` (the embedding when they are tied); the

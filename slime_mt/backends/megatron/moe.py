@@ -1,16 +1,19 @@
-"""Megatron's MoE layer as this trainer runs it: under tensor parallelism without sequence parallelism.
+"""Megatron's MoE layer as this trainer runs it: under tensor parallelism with or without sequence
+parallelism.
 
 Megatron's token dispatchers assume that, under TP, each TP rank holds a different slice of the
-sequence (sequence parallelism), and its MoE layer refuses to train otherwise. This trainer keeps
-whole rows on every TP rank (packed rows, log-probs over the full sequence), so an MoE layer under
-TP > 1 is ``SequenceShardedMoE``: it takes this TP rank's slice of the tokens (the row padded to a
-multiple of the TP size; pad tokens are masked out of the load-balancing statistics), runs Megatron's
-layer with sequence parallelism on, and gathers the slices back. The all-gather dispatcher exchanges
-equal token counts over the expert-parallel group, so under EP > 1 the layer also pads its row to the
-longest of the group's (one all-reduce of a length per layer); the dense layers never see the padding.
+sequence (sequence parallelism), and its MoE layer refuses to train otherwise. Under
+``--sequence-parallel`` the decoder hands each MoE layer this TP rank's slice already. Without it this
+trainer keeps whole rows on every TP rank, so an MoE layer under TP > 1 is ``SequenceShardedMoE``: it
+takes this TP rank's slice of the tokens (the row padded to a multiple of the TP size; pad tokens are
+masked out of the load-balancing statistics), runs Megatron's layer with sequence parallelism on, and
+gathers the slices back. The all-gather dispatcher exchanges equal token counts over the
+expert-parallel group, so under EP > 1 the layer also pads its slice to the longest of the group's
+(one all-reduce of a length per layer); the dense layers never see that padding.
 Its backward gives every TP rank the full gradient of its input, as the dense layers' column-parallel
 inputs expect. Parameters that see only their rank's tokens (the router) get a partial gradient on
-each TP rank: ``sum_sequence_sharded_grads`` sums them over the TP group after ``finalize_model_grads``.
+each TP rank: ``sum_sequence_sharded_grads`` sums them over the TP group after ``finalize_model_grads``
+(which sums them itself under ``--sequence-parallel``).
 
 Rollout routing replay (R3, ``--use-rollout-routing-replay``): before every forward pass the trainer
 gives each MoE layer the engine's routes of the packed row or None (``replay_routes``, ``[L, top_k]``,
@@ -86,6 +89,7 @@ def _sharded_moe_class():
         of the expert-parallel group shares when the dispatcher needs one (see the module docstring)."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+            self.sliced_input = config.sequence_parallel  # the model runs SP: its input is this rank's slice
             if config.tensor_model_parallel_size > 1:  # the layer and its router/dispatcher/experts see SP
                 config = copy.copy(config)
                 config.sequence_parallel = True
@@ -98,31 +102,40 @@ def _sharded_moe_class():
             if padding_mask is None and self.row_padding is not None:  # out of the load and its loss
                 padding_mask = self.row_padding[None, :]
             group = self.attn_tp_group
-            tp, length = group.size(), hidden_states.shape[0]
-            padded = length + (-length) % tp
+            tp = group.size()
+            # this rank routes ``share`` tokens: the row's [start, start + count), then padding
+            length = hidden_states.shape[0]
+            share = length if self.sliced_input else (length + (-length) % tp) // tp
             if self.config.moe_token_dispatcher_type == "allgather" and self.ep_group.size() > 1:
-                agreed = torch.tensor([padded], dtype=torch.int64, device=hidden_states.device)
+                agreed = torch.tensor([share], dtype=torch.int64, device=hidden_states.device)
                 torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
-                padded = int(agreed)
-            pad = padded - length
-            valid = torch.ones(hidden_states.shape[1], padded, dtype=torch.bool, device=hidden_states.device)
+                share = int(agreed)
+            if self.sliced_input:  # sequence parallel: the model gave this rank its slice of the row
+                start, count = group.rank() * length, length
+                pad = share - length
+                local = F.pad(hidden_states, (0, 0, 0, 0, 0, pad)) if pad else hidden_states
+            else:
+                start = group.rank() * share
+                count = max(0, min(share, length - start))
+                pad = share * tp - length
+                full = F.pad(hidden_states, (0, 0, 0, 0, 0, pad)) if pad else hidden_states
+                local = scatter_to_sequence_parallel_region(full, group=group) if tp > 1 else full
+            valid = torch.zeros(local.shape[1], share, dtype=torch.bool, device=local.device)
+            valid[:, :count] = True
             if padding_mask is not None:  # Megatron's: [batch, seq], True for a pad token
-                valid[:, :length] = ~padding_mask.bool()
-            valid[:, length:] = False
-            if pad:
-                hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, pad))
-            local = scatter_to_sequence_parallel_region(hidden_states, group=group) if tp > 1 else hidden_states
-            start = group.rank() * local.shape[0]
-            local_pad = ~valid[:, start : start + local.shape[0]] if pad or padding_mask is not None else None
+                valid[:, :count] &= ~padding_mask[:, start : start + count].bool()
+            local_pad = ~valid if pad or padding_mask is not None else None
             # the row's routes, padded and sliced as its tokens are; kept after the pass, for a backward
             # that recomputes the layer (``recompute.py``), until the next forward sets its own
             replay = self.router.router_replay
             replay.target = None
             if self.replay_routes is not None:
-                routes = F.pad(self.replay_routes, (0, 0, 0, pad), value=-1)
-                replay.target = routes[start : start + local.shape[0]]
+                routes = self.replay_routes[start : start + count]
+                replay.target = F.pad(routes, (0, 0, 0, share - count), value=-1)
             replay.valid = None if local_pad is None else ~local_pad.reshape(-1)
             output, bias = super().forward(local, padding_mask=local_pad)
+            if self.sliced_input:
+                return output[:length], bias
             if tp > 1:
                 output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=group)
             return output[:length], bias

@@ -58,6 +58,7 @@ class PackedRow:
     # and targets are then this rank's, in row order, and tokens and positions stay the whole row's
     logit_owner: torch.Tensor | None = None
     padding: torch.Tensor | None = None  # [L / cp] bool: this rank's tokens that only pad the row
+    pad: int = 0  # tokens after the sequences that pad a flat row (``sp_pad``): one more sequence in its layout
 
     @property
     def num_real_tokens(self) -> int:
@@ -71,7 +72,7 @@ class PackedRow:
 
         params = self.packed_seq_params
         if params is not None:
-            params = _thd_params(self.lengths, device)
+            params = _thd_params([*self.lengths, self.pad] if self.pad else self.lengths, device)
         return PackedRow(
             move(self.tokens),
             move(self.position_ids),
@@ -88,6 +89,7 @@ class PackedRow:
             move(self.routes),
             move(self.logit_owner),
             move(self.padding),
+            self.pad,
         )
 
 
@@ -156,13 +158,42 @@ def pack_row(
     )
 
 
-def cp_share(row: PackedRow, cp: int, rank: int, group) -> PackedRow:
-    """CP rank ``rank``'s share of a flat packed ``row`` (``context_parallel.py``): the row padded to
-    a multiple of ``2 * cp`` (the padding one more sequence), its layout, the logit rows this rank
-    holds (the others' are gathered after the log-probs) and its tokens' routes; the tokens and
-    positions stay the whole row's (the policy embeds the row, then keeps this rank's tokens)."""
+def sp_pad(row: PackedRow, tp: int) -> PackedRow:
+    """A flat packed ``row`` padded to a multiple of the TP size for sequence parallelism (each TP rank
+    a slice of it): the padding one more sequence of its layout, which no logit row reads, routed
+    nowhere that counts (``padding``)."""
     length = row.num_real_tokens
-    padded = padded_length(length, cp)
+    pad = -length % tp
+    if pad == 0:
+        return row
+    lengths = [*row.lengths, pad]
+    mask = row.attention_mask
+    if isinstance(mask, Segments):
+        mask = Segments(tuple(lengths))
+    elif isinstance(mask, torch.Tensor):  # dense
+        mask = block_causal_mask(lengths)[None, None]
+    elif mask is not None:
+        raise ValueError(f"sequence parallelism pads flat packed rows, not a {type(mask).__name__} layout")
+    return dataclasses.replace(
+        row,
+        tokens=torch.nn.functional.pad(row.tokens, (0, pad)),
+        position_ids=torch.nn.functional.pad(row.position_ids, (0, pad)),
+        attention_mask=mask,
+        packed_seq_params=None if row.packed_seq_params is None else _thd_params(lengths),
+        routes=None if row.routes is None else torch.nn.functional.pad(row.routes, (0, 0, 0, 0, 0, pad), value=-1),
+        padding=torch.arange(length + pad, device="cpu") >= length,
+        pad=pad,
+    )
+
+
+def cp_share(row: PackedRow, cp: int, rank: int, group, tp: int = 1) -> PackedRow:
+    """CP rank ``rank``'s share of a flat packed ``row`` (``context_parallel.py``): the row padded to
+    a multiple of ``2 * cp`` (``2 * cp * tp`` under sequence parallelism: each CP rank's share splits
+    over the TP ranks; the padding one more sequence), its layout, the logit rows this rank holds (the
+    others' are gathered after the log-probs) and its tokens' routes; the tokens and positions stay
+    the whole row's (the policy embeds the row, then keeps this rank's tokens)."""
+    length = row.num_real_tokens
+    padded = padded_length(length, cp * tp)
     pad = padded - length
     layout = ContextParallelSegments.of(row.lengths, padded, cp, rank, group)
     owner = torch.zeros(padded, dtype=torch.long, device="cpu")

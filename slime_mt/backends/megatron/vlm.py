@@ -19,6 +19,7 @@ import torch
 from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
 from slime_mt.backends.megatron.convert import CheckpointReader, ExpertLayout, iter_hf_to_megatron, load_into
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt
+from slime_mt.backends.megatron.sequence_parallel import sequence_slice
 from slime_mt.types import TrainingSample
 
 
@@ -121,6 +122,11 @@ class VLMPolicy(TextPolicy):
                 local = mask.index_select(0, mine)
                 features = [f[pad_number[mine][local[:, 0]]] for f in features]
                 mask = local
+            if features and self.config.sequence_parallel:  # the layers' outputs are this TP rank's slice
+                start, count = sequence_slice(mask.shape[0])
+                before, held = int(mask[:start].sum()), int(mask[start : start + count].sum())
+                features = [f[before : before + held] for f in features]
+                mask = mask[start : start + count]
             if features:
                 self._deepstack = (mask, list(features))
         try:
@@ -166,6 +172,7 @@ def build_vlm(
     moe: MoeOptions | None = None,
     experts: ExpertLayout | None = None,
     recompute: Recompute | None = None,
+    sequence_parallel: bool = False,
 ) -> VLMPolicy:
     """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
     rank's Megatron decoder."""
@@ -182,7 +189,7 @@ def build_vlm(
     if missing or unexpected:
         raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
     visual.to(device=device)
-    gpt = build_gpt(spec, tp, dtype, device, te, attention, moe, recompute)
+    gpt = build_gpt(spec, tp, dtype, device, te, attention, moe, recompute, sequence_parallel)
     load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te, experts))
     policy = VLMPolicy(
         visual,

@@ -4,7 +4,7 @@ attention, which gathers the keys and values of the whole row; its output and th
 queries, keys and values (summed over the ranks whose queries saw them) equal one process's causal
 SDPA per sequence. Grouped-query heads. Their peak memory on a 32k-token row (~15 s) stays near the
 fused SDPA's at CP=1: no [S/cp, S] tensor. And the trainer: CP=2 (every family, MoE also replaying random
-routes; ~20 s per launch) and TP=2 x CP=2 on 4 ranks (dense, ~30 s) equal TP=1 on log-probs,
+routes; ~20 s per launch) and TP=2 x CP=2 with sequence parallelism on 4 ranks (dense, ~45 s) equal TP=1 on log-probs,
 entropies, loss, every gradient, the grad norm and the weights after a step."""
 
 import json
@@ -59,7 +59,7 @@ def test_attention_of_a_32k_row_at_cp2_holds_no_row_sized_tensor(tmp_path):
 
 
 CASES = [("cp2", "tp1_cp2", k, "") for k in FAMILIES] + [("cp2", "tp1_cp2", k, "_r3") for k in MOE_FAMILIES]
-CASES += [("tp2cp2", "tp2_cp2", k, "") for k in DENSE_FAMILIES]
+CASES += [("tp2cp2sp", "tp2_cp2_sp", k, "") for k in DENSE_FAMILIES]  # with sequence parallelism
 
 
 @pytest.mark.parametrize("world,tag,kind,replay", CASES)  # replay "_r3": random routes replayed in every MoE layer

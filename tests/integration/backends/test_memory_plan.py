@@ -13,7 +13,7 @@ from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
 from slime_mt.plugins import load_module
 
 
-@pytest.mark.parametrize("world", ["tp1", "tp2", "ep2", "tp2ep2_etp1", "cp2"])
+@pytest.mark.parametrize("world", ["tp1", "tp2", "ep2", "tp2ep2_etp1", "cp2", "tp2sp"])
 def test_the_plan_counts_each_ranks_parameters_as_megatron_builds_them(world, world_of):
     kinds = MOE_FAMILIES if world.startswith(("ep2", "tp2ep2")) else FAMILIES
     for kind in kinds:

@@ -1,9 +1,9 @@
 """Activation recompute (``--recompute-granularity full|selective``, ``--recompute-method
 uniform|block``, ``--recompute-num-layers``, ``--recompute-modules``) equals none, bit for bit, and
-keeps fewer activations for the backward pass (integration tier; three Megatron worlds of ~20 s each:
-TP=1, TP=2 and, for MoE, EP=2). Each world trains one step of a text and a VLM model of each kind
-(dense, MoE) with every recompute case on fresh actors; the MoE ones replay random routes (R3), which
-a recomputed layer must replay again."""
+keeps fewer activations for the backward pass (integration tier; three Megatron worlds of ~20-60 s:
+TP=1, TP=2 with sequence parallelism and, for MoE, EP=2). Each world trains one step of a text and a
+VLM model of each kind (dense, MoE) with every recompute case on fresh actors; the MoE ones replay
+random routes (R3), which a recomputed layer must replay again."""
 
 import pytest
 from megatron_worlds import MOE_FAMILIES
