@@ -1,15 +1,17 @@
 """Peak memory per train rank against the memory plan (``--dry-run``'s), at CP=1/2, recompute off/on,
-4k / 8k / 16k tokens per micro-batch.
+4k / 8k / 16k tokens per micro-batch (and TP, sequence parallelism, DP and the distributed optimizer).
 
     .venv/bin/python benchmarks/memory_plan.py                         # CPU: peak RSS, a small Llama
     .venv/bin/python benchmarks/memory_plan.py --tokens 4096 --cp 1    # one point
     .venv/bin/python benchmarks/memory_plan.py --tokens 4096 --cp 1 --recompute full --dp 2 \
         --optimizer replicated,distributed                             # the distributed optimizer
+    .venv/bin/python benchmarks/memory_plan.py --tokens 8192 --cp 1 --recompute off --tp 2 \
+        --sp off,on                                                    # sequence parallelism
 
 The model: a Llama of 8 layers, hidden 256, 4 query and 2 key-value heads of 64, MLP 768, a tied
 32,768-token vocabulary (random weights, built in code), fp32. The batch: sequences of 1,024 tokens
 (512 prompt, 512 response) packed into one micro-batch of T tokens on each DP rank. Each point runs in
-fresh processes (CP x DP > 1 under ``torch.distributed.run``): two train steps (the first makes Adam's
+fresh processes (TP x CP x DP > 1 under ``torch.distributed.run``): two train steps (the first makes Adam's
 state, the second is the steady state; ``--use-distributed-optimizer`` shards that state over the DP
 ranks), each rank reading its RSS after the actor's imports and process group (the baseline: Python,
 torch and Megatron's code) and its peak RSS (``ru_maxrss``) at the end. Measured = peak - baseline, the
@@ -49,12 +51,14 @@ def model_dir() -> Path:
     )
 
 
-def train_config(cp: int, recompute: str, tokens: int, distributed: bool = False):
+def train_config(cp: int, recompute: str, tokens: int, distributed: bool = False, tp: int = 1, sp: bool = False):
     from slime_mt.config import TrainConfig
 
     return TrainConfig(
         lr=1e-6,
         max_tokens_per_micro_batch=tokens,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
         context_parallel_size=cp,
         use_distributed_optimizer=distributed,
         **RECOMPUTE[recompute],
@@ -67,7 +71,7 @@ def rss_bytes() -> int:
 
 
 def child(args) -> None:
-    """One (cp, recompute, tokens, dp, optimizer) point on this rank -> a JSON line in ``args.out``."""
+    """One (tp, sp, cp, recompute, tokens, dp, optimizer) point on this rank -> a JSON line in ``args.out``."""
     import torch
 
     from slime_mt.backends.megatron.actor import MegatronActor
@@ -75,10 +79,12 @@ def child(args) -> None:
     from slime_mt.config import AlgoConfig
     from slime_mt.types import TrainingSample
 
-    info = init_parallel(1, seed=0, cp_size=args.cp)
+    info = init_parallel(args.tp, seed=0, cp_size=args.cp)
     cuda = torch.cuda.is_available()
     baseline = rss_bytes()
-    train = train_config(args.cp, args.recompute, args.tokens, args.optimizer == "distributed")
+    train = train_config(
+        args.cp, args.recompute, args.tokens, args.optimizer == "distributed", args.tp, args.sp == "on"
+    )
     actor = MegatronActor(str(model_dir()), train, AlgoConfig(), info)
     g = torch.Generator().manual_seed(0)
     vocab = actor.spec.vocab_size
@@ -103,14 +109,17 @@ def child(args) -> None:
         json.dump({"rank": info.rank, "peak": peak, "baseline": 0 if cuda else baseline}, fh)
 
 
-def measure(cp: int, recompute: str, tokens: int, dp: int = 1, optimizer: str = "replicated") -> dict:
+def measure(
+    cp: int, recompute: str, tokens: int, dp: int = 1, optimizer: str = "replicated", tp: int = 1, sp: bool = False
+) -> dict:
+    ranks = tp * cp * dp
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/result"
         launch = [sys.executable]
-        if cp * dp > 1:
-            launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp * dp)]
+        if ranks > 1:
+            launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         cmd = [*launch, __file__, "--child", "--cp", str(cp), "--recompute", recompute, "--tokens", str(tokens)]
-        cmd += ["--optimizer", optimizer]
+        cmd += ["--optimizer", optimizer, "--tp", str(tp), "--sp", "on" if sp else "off"]
         # glibc's malloc keeps freed heap memory (its mmap threshold grows to 32 MiB as big blocks are
         # freed); fixed at 64 KiB, every tensor past it is a mapping of its own and RSS follows the live
         # tensors, as the CUDA peak does
@@ -119,8 +128,8 @@ def measure(cp: int, recompute: str, tokens: int, dp: int = 1, optimizer: str = 
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()
             return {"failed": tail[-1] if tail else f"exit {proc.returncode}"}
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(cp * dp)]
-    return max(ranks, key=lambda r: r["peak"])
+        results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+    return max(results, key=lambda r: r["peak"])
 
 
 def main():
@@ -130,11 +139,13 @@ def main():
     parser.add_argument("--recompute", default="off,full", help="off, full (uniform, one layer per chunk)")
     parser.add_argument("--dp", default="1", help="data-parallel sizes, comma-separated")
     parser.add_argument("--optimizer", default="replicated", help="replicated, distributed (comma-separated)")
+    parser.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--sp", default="off", help="sequence parallelism under TP > 1: off, on (comma-separated)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        args.cp, args.tokens = int(args.cp), int(args.tokens)
+        args.cp, args.tokens, args.tp = int(args.cp), int(args.tokens), int(args.tp)
         child(args)
         return
     from slime_mt.backends.megatron.memory_plan import GIB, plan_rank
@@ -142,21 +153,25 @@ def main():
 
     spec = decoder_spec(read_hf_config(model_dir()))
     print("Llama 8 x 256, vocabulary 32,768, fp32; measured: peak RSS - the RSS before the model, most of any rank")
-    print("| tokens | CP | recompute | DP | optimizer | measured per rank | plan | plan / measured |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens | TP | SP | CP | recompute | DP | optimizer | measured per rank | plan | plan / measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     points = itertools.product(
         [int(t) for t in args.tokens.split(",")],
+        [int(t) for t in args.tp.split(",")],
+        args.sp.split(","),
         [int(c) for c in args.cp.split(",")],
         args.recompute.split(","),
         [int(d) for d in args.dp.split(",")],
         args.optimizer.split(","),
     )
-    for tokens, cp, recompute, dp, optimizer in points:
-        train = train_config(cp, recompute, tokens, optimizer == "distributed")
+    for tokens, tp, sp, cp, recompute, dp, optimizer in points:
+        if sp == "on" and tp == 1:
+            continue  # off at TP=1, as Megatron's
+        train = train_config(cp, recompute, tokens, optimizer == "distributed", tp, sp == "on")
         plan = plan_rank(spec, train, tokens, data_parallel=dp).total
-        got = measure(cp, recompute, tokens, dp, optimizer)
-        where = f"| {tokens:,} | {cp} | {recompute} | {dp} | {optimizer} |"
+        got = measure(cp, recompute, tokens, dp, optimizer, tp, sp == "on")
+        where = f"| {tokens:,} | {tp} | {sp} | {cp} | {recompute} | {dp} | {optimizer} |"
         if "failed" in got:
             print(f"{where} {got['failed']} | {plan / GIB:.2f} GiB | |", flush=True)
             continue

@@ -129,7 +129,8 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
         data_parallel=dp,
     )
     plan = plan_rank(spec, t, tokens, **kw)
-    layout = f"TP={t.tensor_model_parallel_size} CP={t.context_parallel_size} EP={t.expert_model_parallel_size}"
+    sp = " (sequence parallel)" if t.sequence_parallel and t.tensor_model_parallel_size > 1 else ""
+    layout = f"TP={t.tensor_model_parallel_size}{sp} CP={t.context_parallel_size} EP={t.expert_model_parallel_size}"
     layout += f" DP={dp}" + (", distributed optimizer" if t.use_distributed_optimizer else "")
     source = (
         "--max-tokens-per-micro-batch"

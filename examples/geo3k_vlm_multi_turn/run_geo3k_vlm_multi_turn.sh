@@ -24,8 +24,9 @@
 # one rank at EP=8). The memory plan (--dry-run; the text decoder, plus the frozen vision tower's bf16
 # weights) puts a rank at 79.0 GiB on one node, for 141 GB GPUs (H200); NUM_NODES=2 (EP=16, each
 # expert's state over 2 ranks) at 47.5 GiB fits 80 GB GPUs. A 32B dense model on 2 nodes
-# (MODEL=/models/Qwen3-VL-32B-Instruct NUM_NODES=2 COLOCATE=1 ... 8: TP=8 x DP=2) plans at 58.3 GiB
-# per rank (81.2 without the distributed optimizer).
+# (MODEL=/models/Qwen3-VL-32B-Instruct NUM_NODES=2 COLOCATE=1 ... 8: TP=8 x DP=2) plans at 48.5 GiB
+# per rank (71.4 without the distributed optimizer; 58.3 without --sequence-parallel, which every
+# variant passes as slime's recipes do: under TP each rank keeps 1/TP of the row's norms and residuals).
 # LONG=1: the long-trajectory recipe (32k-token responses, 20 turns): colocated on one 8-GPU node,
 # TP=1, each packed row of up to 40k tokens split over 4 ranks by context parallelism (CP=4, DP=2;
 # --transformer-impl local, this project's attention) with every layer recomputed. A rank of the
@@ -93,7 +94,7 @@ ARGS=(
     --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
     --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl --entropy-coef 0.0
     --use-tis --tis-clip 2.0
-    --lr 1e-6 --weight-decay 0.1 --clip-grad 1.0 --bf16 --use-distributed-optimizer
+    --lr 1e-6 --weight-decay 0.1 --clip-grad 1.0 --bf16 --use-distributed-optimizer --sequence-parallel
     --tensor-model-parallel-size "$TP"
     --engine sglang --sglang-mem-fraction-static "$MEM_FRACTION"
     --ray --actor-num-nodes "$NUM_NODES" --actor-num-gpus-per-node "$ACTOR_GPUS" --num-gpus-per-node "$NUM_GPUS"

@@ -26,7 +26,7 @@ if [ "$LONG" = 1 ]; then
         --recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
 else
     NAME="geo3k_cpu_tp$RANKS" TURNS=3 RESPONSE=32 CONTEXT=2048 STOP_EVERY=37
-    PARALLEL=(--tensor-model-parallel-size "$RANKS")
+    PARALLEL=(--tensor-model-parallel-size "$RANKS" --sequence-parallel)
 fi
 RUN_DIR="${RUN_DIR:-${TMPDIR:-/tmp}/slime_mt_runs/$NAME}"
 DATA="$RUN_DIR/data"

@@ -165,6 +165,7 @@ def test_gpu_recipe_dry_run_places_as_the_readme_says(cluster, layout, expect):
     assert f"colocate: {str(colocated).lower()}" in proc.stdout and f"offload: {str(colocated).lower()}" in proc.stdout
     assert "eps_clip_high: 0.28" in proc.stdout and f"hf_checkpoint: {env['MODEL']}" in proc.stdout
     assert "use_distributed_optimizer: true" in proc.stdout  # every variant shards Adam's state over DP
+    assert "sequence_parallel: true" in proc.stdout  # and splits the row over TP ranks (off at TP=1)
     experts = ["expert_model_parallel_size: 8", "expert_tensor_parallel_size: 1", "use_rollout_routing_replay: true"]
     assert all((line in proc.stdout) == moe for line in experts), proc.stdout[-3000:]
     recomputed = ["recompute_granularity: full", "recompute_method: uniform", "recompute_num_layers: 1"]

@@ -15,6 +15,7 @@ Qwen3-MoE), for a layer of hidden size h, q/kv heads nq/nkv of size d and MLP wi
 heads and f; CP splits the tokens, and each CP rank keeps its row's gathered keys and values whole):
 
     attention  6h + 4d + (4 nq d + 2 nkv d + nq) / tp + 2    (+ 3 (nq + nkv) d + nq + nkv with q/k norms)
+               sequence parallelism: (6h + 2) / tp, and each recomputed chunk's input h / tp
     dense MLP  5f / tp                                       MoE: k (2h + 5 f_expert / etp) + 4 E
     recompute  full: h per recomputed chunk's input, and one chunk's whole activations while its
                backward runs; selective core_attn: 2d + nq / tp fewer; mlp/moe: the MLP's terms
@@ -110,11 +111,19 @@ def rank_parameters(spec: DecoderSpec, tp: int, moe: MoeOptions, vision: int = 0
     return ParameterCount(trained=trained, frozen=vision if vision_frozen else 0, experts=experts)
 
 
-def layer_activations(spec: DecoderSpec, tp: int, moe: MoeOptions, sparse: bool, modules: frozenset = frozenset()):
-    """Elements one layer keeps per token of this rank (``modules``: what selective recompute recomputes)
+def layer_activations(
+    spec: DecoderSpec,
+    tp: int,
+    moe: MoeOptions,
+    sparse: bool,
+    modules: frozenset = frozenset(),
+    sequence_parallel: bool = False,
+):
+    """Elements one layer keeps per token of this rank (``modules``: what selective recompute recomputes;
+    ``sequence_parallel``: the norms' and the projections' inputs are this TP rank's slice of the row)
     -> (per local token, per token of the whole row: the gathered keys and values under CP)."""
     h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
-    local = 6 * h + 4 * d + (4 * nq * d + nq) / tp + 2
+    local = (6 * h + 2) / (tp if sequence_parallel else 1) + 4 * d + (4 * nq * d + nq) / tp
     if spec.qk_norm:
         local += (3 * (nq + nkv) * d + nq + nkv) / tp
     if "core_attn" in modules:
@@ -135,6 +144,7 @@ def plan_rank(
     """The peak of one train rank of ``train`` (a ``TrainConfig``) on micro-batches of ``tokens``, among
     ``data_parallel`` DP ranks (they share the optimizer's state under ``--use-distributed-optimizer``)."""
     tp, cp = train.tensor_model_parallel_size, train.context_parallel_size
+    sp = train.sequence_parallel and tp > 1
     moe = MoeOptions.of(train)
     b = 2 if train.bf16 else 4
     count = rank_parameters(spec, tp, moe, vision, train.freeze_vision_tower)
@@ -151,9 +161,9 @@ def plan_rank(
         if train.recompute_granularity == "selective"
         else frozenset()
     )
-    per_layer = [layer_activations(spec, tp, moe, s, modules) for s in _sparse_layers(spec)]
+    per_layer = [layer_activations(spec, tp, moe, s, modules, sp) for s in _sparse_layers(spec)]
     whole = [a * local + kv * row for a, kv in per_layer]  # elements a layer keeps without full recompute
-    h = spec.hidden_size
+    h = spec.hidden_size / tp if sp else spec.hidden_size  # a layer's input: this TP rank's slice under SP
     if train.recompute_granularity == "full":
         n = train.recompute_num_layers or 1
         layers = spec.num_layers
@@ -165,7 +175,7 @@ def plan_rank(
             recomputed = max(sum(whole[i : i + n]) for i in range(0, layers, n))
     else:
         kept, recomputed = sum(whole), 0
-    outside = (2 * h + 57) * local
+    outside = (2 * spec.hidden_size + 57) * local  # the gathered rows under SP
     vocab = padded_vocab(spec.vocab_size, tp) // tp
     logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * local)
     layer = (recomputed + LAYER_BACKWARD * max(whole)) * b
@@ -189,15 +199,20 @@ def vision_parameters(reader) -> int:
 
 
 def fitting_layout(spec: DecoderSpec, train, tokens: int, budget: int, **kw) -> str | None:
-    """The first of: full recompute, then CP doubled (up to 8 times the given) without and with it,
-    whose plan fits ``budget`` bytes -> the flags that change, or None."""
-    cp = train.context_parallel_size
+    """The first of: sequence parallelism (under TP, when off), full recompute, then CP doubled (up to 8
+    times the given) without and with it, whose plan fits ``budget`` bytes -> the flags that change, or
+    None."""
+    cp, first = train.context_parallel_size, []
+    if train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
+        train, first = dataclasses.replace(train, sequence_parallel=True), ["--sequence-parallel"]
+        if plan_rank(spec, train, tokens, **kw).total <= budget:
+            return first[0]
     tries = [(cp, "full")] + [(cp * k, r) for k in (2, 4, 8) for r in (None, "full")]
     for size, recompute in tries:
         flags = dict(context_parallel_size=size, recompute_granularity=recompute)
         flags.update(recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None)
         if plan_rank(spec, dataclasses.replace(train, **flags), tokens, **kw).total <= budget:
-            named = [f"--context-parallel-size {size}"] if size != cp else []
+            named = first + ([f"--context-parallel-size {size}"] if size != cp else [])
             if recompute:
                 named.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
             return " ".join(named)
