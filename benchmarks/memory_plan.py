@@ -31,24 +31,24 @@ from pathlib import Path
 
 SEQUENCE, PROMPT = 1024, 512
 RECOMPUTE = {"off": {}, "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+# the model's HF config (LlamaConfig); the unit tests plan it from these keys alone
+LLAMA = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=32768,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
 
 
 def model_dir() -> Path:
     from slime_mt.assets import random_model_dir
 
-    return random_model_dir(
-        "bench-llama-8x256",
-        "LlamaConfig",
-        hidden_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        vocab_size=32768,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
+    return random_model_dir("bench-llama-8x256", "LlamaConfig", **LLAMA)
 
 
 def train_config(cp: int, recompute: str, tokens: int, distributed: bool = False, tp: int = 1, sp: bool = False):

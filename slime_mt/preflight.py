@@ -11,6 +11,7 @@ from pathlib import Path
 from slime_mt.backends.megatron.convert import CheckpointReader
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.parallel import layout_name
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
@@ -129,9 +130,10 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
         data_parallel=dp,
     )
     plan = plan_rank(spec, t, tokens, **kw)
-    sp = " (sequence parallel)" if t.sequence_parallel and t.tensor_model_parallel_size > 1 else ""
-    layout = f"TP={t.tensor_model_parallel_size}{sp} CP={t.context_parallel_size} EP={t.expert_model_parallel_size}"
-    layout += f" DP={dp}" + (", distributed optimizer" if t.use_distributed_optimizer else "")
+    layout = layout_name(
+        t.tensor_model_parallel_size, t.context_parallel_size, t.expert_model_parallel_size, dp, t.sequence_parallel
+    )
+    layout += ", distributed optimizer" if t.use_distributed_optimizer else ""
     source = (
         "--max-tokens-per-micro-batch"
         if t.max_tokens_per_micro_batch

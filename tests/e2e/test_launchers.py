@@ -139,7 +139,8 @@ def check_fully_async_records(run_dir: Path, rows: list[dict]) -> None:
     for rank in (0, 1):
         train = lanes[(f"trainer rank {rank}", "train")]
         assert [e["args"]["step"] for e in train if e["name"] == "train step"] == [0, 1, 2]
-        assert {e["args"]["layout"] for e in train if e["name"] == "train step"} == {"TP=2 (SP) CP=1 EP=1 DP=1"}
+        layouts = {e["args"]["layout"] for e in train if e["name"] == "train step"}
+        assert layouts == {"TP=2 (sequence parallel) CP=1 EP=1 DP=1"}
         assert [e["args"]["version"] for e in train if e["name"] == "export weights"] == [1, 2, 3]
     dumps = [load_dump(dump_path(dump_template(run_dir), k)) for k in range(3)]
     assert [sorted({s["group_index"] for s in d["samples"]}) for d in dumps] == [r["trained_groups"] for r in rows]

@@ -66,7 +66,7 @@ from slime_mt.backends.megatron.moe import (
 )
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
 from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, sp_pad, tree_keys
-from slime_mt.backends.megatron.parallel import ParallelInfo, current_device
+from slime_mt.backends.megatron.parallel import ParallelInfo, current_device, layout_name
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
 from slime_mt.config import AlgoConfig, TrainConfig
@@ -235,10 +235,9 @@ class MegatronActor:
 
     @property
     def layout_name(self) -> str:
-        """This rank's parallel layout, as the trace names it: ``TP=2 (SP) CP=1 EP=1 DP=2``."""
+        """This rank's parallel layout, as the trace names it (``parallel.layout_name``)."""
         i = self.info
-        sp = " (SP)" if self.sequence_parallel else ""
-        return f"TP={i.tp_size}{sp} CP={i.cp_size} EP={i.ep_size} DP={i.dp_size}"
+        return layout_name(i.tp_size, i.cp_size, i.ep_size, i.dp_size, self.sequence_parallel)
 
     def pack(self, samples: list[TrainingSample], indices: list[int], replay: bool = True) -> PackedRow:
         """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with

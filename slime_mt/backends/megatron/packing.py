@@ -158,6 +158,17 @@ def pack_row(
     )
 
 
+def _padded_tail(row: PackedRow, pad: int) -> dict:
+    """The row's tokens, positions and routes with ``pad`` tokens after them (token 0, position 0, -1
+    routes: the router decides, and the padding counts nowhere)."""
+    routes = None if row.routes is None else torch.nn.functional.pad(row.routes, (0, 0, 0, 0, 0, pad), value=-1)
+    return dict(
+        tokens=torch.nn.functional.pad(row.tokens, (0, pad)),
+        position_ids=torch.nn.functional.pad(row.position_ids, (0, pad)),
+        routes=routes,
+    )
+
+
 def sp_pad(row: PackedRow, tp: int) -> PackedRow:
     """A flat packed ``row`` padded to a multiple of the TP size for sequence parallelism (each TP rank
     a slice of it): the padding one more sequence of its layout, which no logit row reads, routed
@@ -176,11 +187,9 @@ def sp_pad(row: PackedRow, tp: int) -> PackedRow:
         raise ValueError(f"sequence parallelism pads flat packed rows, not a {type(mask).__name__} layout")
     return dataclasses.replace(
         row,
-        tokens=torch.nn.functional.pad(row.tokens, (0, pad)),
-        position_ids=torch.nn.functional.pad(row.position_ids, (0, pad)),
+        **_padded_tail(row, pad),
         attention_mask=mask,
         packed_seq_params=None if row.packed_seq_params is None else _thd_params(lengths),
-        routes=None if row.routes is None else torch.nn.functional.pad(row.routes, (0, 0, 0, 0, 0, pad), value=-1),
         padding=torch.arange(length + pad, device="cpu") >= length,
         pad=pad,
     )
@@ -204,17 +213,15 @@ def cp_share(row: PackedRow, cp: int, rank: int, group, tp: int = 1) -> PackedRo
         local[held] = torch.arange(len(held), device="cpu")
     logit_owner = owner[row.logit_index]
     mine = logit_owner == rank
-    routes = None
-    if row.routes is not None:
-        routes = torch.nn.functional.pad(row.routes, (0, 0, 0, 0, 0, pad), value=-1)[layout.query_position]
+    tail = _padded_tail(row, pad)
+    if tail["routes"] is not None:  # this rank's tokens' routes
+        tail["routes"] = tail["routes"][layout.query_position]
     return dataclasses.replace(
         row,
-        tokens=torch.nn.functional.pad(row.tokens, (0, pad)),
-        position_ids=torch.nn.functional.pad(row.position_ids, (0, pad)),
+        **tail,
         attention_mask=layout,
         logit_index=local[row.logit_index[mine]],
         targets=row.targets[mine],
-        routes=routes,
         logit_owner=logit_owner,
         padding=layout.query_padding,
     )

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+from train_helpers import REPO
 
 from slime_mt.assets import SIZED_MODELS
 from slime_mt.backends.megatron.convert import CheckpointReader
@@ -14,6 +15,7 @@ from slime_mt.backends.megatron.models import MoeOptions, decoder_spec, read_hf_
 from slime_mt.config import TrainConfig
 from slime_mt.config_parsing import parse_config
 from slime_mt.errors import ConfigError
+from slime_mt.plugins import load_module
 from slime_mt.preflight import DEVICE_RESERVE_BYTES, memory_plan
 
 
@@ -131,22 +133,17 @@ def test_gpu_memory_gb_refuses_a_plan_that_cannot_fit_and_names_what_fits(tiny_p
         parse_config(["--gpu-memory-gb", "0"])
 
 
-# benchmarks/memory_plan.py's model (a Llama of 8 layers, hidden 256, a tied 32k vocabulary, fp32)
-BENCH_LLAMA = {
-    "model_type": "llama",
-    **dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-    **dict(intermediate_size=768, vocab_size=32768, max_position_embeddings=32768, tie_word_embeddings=True),
-}
-
-
 @pytest.mark.parametrize("sp, measured_gib", [(False, 1.41), (True, 1.22)])
 def test_sequence_parallelism_splits_the_norms_activations_over_tp_as_measured(sp, measured_gib):
     """The peaks ``benchmarks/memory_plan.py --tokens 8192 --cp 1 --recompute off --tp 2 --sp off,on``
-    measured on this machine (2 ranks; README, Performance): SP keeps 13% less, and the plan says so."""
-    train = TrainConfig(tensor_model_parallel_size=2, sequence_parallel=sp, max_tokens_per_micro_batch=8192)
-    plan = plan_rank(decoder_spec(BENCH_LLAMA), train, 8192)
+    measured on this machine (2 ranks; README, Performance): SP keeps 13% less, and the plan says so.
+    The benchmark's model (a Llama of 8 layers, hidden 256, a tied 32k vocabulary, fp32) and flags."""
+    bench = load_module(str(REPO / "benchmarks/memory_plan.py"))
+    spec = decoder_spec({"model_type": "llama", **bench.LLAMA})
+    train = bench.train_config(1, "off", 8192, tp=2, sp=sp)
+    plan = plan_rank(spec, train, 8192)
     assert 0.97 < plan.total / GIB / measured_gib < 1.03, plan.total / GIB
-    one = plan_rank(decoder_spec(BENCH_LLAMA), dataclasses.replace(train, tensor_model_parallel_size=1), 8192)
+    one = plan_rank(spec, dataclasses.replace(train, tensor_model_parallel_size=1), 8192)
     assert one.activations > plan.activations and one.params > plan.params
 
 
