@@ -1,7 +1,8 @@
 """The tiers and the budget (tests/helpers/tiers.py), run on a small project of their own: a test over
-its budget fails the run after its summary, a listed debt passes within its own limit, a unit test that
-starts a subprocess fails naming where it belongs, and a test outside a tier folder is refused.
-Integration tier: five pytest runs in subprocesses, about 20 s."""
+its budget fails the run after its summary, a listed debt passes within its own limit, a test over its
+budget within the noise allowance passes listed as over, a unit test that starts a subprocess fails naming
+where it belongs, and a test outside a tier folder is refused.
+Integration tier: seven pytest runs in subprocesses, about 25 s."""
 
 import shutil
 import subprocess
@@ -45,6 +46,17 @@ def test_a_test_over_the_budget_fails_the_run_and_a_listed_debt_passes_within_it
     assert allowed.returncode == 0, allowed.stdout[-2000:]
     assert "allowed up to 5 s (budget_exceptions): tests/unit/test_slow.py::test_slow took 0.8 s" in allowed.stdout
     assert "OVER BUDGET" not in allowed.stdout
+
+    noisy = run_project(tmp_path / "noisy", {"tests/unit/test_slow.py": SLOW}, budget + "\nbudget_noise = 2")
+    assert noisy.returncode == 0, noisy.stdout[-2000:]
+    assert "a test fails past 2 times its budget (budget_noise)" in noisy.stdout
+    line = "over the budget, within budget_noise: tests/unit/test_slow.py::test_slow took 0.8 s (budget_test_seconds = 0.5)"
+    assert line in noisy.stdout and "OVER BUDGET" not in noisy.stdout
+
+    past = run_project(tmp_path / "past", {"tests/unit/test_slow.py": SLOW}, budget + "\nbudget_noise = 1.2")
+    assert past.returncode == 1, past.stdout[-2000:]
+    failing = "OVER BUDGET: tests/unit/test_slow.py::test_slow took 0.8 s (budget_test_seconds = 0.5, budget_noise = 1.2: at most 0.6 s)"
+    assert failing in past.stdout and "within budget_noise" not in past.stdout
 
     tier = run_project(tmp_path / "tier", {"tests/unit/test_slow.py": SLOW}, "budget_unit_seconds = 0.5")
     assert tier.returncode == 1, tier.stdout[-2000:]
