@@ -109,7 +109,7 @@ def smollm2_dir() -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
-        model.save_pretrained(out, safe_serialization=True)
+        _save_model(model, out)
         _save_tokenizer(tokenizer, out)
 
     return cached_dir(f"smollm2-135m-instruct-v{ASSET_VERSION}", build)
@@ -214,7 +214,7 @@ def _build_tiny_llama(out: Path) -> None:
         eos_token_id=2,
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
+    _save_model(model, out)
     _save_tokenizer(transformers.AutoTokenizer.from_pretrained(str(smollm2_dir())), out)
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": "llama", "random_weights": True, "seed": 0}))
 
@@ -293,7 +293,7 @@ def _build_tiny(out: Path, kind: str) -> None:
             max_pixels=256 * (patch * 2) ** 2,
             **extra,
         )
-    model.save_pretrained(out, safe_serialization=True)
+    _save_model(model, out)
     if kind == "qwen3-vl-moe":
         _publish_fused_experts(out)
     tokenizer_dir = qwen_tokenizer_dir(variant)
@@ -365,6 +365,17 @@ SIZED_MODELS = {
 }
 
 
+def _save_model(model, out: Path) -> None:
+    """``save_pretrained`` into a folder about to be cached: transformers writes nothing on a
+    torch.distributed rank other than 0, and an empty folder must not be cached as a model."""
+    model.save_pretrained(out, safe_serialization=True)
+    if not (out / "config.json").is_file():
+        raise AssetError(
+            f"{out.name}: transformers wrote no model here (it saves on torch.distributed rank 0 only): build this "
+            "asset on rank 0 before the other ranks read it"
+        )
+
+
 def sized_model_dir(name: str) -> Path:
     """A random-weight (seed 0, float32) model folder with ``name``'s published configuration."""
     if name not in SIZED_MODELS:
@@ -385,7 +396,7 @@ def random_model_dir(name: str, config_class: str, **config) -> Path:
         model = transformers.AutoModelForCausalLM.from_config(
             getattr(transformers, config_class)(**config), dtype=torch.float32
         )
-        model.save_pretrained(out, safe_serialization=True)
+        _save_model(model, out)
         (out / "slime_mt_asset.json").write_text(json.dumps({"kind": name, "random_weights": True, "seed": 0}))
 
     return cached_dir(f"{name}-random-v{ASSET_VERSION}", build)

@@ -1535,12 +1535,135 @@ def check_replay_gap(args, info, out):
 CHECKS["replay_gap"] = check_replay_gap
 
 
+# ---------------------------------------------------------------- pipeline parallelism
+
+PIPELINE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe", "llama-untied")  # text families, dense and MoE
+
+
+def untied_llama() -> Path:
+    """The tiny llama's shape with four layers and its own output layer (the tiny families all tie
+    theirs): random weights, built once."""
+    from slime_mt.assets import random_model_dir
+
+    config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    shape = {k: config[k] for k in keep} | {"head_dim": config.get("head_dim"), "rms_norm_eps": config["rms_norm_eps"]}
+    return random_model_dir("llama-untied-4l", "LlamaConfig", **shape, num_hidden_layers=4, tie_word_embeddings=False)
+
+
+def check_pipeline(args, info, out):
+    """Per text family: the matrix batch as two packed rows of different lengths through this world's
+    pipeline (``run_pipeline``, Megatron's 1F1B schedule) against the whole decoder in this process:
+    log-probs (forward only, then again with the backward), and every parameter's gradient of the
+    loss -sum(advantage x log-prob), this stage's against the same layer of the whole decoder (tied
+    embeddings: both copies' gradients summed over the embedding group)."""
+    if info.rank == 0:
+        untied_llama()  # transformers saves a model on rank 0 only
+    dist.barrier()
+    kinds = [k for k in PIPELINE_KINDS if k.removesuffix("-untied") in SELECTED]
+    out["pipeline"] = {kind: _pipeline_family(kind, info) for kind in kinds}
+
+
+def _pipeline_family(kind: str, info) -> dict:
+    from megatron.core import parallel_state
+
+    from slime_mt.backends.megatron.convert import iter_hf_to_megatron, load_into
+    from slime_mt.backends.megatron.logprobs import hidden_logprobs
+    from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, read_hf_config, stage_of
+    from slime_mt.backends.megatron.packing import pack_row
+    from slime_mt.backends.megatron.pipeline import reduce_tied_embedding_grads, run_pipeline
+
+    path = untied_llama() if kind == "llama-untied" else tiny_model_dir(kind)
+    spec = decoder_spec(read_hf_config(path), f"{path}/config.json")
+    reader = CheckpointReader(path)
+    samples = matrix_batch(path, kind)
+    rows = [pack_row(samples, [0, 1]), pack_row(samples, [2, 3])]
+    advantages = [torch.tensor(ADVANTAGES[0:2]), torch.tensor(ADVANTAGES[2:4])]
+
+    def score(policy, row, hidden, advantage):
+        lp, _ = hidden_logprobs(
+            hidden[:, 0].index_select(0, row.logit_index), policy.output_weight(), row.targets, spec.vocab_size
+        )
+        per_sample = torch.zeros(len(row.lengths), dtype=lp.dtype).index_add(0, row.seq_ids, lp)
+        return -(advantage * per_sample).sum(), lp.detach()
+
+    whole = TextPolicy(build_gpt(spec, 1))
+    load_into(whole.gpt, iter_hf_to_megatron(reader, spec, 0, 1))
+    whole_lp = []
+    for row, advantage in zip(rows, advantages):
+        hidden = whole.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params)
+        loss, lp = score(whole, row, hidden, advantage)
+        loss.backward()
+        whole_lp.append(lp)
+    whole_grads = {n: p.grad for n, p in whole.gpt.named_parameters()}
+
+    staged = TextPolicy(build_gpt(spec, 1, pp=info.pp_size))
+    stage = stage_of(staged.gpt)
+    load_into(staged.gpt, iter_hf_to_megatron(reader, spec, 0, 1, stage=stage))
+
+    def run(forward_only: bool) -> list:
+        kept = iter(advantages)
+        return run_pipeline(staged, rows, lambda row, hidden: score(staged, row, hidden, next(kept)), forward_only)
+
+    with torch.no_grad():
+        forward_lp = run(forward_only=True)
+    trained_lp = run(forward_only=False)
+    reduce_tied_embedding_grads(staged)
+
+    def global_name(name: str) -> str:
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers.") :].split(".", 1)
+            return f"decoder.layers.{int(local) + stage.layers.start}.{rest}"
+        if name == "output_layer.weight" and spec.tie_embeddings:  # the last stage's copy
+            return "embedding.word_embeddings.weight"
+        return name
+
+    grad_diff, tied_diff, covered = 0.0, 0.0, 0
+    for name, param in staged.gpt.named_parameters():
+        diff = float((param.grad - whole_grads[global_name(name)]).abs().max())
+        if spec.tie_embeddings and global_name(name) == "embedding.word_embeddings.weight":
+            tied_diff = max(tied_diff, diff)  # two copies' gradients summed: another order of the sum
+        else:
+            grad_diff = max(grad_diff, diff)
+        covered += param.numel()
+    lp_diff = 0.0
+    for got in (forward_lp, trained_lp):
+        if stage.last:
+            lp_diff = max(lp_diff, max(float((a - b).abs().max()) for a, b in zip(got, whole_lp)))
+    numbers = torch.tensor([grad_diff, lp_diff, float(len(forward_lp)), float(covered), tied_diff], dtype=torch.float64)
+    gathered = [torch.zeros_like(numbers) for _ in range(info.world_size)]
+    dist.all_gather(gathered, numbers)
+    return {
+        "tied": spec.tie_embeddings,
+        "stages": _all_stage_layers(stage, info),
+        "grad_max_diff": max(float(g[0]) for g in gathered),
+        "tied_grad_max_diff": max(float(g[4]) for g in gathered),
+        "logprob_max_diff": max(float(g[1]) for g in gathered),
+        "rows_scored_per_rank": [int(g[2]) for g in gathered],
+        "parameters_per_rank": [int(g[3]) for g in gathered],
+        "whole_parameters": sum(p.numel() for p in whole.gpt.parameters()),
+        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
+
+
+def _all_stage_layers(stage, info) -> list[list[int]]:
+    """Every rank's (first layer, last layer + 1) of its stage, in rank order."""
+    mine = torch.tensor([stage.layers.start, stage.layers.stop], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
+
+
+CHECKS["pipeline"] = check_pipeline
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism in the matrix and aux-loss checks")
     parser.add_argument("--families", choices=["all", "dense", "moe"], default="all")
     parser.add_argument("--checks", required=True)
@@ -1551,7 +1674,7 @@ def main():
     global SELECTED, SEQUENCE_PARALLEL
     SELECTED = {"all": FAMILIES, "dense": DENSE_FAMILIES, "moe": MOE_FAMILIES}[args.families]
     SEQUENCE_PARALLEL = args.sp
-    info = init_parallel(args.tp, seed=1234, ep_size=args.ep, etp_size=args.etp, cp_size=args.cp)
+    info = init_parallel(args.tp, seed=1234, ep_size=args.ep, etp_size=args.etp, cp_size=args.cp, pp_size=args.pp)
     out = {}
     for name in args.checks.split(","):
         CHECKS[name](args, info, out)

@@ -74,6 +74,8 @@ WORLDS = {
     "recompute": (1, 1, "recompute", []),
     "tp2_recompute": (2, 2, "recompute", ["--sp"]),  # recompute under TP with sequence parallelism, as run
     "ep2_recompute": (1, 2, "recompute", ["--ep", "2"]),
+    # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder
+    "pp2": (1, 2, "pipeline", ["--pp", "2"]),
 }
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from slime_mt.backends.megatron.models import DecoderSpec, padded_vocab
+from slime_mt.backends.megatron.parallel import Stage
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
@@ -299,18 +300,26 @@ def iter_hf_to_megatron(
     tp: int,
     te: bool = False,
     experts: ExpertLayout | None = None,
+    stage: Stage | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's Megatron decoder tensors, one at a time, reading only its slices of the HF tensors
-    (``experts``: this rank's experts in an MoE decoder; by default all of them, split like the TP)."""
+    (``experts``: this rank's experts in an MoE decoder; by default all of them, split like the TP;
+    ``stage``: this rank's pipeline stage, its layers named from 0, the embedding on the first stage,
+    the final norm and output layer on the last: with tied embeddings the last stage's output layer
+    is its own copy of the embedding)."""
     p = text_prefix(reader.names())
     experts = experts or ExpertLayout(etp_rank=rank, etp=tp)
-    yield "embedding.word_embeddings.weight", _vocab_shard(reader, f"{p}embed_tokens.weight", spec, rank, tp)
-    yield "decoder.final_layernorm.weight", reader.get(f"{p}norm.weight")
-    if not spec.tie_embeddings:
-        yield "output_layer.weight", _vocab_shard(reader, "lm_head.weight", spec, rank, tp)
-    for i in range(spec.num_layers):
+    stage = stage or Stage.whole(spec.num_layers)
+    if stage.first:
+        yield "embedding.word_embeddings.weight", _vocab_shard(reader, f"{p}embed_tokens.weight", spec, rank, tp)
+    if stage.last:
+        yield "decoder.final_layernorm.weight", reader.get(f"{p}norm.weight")
+    if stage.last and (not spec.tie_embeddings or not stage.first):
+        output = "lm_head.weight" if not spec.tie_embeddings else f"{p}embed_tokens.weight"
+        yield "output_layer.weight", _vocab_shard(reader, output, spec, rank, tp)
+    for i in stage.layers:
         sparse = spec.moe is not None and spec.moe.sparse_layers[i]
-        src, names = f"{p}layers.{i}.", decoder_names(i, te, sparse)
+        src, names = f"{p}layers.{i}.", decoder_names(i - stage.layers.start, te, sparse)
         a, m = src + "self_attn.", src + "mlp."
         yield names["input_norm"], reader.get(src + "input_layernorm.weight")
         yield names["mlp_norm"], reader.get(src + "post_attention_layernorm.weight")
@@ -326,7 +335,7 @@ def iter_hf_to_megatron(
             hf = HFExperts(reader, m, spec)
             f0, f1 = _span(spec.moe.ffn_hidden_size, experts.etp_rank, experts.etp)
             for local, e in enumerate(experts.local_experts(spec.moe.num_experts)):
-                fc1, fc2 = expert_names(i, local, te)
+                fc1, fc2 = expert_names(i - stage.layers.start, local, te)
                 yield fc1, hf.gate_up(e, f0, f1)
                 yield fc2, hf.down(e, f0, f1)
             continue

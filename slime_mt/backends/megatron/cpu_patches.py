@@ -235,6 +235,49 @@ def _patch_moe() -> None:
     dispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
 
 
+class _TorchOnCpu:
+    """The ``torch`` a module sees where it creates tensors on ``device="cuda"``: those land on the
+    CPU; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def _embedding_copy_on_cpu(setup):
+    """Wrap ``LanguageModule.setup_embeddings_and_output_layer``: under PP with tied embeddings it
+    moves the shared weight with ``.cuda()`` before the all-reduce over the embedding group."""
+
+    def wrapped(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return wrapped
+
+
+def _patch_pipeline() -> None:
+    """Megatron's pipeline schedules on the CPU: they count tokens in ``torch.zeros([], device="cuda")``
+    (the no-pipelining path included), the p2p exchange calls ``torch.cuda.synchronize()`` after its
+    batched sends (nothing to wait for on the CPU: gloo's requests were waited on), and tied
+    embeddings move the last stage's copy with ``.cuda()``."""
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchOnCpu()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    module = language_module.LanguageModule
+    module.setup_embeddings_and_output_layer = _embedding_copy_on_cpu(module.setup_embeddings_and_output_layer)
+
+
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU when CUDA is absent; returns True when patches were applied."""
     global _APPLIED
@@ -275,5 +318,6 @@ def apply_cpu_patches() -> bool:
 
     distrib_optimizer.DistributedOptimizer.__init__ = _cuda_type_names(distrib_optimizer.DistributedOptimizer.__init__)
     _patch_moe()
+    _patch_pipeline()
     _APPLIED = True
     return True

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
 from slime_mt.backends.megatron.moe import shard_moe_layers
-from slime_mt.backends.megatron.parallel import current_device
+from slime_mt.backends.megatron.parallel import Stage, current_device
 from slime_mt.backends.megatron.recompute import Recompute
 from slime_mt.backends.megatron.rope import PositionRotary, rope_frequencies
 from slime_mt.backends.megatron.sequence_parallel import (
@@ -244,9 +244,11 @@ def transformer_config(
     te: bool = False,
     recompute: Recompute | None = None,
     sequence_parallel: bool = False,
+    pp: int = 1,
 ):
     """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels);
-    ``sequence_parallel`` under TP > 1 only (``sequence_parallel.py``)."""
+    ``sequence_parallel`` under TP > 1 only (``sequence_parallel.py``); ``pp`` pipeline stages, whose
+    packed rows differ in length from one micro-batch to the next (their shapes travel with them)."""
     from megatron.core.transformer import TransformerConfig
 
     check_tp(spec, tp, moe)
@@ -270,6 +272,8 @@ def transformer_config(
             expert_model_parallel_size=moe.expert_parallel,
             expert_tensor_parallel_size=moe.expert_tp(tp),
         )
+    elif pp > 1:  # a dense decoder: Megatron refuses its default (allgather) with variable row lengths
+        experts = dict(moe_token_dispatcher_type="alltoall")
     # rope's attention factor scales q and k, so the logits by its square (YaRN's mscale)
     softmax_scale = spec.attention_factor**2 / spec.head_dim**0.5 if spec.attention_factor != 1.0 else None
     return TransformerConfig(
@@ -289,6 +293,9 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None,
+        variable_seq_lengths=pp > 1,
         sequence_parallel=sequence_parallel and tp > 1,
         use_cpu_initialization=not gpu,
         perform_initialization=False,
@@ -400,6 +407,7 @@ def build_gpt(
     moe: MoeOptions | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool = False,
+    pp: int = 1,
 ):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
@@ -407,25 +415,30 @@ def build_gpt(
     decoder's experts are placed and routed; ``recompute``: which activations the backward recomputes;
     ``sequence_parallel``: the decoder runs on this TP rank's slice of the row (``TextPolicy.hidden``
     splits it after the embedding and gathers the final hidden states: the embedding and the output
-    layer see whole rows)."""
+    layer see whole rows); ``pp``: this rank's pipeline stage of it (its layers by Megatron's split, the
+    embedding on the first stage, the final norm and the output layer on the last: ``stage_of``)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     device = device or current_device()
     te = have_transformer_engine() if te is None else te
-    config = transformer_config(spec, tp, dtype, moe, te, recompute, sequence_parallel)
+    config = transformer_config(spec, tp, dtype, moe, te, recompute, sequence_parallel, pp)
+    first = pp == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = pp == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     with torch.device(device):
         model = GPTModel(
             config,
             layer_spec(spec, te, attention, config),
             vocab_size=padded_vocab(spec.vocab_size, tp),
             max_sequence_length=spec.max_positions,
-            pre_process=True,
-            post_process=True,
+            pre_process=first,
+            post_process=last,
             share_embeddings_and_output_weights=spec.tie_embeddings,
             position_embedding_type="mrope",
             scatter_embedding_sequence_parallel=False,
         )
-    model.output_layer.sequence_parallel = False  # it is given gathered rows
+    if last:
+        model.output_layer.sequence_parallel = False  # it is given gathered rows
     model.rotary_pos_emb = PositionRotary(spec.inv_freq, spec.mrope_section, spec.mrope_interleaved, device=device)
     model.to(device=device)
     # The local spec builds its norms in fp32 whatever params_dtype says (megatron casts whole models
@@ -437,17 +450,43 @@ def build_gpt(
     return model
 
 
+def stage_of(gpt) -> Stage:
+    """The part of the decoder ``gpt`` (``build_gpt``) holds: its layers' global indices (Megatron's
+    1-based ``layer_number``, offset by the stages before it), and whether it embeds and projects."""
+    numbers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+    layers = range(numbers[0], numbers[-1] + 1) if numbers else range(0)
+    if list(layers) != numbers:
+        raise ModelConfigError(f"a pipeline stage holds layers {numbers}: not one run of layers")
+    return Stage(layers, first=gpt.pre_process, last=gpt.post_process)
+
+
 class TextPolicy(torch.nn.Module):
     """A decoder run to its final (normed) hidden states; ``output_logits`` projects rows to this
-    rank's vocabulary slice."""
+    rank's vocabulary slice. Under pipeline parallelism a stage's ``hidden`` runs its own layers: the
+    first embeds the row, the others start from the previous stage's output (``set_input_tensor``),
+    and only the last stage's output is normed and projected."""
 
     def __init__(self, gpt):
         super().__init__()
         self.gpt = gpt
+        self.input_tensor: torch.Tensor | None = None
 
     @property
     def config(self):
         return self.gpt.config
+
+    @property
+    def model_type(self):  # what Megatron's schedules ask of the model they run
+        return self.gpt.model_type
+
+    @property
+    def stage(self) -> Stage:
+        return stage_of(self.gpt)
+
+    def set_input_tensor(self, tensor) -> None:
+        """The previous pipeline stage's output for the next ``hidden`` (Megatron's schedules pass a
+        list of one)."""
+        self.input_tensor = tensor[0] if isinstance(tensor, list) else tensor
 
     def hidden(
         self,
@@ -461,15 +500,23 @@ class TextPolicy(torch.nn.Module):
         context parallelism (a ``ContextParallelSegments`` layout) the row is embedded whole and this
         rank's tokens go through the decoder -> ``[L / cp, 1, H]`` in the layout's order. Under sequence
         parallelism the decoder runs on this TP rank's slice of those tokens, gathered back after it."""
-        if decoder_input is None:
+        if decoder_input is None and self.gpt.pre_process:
             decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
         if isinstance(attention_mask, ContextParallelSegments):
-            decoder_input = decoder_input.index_select(0, attention_mask.query_position)
+            if decoder_input is not None:
+                decoder_input = decoder_input.index_select(0, attention_mask.query_position)
             position_ids = position_ids.index_select(-1, attention_mask.query_position)
         rotary = self.gpt.rotary_pos_emb(position_ids)  # the whole (CP-local) row's: attention sees it whole
         sequence_parallel = self.config.sequence_parallel
+        if not self.gpt.pre_process:  # a later pipeline stage: the decoder reads its input tensor
+            self.gpt.decoder.set_input_tensor(
+                scatter_sequence(self.input_tensor) if sequence_parallel else self.input_tensor
+            )
+            decoder_input = None
+        elif sequence_parallel:
+            decoder_input = scatter_sequence(decoder_input)
         hidden = self.gpt.decoder(
-            hidden_states=scatter_sequence(decoder_input) if sequence_parallel else decoder_input,
+            hidden_states=decoder_input,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary,
             packed_seq_params=packed_seq_params,

@@ -28,6 +28,21 @@ def layout_name(tp: int, cp: int, ep: int, dp: int, sequence_parallel: bool = Fa
     return f"TP={tp}{sp} CP={cp} EP={ep} DP={dp}"
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage's part of the decoder: its layers (global indices), whether it holds the
+    embedding (the first stage) and the final norm and output layer (the last). Without pipeline
+    parallelism one stage holds everything."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> Stage:
+        return cls(range(num_layers))
+
+
 @dataclass
 class ParallelInfo:
     rank: int
@@ -43,6 +58,16 @@ class ParallelInfo:
     edp_rank: int = 0  # expert data-parallel rank: which replica of this rank's experts
     cp_rank: int = 0  # context parallel: which share of every packed row this rank holds
     cp_size: int = 1
+    pp_rank: int = 0  # pipeline parallel: which stage of the decoder's layers this rank holds
+    pp_size: int = 1
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def first_replica(self) -> bool:
@@ -60,11 +85,12 @@ def current_device() -> torch.device:
 
 
 def init_parallel(
-    tp_size: int, seed: int, ep_size: int = 1, etp_size: int | None = None, cp_size: int = 1
+    tp_size: int, seed: int, ep_size: int = 1, etp_size: int | None = None, cp_size: int = 1, pp_size: int = 1
 ) -> ParallelInfo:
     """Initialise (once) the process group and Megatron's model-parallel state; seed the RNGs.
     ``ep_size``/``etp_size``: the expert-parallel and expert-tensor-parallel sizes (MoE); ``cp_size``:
-    the context-parallel size (each packed row split over that many ranks)."""
+    the context-parallel size (each packed row split over that many ranks); ``pp_size``: the pipeline
+    stages (the decoder's layers split over that many ranks, Megatron's order: TP, CP, DP, PP)."""
     import_megatron_core()
     from megatron.core import parallel_state, tensor_parallel
 
@@ -80,10 +106,10 @@ def init_parallel(
             world = 1
             dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp_size * cp_size):
+    if world % (tp_size * cp_size * pp_size):
         raise ValueError(
-            f"--tensor-model-parallel-size {tp_size} x --context-parallel-size {cp_size} must divide the {world} "
-            "launched processes"
+            f"--tensor-model-parallel-size {tp_size} x --context-parallel-size {cp_size} x "
+            f"--pipeline-model-parallel-size {pp_size} must divide the {world} launched processes"
         )
     etp_size = tp_size if etp_size is None else etp_size
     if world % (ep_size * etp_size):  # Megatron's MoE parallel folding: EP x ETP over all the ranks
@@ -98,6 +124,7 @@ def init_parallel(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
             context_parallel_size=cp_size,
+            pipeline_model_parallel_size=pp_size,
             expert_model_parallel_size=ep_size,
             expert_tensor_parallel_size=etp_size,
         )
@@ -116,6 +143,8 @@ def init_parallel(
         parallel_state.get_expert_data_parallel_rank(),
         parallel_state.get_context_parallel_rank(),
         cp_size,
+        parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size,
     )
 
 
