@@ -370,6 +370,11 @@ class TrainConfig:
     )
     log_routing_replay_gap: bool = _opt(False, "R3: also log the log-prob gap without replay (one more forward).")
     context_parallel_size: int = _opt(1, "Ranks each packed row is split over (zigzag; the fused attention).")
+    pipeline_model_parallel_size: int = _opt(
+        1,
+        "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; text "
+        "models; not yet with CP, EP, shared-prefix training or the load-balancing loss).",
+    )
     sequence_parallel: bool = _opt(
         False,
         "Megatron's sequence parallelism: under TP, norms and the residual stream hold 1/TP of the row's "

@@ -162,6 +162,26 @@ def _validate_context_parallel(t) -> None:
     )
 
 
+def _validate_pipeline_parallel(t) -> None:
+    """Pipeline parallelism runs the text decoder's stages on flat packed rows (the actor refuses a
+    vision-language model, which this check cannot see)."""
+    pp = t.pipeline_model_parallel_size
+    if pp <= 1:
+        return
+    flag = "pipeline_model_parallel_size"
+    _require(t.context_parallel_size == 1, flag, pp, "does not run with --context-parallel-size above 1 yet")
+    _require(t.expert_model_parallel_size == 1, flag, pp, "does not run with --expert-model-parallel-size above 1 yet")
+    _require(not t.shared_prefix_training, flag, pp, "does not run prefix trees yet: no --shared-prefix-training")
+    _require(t.moe_aux_loss_coef == 0, flag, pp, "does not run with the load-balancing loss (--moe-aux-loss-coef) yet")
+    recomputed = t.recompute_granularity == "full" or "moe" in (t.recompute_modules or [])
+    _require(
+        not (t.use_rollout_routing_replay and recomputed),
+        flag,
+        pp,
+        "does not replay routes (--use-rollout-routing-replay) in recomputed MoE layers yet",
+    )
+
+
 def _validate_sequence_parallel(t) -> None:
     """Sequence parallelism splits flat packed rows over the TP ranks."""
     if t.sequence_parallel and t.tensor_model_parallel_size > 1:
@@ -291,10 +311,12 @@ def validate(cfg: Config) -> None:
     _validate_routing_replay(cfg)
     _validate_recompute(cfg.train)
     _validate_context_parallel(cfg.train)
+    _validate_pipeline_parallel(cfg.train)
     _validate_sequence_parallel(cfg.train)
     for key in (
         "tensor_model_parallel_size",
         "context_parallel_size",
+        "pipeline_model_parallel_size",
         "expert_model_parallel_size",
         "global_batch_size",
         "micro_batch_size",

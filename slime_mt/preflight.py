@@ -37,6 +37,11 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(
             f"--recompute-num-layers={t.recompute_num_layers}: the model {t.hf_checkpoint} has {spec.num_layers} layers"
         )
+    if spec.num_layers % t.pipeline_model_parallel_size:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size={t.pipeline_model_parallel_size}: the model {t.hf_checkpoint} has "
+            f"{spec.num_layers} layers, which do not split evenly over its stages"
+        )
     if spec.moe is None and {"moe", "moe_act"} & set(t.recompute_modules or []):
         raise ConfigError(
             f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"
@@ -123,7 +128,7 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     # the trainer's ranks: Ray's placement, else torchrun's world (one process: 1)
     world = c.actor_num_nodes * (c.actor_num_gpus_per_node or t.tensor_model_parallel_size) if c.ray else None
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size))
+    dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size))
     kw = dict(
         vision=vision_parameters(CheckpointReader(t.hf_checkpoint)),
         use_reference=cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef > 0,
@@ -131,7 +136,12 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     )
     plan = plan_rank(spec, t, tokens, **kw)
     layout = layout_name(
-        t.tensor_model_parallel_size, t.context_parallel_size, t.expert_model_parallel_size, dp, t.sequence_parallel
+        t.tensor_model_parallel_size,
+        t.context_parallel_size,
+        t.expert_model_parallel_size,
+        dp,
+        t.sequence_parallel,
+        t.pipeline_model_parallel_size,
     )
     layout += ", distributed optimizer" if t.use_distributed_optimizer else ""
     source = (
@@ -150,7 +160,7 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
             f"--gpu-memory-gb {t.gpu_memory_gb:g}: the memory plan needs {plan.total / GIB:.2f} GiB per train "
             f"rank ({layout}, {tokens} tokens per micro-batch) and {DEVICE_RESERVE_BYTES / GIB:g} GiB stays for "
             "the CUDA context and the allocator; "
-            + (f"{fits} fits" if fits else "lower --max-tokens-per-micro-batch or add tensor parallelism")
+            + (f"{fits} fits" if fits else "lower --max-tokens-per-micro-batch or add tensor or pipeline parallelism")
         )
     return lines + [f"  fits --gpu-memory-gb {t.gpu_memory_gb:g} ({(budget - plan.total) / GIB:.2f} GiB to spare)"]
 

@@ -46,6 +46,7 @@ def train(
         t.expert_model_parallel_size,
         t.expert_tensor_parallel_size,
         t.context_parallel_size,
+        t.pipeline_model_parallel_size,
     )
     stop_requested = stop_requested or threading.Event()
 

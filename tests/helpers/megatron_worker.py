@@ -193,9 +193,11 @@ def replicated_spread(actor) -> float:
 
 def layout_tag(info) -> str:
     """``tp2``, or ``tp2_ep2`` in an expert-parallel world (``tp2_ep2_etp1`` when experts are not split
-    like the TP), ``_cp2`` added under context parallelism, ``_sp`` under sequence parallelism."""
+    like the TP), ``_pp2`` added under pipeline parallelism, ``_cp2`` under context parallelism, ``_sp``
+    under sequence parallelism."""
     tag = f"tp{info.tp_size}" + (f"_ep{info.ep_size}" if info.ep_size > 1 else "")
     tag += f"_etp{info.etp_size}" if info.etp_size != info.tp_size else ""
+    tag += f"_pp{info.pp_size}" if info.pp_size > 1 else ""
     return tag + (f"_cp{info.cp_size}" if info.cp_size > 1 else "") + ("_sp" if SEQUENCE_PARALLEL else "")
 
 
@@ -219,7 +221,19 @@ def check_matrix(args, info, out):
     after a step and the weights after a step, for TP=1 vs TP=2 vs transformers (the MoE families
     only in an expert-parallel world); MoE families once more replaying random routes (R3,
     ``matrix_TAG_KIND_r3.pt``), which every layout must replay alike."""
-    for kind in MOE_FAMILIES if info.ep_size > 1 else SELECTED:
+    for kind, suffix, batch, actor in matrix_actors(MOE_FAMILIES if info.ep_size > 1 else SELECTED, info):
+        if not suffix:  # the memory plan's parameters of this rank against the built model's
+            out.setdefault("parameters", {})[kind] = planned_parameters(actor, tiny_model_dir(kind))
+        result = _matrix_run(actor, batch)
+        if is_main(info):
+            torch.save(result, Path(args.out) / f"matrix_{layout_tag(info)}_{kind}{suffix}.pt")
+    out["matrix"] = "saved"
+
+
+def matrix_actors(kinds, info):
+    """Per family of ``kinds``: (kind, suffix, batch, a new actor) of the matrix run, and for the MoE
+    families once more replaying random routes (suffix ``_r3``)."""
+    for kind in kinds:
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
         runs = {"": (samples, False)}
@@ -235,13 +249,7 @@ def check_matrix(args, info, out):
                 use_rollout_routing_replay=replay,
                 sequence_parallel=SEQUENCE_PARALLEL,
             )
-            actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
-            if not suffix:  # the memory plan's parameters of this rank against the built model's
-                out.setdefault("parameters", {})[kind] = planned_parameters(actor, path)
-            result = _matrix_run(actor, batch)
-            if is_main(info):
-                torch.save(result, Path(args.out) / f"matrix_{layout_tag(info)}_{kind}{suffix}.pt")
-    out["matrix"] = "saved"
+            yield kind, suffix, batch, MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
 
 
 def check_aux_loss(args, info, out):
@@ -1537,7 +1545,7 @@ CHECKS["replay_gap"] = check_replay_gap
 
 # ---------------------------------------------------------------- pipeline parallelism
 
-PIPELINE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe", "llama-untied")  # text families, dense and MoE
+PIPELINE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe")  # the text families, dense and MoE
 
 
 def untied_llama() -> Path:
@@ -1560,7 +1568,7 @@ def check_pipeline(args, info, out):
     if info.rank == 0:
         untied_llama()  # transformers saves a model on rank 0 only
     dist.barrier()
-    kinds = [k for k in PIPELINE_KINDS if k.removesuffix("-untied") in SELECTED]
+    kinds = [k for k in (*PIPELINE_KINDS, "llama-untied") if k.removesuffix("-untied") in SELECTED]
     out["pipeline"] = {kind: _pipeline_family(kind, info) for kind in kinds}
 
 
@@ -1603,7 +1611,13 @@ def _pipeline_family(kind: str, info) -> dict:
 
     def run(forward_only: bool) -> list:
         kept = iter(advantages)
-        return run_pipeline(staged, rows, lambda row, hidden: score(staged, row, hidden, next(kept)), forward_only)
+        return run_pipeline(
+            staged,
+            rows,
+            lambda row: staged.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params),
+            lambda row, hidden: score(staged, row, hidden, next(kept)),
+            forward_only,
+        )
 
     with torch.no_grad():
         forward_lp = run(forward_only=True)
@@ -1655,6 +1669,84 @@ def _all_stage_layers(stage, info) -> list[list[int]]:
 
 
 CHECKS["pipeline"] = check_pipeline
+
+
+def check_pp_matrix(args, info, out):
+    """The matrix run of the text families through the actor at this world's pipeline size: log-probs
+    (``compute_logprobs``), loss, gradients (HF layout, every stage's sent to rank 0), grad norm and
+    the weights after a step, which must be the same TP's without PP (``matrix_tp1_KIND.pt``,
+    ``matrix_tp2_sp_KIND.pt``); Qwen3-MoE once more replaying random routes (R3: each stage's MoE layers
+    take their own columns of the routes)."""
+    for kind, suffix, batch, actor in matrix_actors([k for k in PIPELINE_KINDS if k in SELECTED], info):
+        if not suffix:  # each stage's parameters as built and as the memory plan counts them
+            plan = rank_parameters(actor.spec, info.tp_size, actor.moe, stage=actor.stage).trained
+            built = sum(p.numel() for p in actor.policy.parameters() if p.requires_grad)
+            counts = [None] * info.world_size
+            dist.all_gather_object(counts, (built, plan))
+            out.setdefault("pp_parameters", {})[kind] = counts
+        logprobs = [lp.tolist() for lp in actor.compute_logprobs(batch)]
+        sums = actor.accumulate_gradients(actor.share_of(batch, ADVANTAGES, len(batch)))
+        decoder = {n[len("gpt.") :]: p for n, p in actor.policy.named_parameters() if n.startswith("gpt.")}
+        grads = dict(actor.iter_hf_weights(tensors={n: p.main_grad for n, p in decoder.items()}))
+        step = actor.apply_gradients()
+        result = {
+            "logprobs": logprobs,
+            "loss": sums["loss"],
+            "metric_keys": sorted(sums),
+            "grads": grads,
+            "grad_norm": step["train/grad_norm"],
+            "weights": actor.export_hf(),
+            "replayed_routes": sums.get("routing_replay_routes", 0.0),
+            "layout": actor.layout_name,
+        }
+        if is_main(info):
+            torch.save(result, Path(args.out) / f"matrix_{layout_tag(info)}_{kind}{suffix}.pt")
+    out["pp_matrix"] = "saved"
+
+
+CHECKS["pp_matrix"] = check_pp_matrix
+
+
+def check_pp_refusals(args, info, out):
+    """What pipeline parallelism does not run with yet: each refused by name, before anything is built
+    (the CP and EP sizes are this world's with that size, as the actor reads them)."""
+    cases = {
+        "shared_prefix": ("llama", TrainConfig(shared_prefix_training=True), info),
+        "context_parallel": ("llama", TrainConfig(), dataclasses.replace(info, cp_size=2)),
+        "expert_parallel": ("qwen3-moe", TrainConfig(), dataclasses.replace(info, ep_size=2)),
+        "aux_loss": ("qwen3-moe", TrainConfig(moe_aux_loss_coef=0.01), info),
+        "vlm": ("qwen2.5-vl", TrainConfig(), info),
+        "replay_recomputed": (
+            "qwen3-moe",
+            TrainConfig(use_rollout_routing_replay=True, recompute_granularity="selective", recompute_modules=["moe"]),
+            info,
+        ),
+    }
+    refused = {}
+    for name, (kind, train, layout) in cases.items():
+        try:
+            MegatronActor(str(tiny_model_dir(kind)), train, ALGO, layout)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            refused[name] = f"{type(e).__name__}: {e}"
+    out["pp_refusals"] = refused
+
+
+CHECKS["pp_refusals"] = check_pp_refusals
+
+
+def check_pp_reshard(args, info, out):
+    """Load the checkpoint TP=1 saved (reshard/a) into this world's pipeline stages, save it again
+    (folder ``TAG``), and take TP=1's extra step."""
+    root, tag = Path(args.out) / "reshard", layout_tag(info)
+    train = dataclasses.replace(RESHARD_CFG, sequence_parallel=SEQUENCE_PARALLEL)
+    actor = MegatronActor(str(tiny_model_dir("qwen3")), train, AlgoConfig(), info)
+    extra = actor.load(root / "a")
+    actor.save(root / tag, extra)
+    reshard_step(actor, args, info, f"reshard_continued_{tag}.pt")
+    out["pp_reshard"] = {"step": actor.step, "extra": extra}
+
+
+CHECKS["pp_reshard"] = check_pp_reshard
 
 
 def main():

@@ -74,8 +74,11 @@ WORLDS = {
     "recompute": (1, 1, "recompute", []),
     "tp2_recompute": (2, 2, "recompute", ["--sp"]),  # recompute under TP with sequence parallelism, as run
     "ep2_recompute": (1, 2, "recompute", ["--ep", "2"]),
-    # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder
-    "pp2": (1, 2, "pipeline", ["--pp", "2"]),
+    # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder, the
+    # actor at PP=2 against TP=1's matrix run, what PP does not run with yet, and TP=1's checkpoint
+    # loaded into two stages and saved again
+    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard", ["--pp", "2"]),
+    "tp2pp2sp": (2, 4, "pp_matrix,pp_reshard", ["--pp", "2", "--sp"]),  # TP=2 x PP=2 on 4 ranks, SP as TP runs
 }
 
 

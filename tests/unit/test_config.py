@@ -335,6 +335,30 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--save-debug-rollout-data", "d/rollout_{step}.pt"], r"only '\{rollout_id\}' may appear in braces"),
         (["--turn-records", "some"], r"--turn-records 'some': use all, off, or a number"),
         (["--trace", "everything"], r"--trace: invalid choice: 'everything'"),
+        (["--pipeline-model-parallel-size", "0"], r"--pipeline-model-parallel-size=0: must be a positive integer"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+            r"--pipeline-model-parallel-size=2: does not run with --context-parallel-size above 1 yet",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            r"--pipeline-model-parallel-size=2: does not run with --expert-model-parallel-size above 1 yet",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--shared-prefix-training"],
+            r"--pipeline-model-parallel-size=2: does not run prefix trees yet",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--moe-aux-loss-coef", "0.01"],
+            r"--pipeline-model-parallel-size=2: does not run with the load-balancing loss",
+        ),
+        (
+            [
+                *("--pipeline-model-parallel-size", "2", "--use-rollout-routing-replay"),
+                *("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+            ],
+            r"--pipeline-model-parallel-size=2: does not replay routes \(--use-rollout-routing-replay\) in recomputed",
+        ),
     ],
 )
 def test_invalid_values_name_flag_and_value(argv, pattern):
@@ -420,13 +444,16 @@ def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(t
 
 def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
     """Checks that need the model's config (preflight, before anything starts): a recompute of more
-    layers than the model has, MoE recompute or routing replay on a dense model."""
+    layers than the model has, pipeline stages that do not split its layers evenly, MoE recompute or
+    routing replay on a dense model."""
     from slime_mt.preflight import preflight
 
     model = ["--hf-checkpoint", str(tiny_paths["qwen3"])]
     full = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9"]
     with pytest.raises(ConfigError, match=r"--recompute-num-layers=9: the model .* has 2 layers"):
         preflight(parse_config(model + full))
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size=4: the model .* has 2 layers, which do not"):
+        preflight(parse_config([*model, "--pipeline-model-parallel-size", "4"]))
     with pytest.raises(ConfigError, match=r"--recompute-modules core_attn moe: the qwen3 model has no experts"):
         preflight(parse_config(model + "--recompute-granularity selective --recompute-modules core_attn moe".split()))
     with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: the qwen3 model .* has no experts"):

@@ -54,6 +54,7 @@ from slime_mt.backends.megatron.models import (
     have_transformer_engine,
     padded_vocab,
     read_hf_config,
+    stage_of,
 )
 from slime_mt.backends.megatron.moe import (
     count_routes,
@@ -66,7 +67,8 @@ from slime_mt.backends.megatron.moe import (
 )
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
 from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, sp_pad, tree_keys
-from slime_mt.backends.megatron.parallel import ParallelInfo, current_device, layout_name
+from slime_mt.backends.megatron.parallel import ParallelInfo, Stage, current_device, layout_name
+from slime_mt.backends.megatron.pipeline import every_stage, from_last_stage, run_pipeline
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
 from slime_mt.config import AlgoConfig, TrainConfig
@@ -121,6 +123,8 @@ class MegatronActor:
                 f"--context-parallel-size {info.cp_size}: with Transformer Engine's layers not yet (its THD "
                 "context parallelism splits every sequence); pass --transformer-impl local for the fused attention's"
             )
+        if info.pp_size > 1:
+            self._check_pipeline(train, info)
         needs_te = sorted({"layernorm", "moe_act"} & set(train.recompute_modules or []))
         if needs_te and not self.te:  # Megatron recomputes these through Transformer Engine's checkpoint
             raise ModelConfigError(f"--recompute-modules {' '.join(needs_te)}: needs Transformer Engine (a GPU)")
@@ -174,10 +178,32 @@ class MegatronActor:
         self.keep_log_probs = False
         self.kept_log_probs: dict[int, list[float]] = {}
 
+    def _check_pipeline(self, train: TrainConfig, info: ParallelInfo) -> None:
+        """What pipeline parallelism does not run with yet, refused by name."""
+        flag = f"--pipeline-model-parallel-size {info.pp_size}"
+        refused = {
+            "--shared-prefix-training": train.shared_prefix_training,
+            f"--context-parallel-size {info.cp_size}": info.cp_size > 1,
+            f"--expert-model-parallel-size {info.ep_size}": info.ep_size > 1,
+            f"--moe-aux-loss-coef {train.moe_aux_loss_coef}": self.spec.moe is not None and train.moe_aux_loss_coef > 0,
+            "a vision-language model (its vision tower is not placed on the first stage yet)": (
+                self.spec.mrope_section is not None
+            ),
+            # 1F1B runs the next row's forward before this row's backward: a recomputed MoE layer would
+            # replay the next row's routes
+            "--use-rollout-routing-replay and MoE layers recomputed": (
+                train.use_rollout_routing_replay and _recomputes_moe(train)
+            ),
+        }
+        for what, on in refused.items():
+            if on:
+                raise ModelConfigError(f"{flag} with {what}: not yet")
+
     # ------------------------------------------------------------------ model
 
     def _build(self, reader: CheckpointReader, frozen: bool = False) -> torch.nn.Module:
         if self.spec.mrope_section is not None:
+            self.stage = Stage.whole(self.spec.num_layers)  # VLMs under PP are refused (_check_pipeline)
             model = build_vlm(
                 self.hf_config,
                 self.spec,
@@ -205,7 +231,9 @@ class MegatronActor:
                 self.moe,
                 None if frozen else Recompute.of(self.train_cfg),  # a frozen model has no backward
                 self.sequence_parallel,
+                self.info.pp_size,
             )
+            self.stage = stage_of(gpt)
             load_into(gpt, self.iter_megatron_tensors(reader))
             model = TextPolicy(gpt)
         if frozen:
@@ -215,8 +243,11 @@ class MegatronActor:
         return model
 
     def iter_megatron_tensors(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's Megatron-named decoder tensors from an HF folder (its TP slices, its experts)."""
-        return iter_hf_to_megatron(reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te, self.experts)
+        """This rank's Megatron-named decoder tensors from an HF folder (its TP slices, its experts, its
+        pipeline stage's layers)."""
+        return iter_hf_to_megatron(
+            reader, self.spec, self.info.tp_rank, self.info.tp_size, self.te, self.experts, self.stage
+        )
 
     @property
     def _mrope(self):
@@ -237,7 +268,7 @@ class MegatronActor:
     def layout_name(self) -> str:
         """This rank's parallel layout, as the trace names it (``parallel.layout_name``)."""
         i = self.info
-        return layout_name(i.tp_size, i.cp_size, i.ep_size, i.dp_size, self.sequence_parallel)
+        return layout_name(i.tp_size, i.cp_size, i.ep_size, i.dp_size, self.sequence_parallel, i.pp_size)
 
     def pack(self, samples: list[TrainingSample], indices: list[int], replay: bool = True) -> PackedRow:
         """A packed row of ``samples[indices]`` on the trainer's device (a prefix tree with
@@ -266,6 +297,10 @@ class MegatronActor:
     def _logprobs(self, module, row: PackedRow, with_entropy: bool, temperature: float):
         """(log-probs ``[T]``, entropy ``[T]`` or None) of the row's response tokens; the entropy
         carries a gradient only when the loss has an entropy term."""
+        return self._score(module, row, self._hidden(module, row), with_entropy, temperature)
+
+    def _hidden(self, module, row: PackedRow) -> torch.Tensor:
+        """The row through ``module``'s decoder (this pipeline stage's layers) -> ``[L, 1, H]``."""
         extra = (
             {"pixel_values": row.pixel_values, "image_grid_thw": row.image_grid_thw, "image_order": row.image_order}
             if self._mrope
@@ -273,10 +308,14 @@ class MegatronActor:
         )
         # R3: each MoE layer replays the engine's routes of the row (None: its own), until the next
         # forward: a backward that recomputes the layer replays them again
-        for k, layer in enumerate(moe_layers(module)):
+        before = sum(self.spec.moe.sparse_layers[: self.stage.layers.start]) if self.spec.moe else 0
+        for k, layer in enumerate(moe_layers(module), start=before):  # k: the MoE layer's index in the decoder
             layer.replay_routes = None if row.routes is None else row.routes[:, k]
             layer.row_padding = row.padding  # context parallel: pad tokens route nowhere that counts
-        hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
+        return module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params, **extra)
+
+    def _score(self, module, row: PackedRow, hidden: torch.Tensor, with_entropy: bool, temperature: float):
+        """(log-probs, entropy or None) of the row's response tokens from the last stage's ``hidden``."""
         rows = hidden[:, 0].index_select(0, row.logit_index)  # [T, H]
         lp, entropy = hidden_logprobs(
             rows,
@@ -357,6 +396,18 @@ class MegatronActor:
         module.eval()
         out: list[torch.Tensor | None] = [None] * len(samples)
         indices = list(range(len(samples))) if indices is None else indices
+        if self.info.pp_size > 1:
+            rows = [self.pack(samples, r, replay) for r in self._rows(samples, indices)]
+
+            def score(row, hidden):  # forward only: no loss
+                return hidden.new_zeros(()), self._score(module, row, hidden, False, self.temperature)[0]
+
+            kept = run_pipeline(module, rows, lambda row: self._hidden(module, row), score, forward_only=True)
+            for row, lp in zip(rows, from_last_stage([t.cpu() for t in kept])):
+                for k, i in enumerate(row.sample_index):
+                    out[i] = lp.to(self.device)[row.seq_ids == k]
+            module.train(was_training)
+            return out
         for row_indices in self._aligned(self._rows(samples, indices)):
             if row_indices is None:  # another expert-parallel rank still has a row
                 self._idle_pass(module, self.temperature, backward=False)
@@ -443,58 +494,86 @@ class MegatronActor:
         # a CP rank's load-balancing loss is its tokens' share of the row's (Megatron's global-batch form):
         # summed over CP as the policy loss is
         set_aux_loss_scale(self.spec.moe, self.info.cp_size / max(1, trained_rows))
-        for row_indices in rows:
-            if row_indices is None:  # another expert-parallel rank still has a row
+        packed = [None if r is None else self.pack(samples, r) for r in rows]
+        if self.info.pp_size > 1:  # the schedule runs the backward from each row's loss on the last stage
+
+            def on_last_stage(row, hidden):
+                lp, entropy = self._score(self.policy, row, hidden, not self.train_cfg.sft, temperature)
+                return self._row_loss(share, row, lp, entropy, old, ref, unreplayed, sums), None
+
+            run_pipeline(self.policy, packed, lambda row: self._hidden(self.policy, row), on_last_stage, False)
+        for row in packed if self.info.pp_size == 1 else []:
+            if row is None:  # another expert-parallel rank still has a row
                 self._idle_pass(self.policy, temperature, backward=True)
                 continue
-            row = self.pack(samples, row_indices)
             lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
-            if self.keep_log_probs and not old and not self.train_cfg.sft:  # one mini-batch: the step's own
-                for k, i in enumerate(row.sample_index):
-                    self.kept_log_probs[share.indices[i]] = lp.detach()[row.seq_ids == k].tolist()
-            inputs = LossInputs(
-                log_probs=lp,
-                old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
-                rollout_log_probs=self._cat(
-                    [_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids)) for i in row.sample_index]
-                ),
-                advantages=self._cat(
-                    [[share.advantages[i] * mask for mask in samples[i].loss_mask] for i in row.sample_index]
-                ),
-                weights=self._cat([share.weights[i] for i in row.sample_index]),
-                seq_ids=row.seq_ids,
-                entropy=entropy,
-                ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
-            )
-            loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
-            sampled = ~torch.isnan(inputs.rollout_log_probs)
-            if unreplayed and bool(sampled.any()):  # the gap R3 closes: train_rollout_logprob_abs_diff's, unreplayed
-                own = self._cat([unreplayed[i] for i in row.sample_index])
-                gap = (own - inputs.rollout_log_probs).abs() * inputs.weights
-                metrics["train_rollout_logprob_abs_diff_without_replay"] = float(gap[sampled].sum())
-            # DDP averages over DP x CP ranks; the weights are global, and each CP rank's gradient is
-            # its tokens' share of the row's
-            (loss * self.info.dp_size * self.info.cp_size).backward()
-            metrics["loss"] = float(loss.detach())
-            metrics["tokens"] = sum(len(samples[i].response_ids) for i in row.sample_index)
-            if self.train_cfg.shared_prefix_training:
-                metrics["tokens_before_sharing"] = sum(row.lengths)
-                metrics["tokens_after_sharing"] = row.num_real_tokens
-            for k, v in metrics.items():
-                sums[k] += v
+            self._row_loss(share, row, lp, entropy, old, ref, unreplayed, sums).backward()
         finalize_model_grads([self.model])
         if self.spec.moe is None:
-            return self._dp_sum(sums)
+            return self._stages_merged(self._dp_sum(sums))
         if not self.sequence_parallel:  # under SP finalize_model_grads summed them
             sum_sequence_sharded_grads(self.policy, self._tp_group())
         totals = self._dp_sum(sums)
         totals.update(router_metrics(self.policy, trained_rows, self.device))
+        totals = self._stages_merged(totals)
         if self.train_cfg.use_rollout_routing_replay:  # every rank routed its own tokens: sum over all
             counts = torch.tensor(replay_counts(self.policy), dtype=torch.float64, device=self.device)
             dist.all_reduce(counts)
             totals["routing_replay_routes"] = float(counts[0])
             totals["routing_replay_mismatch_frac"] = float(counts[1] / counts[0]) if counts[0] else 0.0
         return totals
+
+    def _stages_merged(self, totals: dict[str, float]) -> dict[str, float]:
+        """Under pipeline parallelism: the last stage's loss metrics, every stage's MoE layers' router
+        metrics (the busiest expert over all of them), on every stage."""
+        if self.info.pp_size == 1:
+            return totals
+        merged: dict[str, float] = {}
+        for stage in every_stage(totals):
+            for key, value in stage.items():
+                if key == "moe/load_max_over_mean":
+                    merged[key] = max(value, merged.get(key, value))
+                elif key.startswith("moe/load_max_over_mean/") or key not in merged:
+                    merged[key] = value
+        return merged
+
+    def _row_loss(self, share, row, lp, entropy, old, ref, unreplayed, sums) -> torch.Tensor:
+        """The loss of one packed row of ``share`` (scaled for DDP's average), its metrics added to
+        ``sums``."""
+        samples = share.samples
+        if self.keep_log_probs and not old and not self.train_cfg.sft:  # one mini-batch: the step's own
+            for k, i in enumerate(row.sample_index):
+                self.kept_log_probs[share.indices[i]] = lp.detach()[row.seq_ids == k].tolist()
+        inputs = LossInputs(
+            log_probs=lp,
+            old_log_probs=self._cat([old[i] for i in row.sample_index]) if old else lp.detach(),
+            rollout_log_probs=self._cat(
+                [_or_nan(samples[i].rollout_log_probs, len(samples[i].response_ids)) for i in row.sample_index]
+            ),
+            advantages=self._cat(
+                [[share.advantages[i] * mask for mask in samples[i].loss_mask] for i in row.sample_index]
+            ),
+            weights=self._cat([share.weights[i] for i in row.sample_index]),
+            seq_ids=row.seq_ids,
+            entropy=entropy,
+            ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
+        )
+        loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
+        sampled = ~torch.isnan(inputs.rollout_log_probs)
+        if unreplayed and bool(sampled.any()):  # the gap R3 closes: train_rollout_logprob_abs_diff's, unreplayed
+            own = self._cat([unreplayed[i] for i in row.sample_index])
+            gap = (own - inputs.rollout_log_probs).abs() * inputs.weights
+            metrics["train_rollout_logprob_abs_diff_without_replay"] = float(gap[sampled].sum())
+        metrics["loss"] = float(loss.detach())
+        metrics["tokens"] = sum(len(samples[i].response_ids) for i in row.sample_index)
+        if self.train_cfg.shared_prefix_training:
+            metrics["tokens_before_sharing"] = sum(row.lengths)
+            metrics["tokens_after_sharing"] = row.num_real_tokens
+        for k, v in metrics.items():
+            sums[k] += v
+        # DDP averages over DP x CP ranks; the weights are global, and each CP rank's gradient is
+        # its tokens' share of the row's
+        return loss * self.info.dp_size * self.info.cp_size
 
     def apply_gradients(self) -> dict[str, float]:
         """Clip, Adam step and LR schedule step on the finalized gradients."""
@@ -583,13 +662,47 @@ class MegatronActor:
         if not first and experts is None:
             return
         state = tensors if tensors is not None else self.policy.decoder_state_dict()
-        yield from iter_megatron_to_hf(state, self.spec, self._tp_gather(), self.prefix, self.te, experts, dense=first)
+        mine = iter_megatron_to_hf(
+            state, self.spec, self._tp_gather(), self.prefix, self.te, experts, dense=first, stage=self.stage
+        )
+        if self.info.pp_size > 1:  # each stage's gathered tensors to global rank 0, stage by stage
+            yield from self._stages_to_rank0(mine)
+        else:
+            yield from mine
         if not first:
             return
         if tensors is None and hasattr(self.policy, "vision_state_dict"):
             here = self.info.rank == 0
             for name, t in self.policy.vision_state_dict().items():
                 yield name, t.clone() if here else None
+
+    def _stages_to_rank0(self, mine: Iterator[tuple[str, torch.Tensor | None]]):
+        """Global rank 0 yields its own stage's tensors, then every later stage's, each sent by the
+        rank its TP group gathered it to, one tensor at a time; the other ranks yield their stage's
+        names (None), sending what they gathered."""
+        from megatron.core import parallel_state
+
+        if self.info.rank == 0:
+            yield from mine
+            for src in dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())[1:]:
+                while True:
+                    head: list = [None]
+                    dist.recv_object_list(head, src=src)
+                    if head[0] is None:  # the stage is done
+                        break
+                    name, shape, dtype = head[0]
+                    tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(tensor, src=src)
+                    yield name, tensor
+            return
+        sender = self.info.tp_rank == 0 and self.info.pp_rank > 0
+        for name, tensor in mine:
+            if sender:
+                dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
+                dist.send(tensor.contiguous(), dst=0)
+            yield name, None
+        if sender:
+            dist.send_object_list([None], dst=0)
 
     def export_hf(self) -> dict[str, torch.Tensor]:
         """Every HF-named tensor on global rank 0 ({} on other ranks); collective."""
@@ -603,6 +716,12 @@ class MegatronActor:
 
     def load(self, root: str | Path) -> dict:
         return load_checkpoint(self, root)
+
+
+def _recomputes_moe(train: TrainConfig) -> bool:
+    """Whether the backward recomputes MoE layers' forward (full recompute, or selective of ``moe``)."""
+    selective = train.recompute_granularity == "selective" and "moe" in (train.recompute_modules or [])
+    return train.recompute_granularity == "full" or selective
 
 
 def _or_nan(log_probs: list[float] | None, length: int) -> list[float]:

@@ -191,13 +191,15 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
 
 
 def _layout(actor) -> dict[str, int]:
-    """The saving layout (RNG states are restored only at the same one); EP and CP only when above 1,
-    so checkpoints of dense runs keep their earlier layout record."""
+    """The saving layout (RNG states are restored only at the same one); EP, CP and PP only when above
+    1, so checkpoints of dense runs keep their earlier layout record."""
     layout = {"tp": actor.info.tp_size, "dp": actor.info.dp_size}
     if actor.info.ep_size > 1 or actor.info.etp_size != actor.info.tp_size:
         layout.update(ep=actor.info.ep_size, etp=actor.info.etp_size)
     if actor.info.cp_size > 1:
         layout.update(cp=actor.info.cp_size)
+    if actor.info.pp_size > 1:
+        layout.update(pp=actor.info.pp_size)
     return layout
 
 

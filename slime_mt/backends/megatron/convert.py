@@ -494,28 +494,35 @@ def iter_megatron_to_hf(
     te: bool = False,
     experts: ExpertGather | None = None,
     dense: bool = True,
+    stage: Stage | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(HF name, full tensor) from this rank's Megatron decoder state, one tensor at a time; the
     tensor is None on ranks other than the gather's destination. Collective over the TP group (and
     the expert groups): every rank of the group must iterate to the end. ``dense=False``: a rank that
-    only lends its experts (a data-parallel replica other than the first) skips everything else."""
+    only lends its experts (a data-parallel replica other than the first) skips everything else.
+    ``stage``: the pipeline stage ``state`` holds (its layers named from 0): only its tensors, the
+    tied output layer's copy on the last stage left out (the checkpoint has the embedding once)."""
+    stage = stage or Stage.whole(spec.num_layers)
     if not dense:
         if experts is not None and experts.active and spec.moe is not None:
-            for i in range(spec.num_layers):
+            for i in stage.layers:
                 if spec.moe.sparse_layers[i]:
-                    yield from _iter_experts(state, spec, i, f"{prefix}layers.{i}.mlp.", experts, te)
+                    local = i - stage.layers.start
+                    yield from _iter_experts(state, spec, local, f"{prefix}layers.{i}.mlp.", experts, te)
         return
     experts = experts or ExpertGather(ExpertLayout(etp_rank=0 if gather.here else 1, etp=gather.tp), gather)
     p = prefix
-    embed = gather.cat(state["embedding.word_embeddings.weight"], 0)
-    yield f"{p}embed_tokens.weight", None if embed is None else embed[: spec.vocab_size]
-    yield f"{p}norm.weight", gather.replicated(state["decoder.final_layernorm.weight"])
-    if not spec.tie_embeddings:  # tied checkpoints store no lm_head
+    if stage.first:
+        embed = gather.cat(state["embedding.word_embeddings.weight"], 0)
+        yield f"{p}embed_tokens.weight", None if embed is None else embed[: spec.vocab_size]
+    if stage.last:
+        yield f"{p}norm.weight", gather.replicated(state["decoder.final_layernorm.weight"])
+    if stage.last and not spec.tie_embeddings:  # tied checkpoints store no lm_head
         head = gather.cat(state["output_layer.weight"], 0)
         yield "lm_head.weight", None if head is None else head[: spec.vocab_size]
-    for i in range(spec.num_layers):
+    for i in stage.layers:
         sparse = spec.moe is not None and spec.moe.sparse_layers[i]
-        names, dst = decoder_names(i, te, sparse), f"{p}layers.{i}."
+        names, dst = decoder_names(i - stage.layers.start, te, sparse), f"{p}layers.{i}."
         a = dst + "self_attn."
         yield dst + "input_layernorm.weight", gather.replicated(state[names["input_norm"]])
         yield dst + "post_attention_layernorm.weight", gather.replicated(state[names["mlp_norm"]])
@@ -532,7 +539,7 @@ def iter_megatron_to_hf(
         yield a + "o_proj.weight", gather.cat(state[names["proj"]], 1)
         if sparse:
             yield dst + "mlp.gate.weight", gather.replicated(state[names["router"]])
-            yield from _iter_experts(state, spec, i, dst + "mlp.", experts, te)
+            yield from _iter_experts(state, spec, i - stage.layers.start, dst + "mlp.", experts, te)
             continue
         parts = gather.parts(state[names["fc1"]])
         gate, up = (None, None) if parts is None else _gate_up(parts)

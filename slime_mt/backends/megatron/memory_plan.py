@@ -23,12 +23,18 @@ heads and f; CP splits the tokens, and each CP rank keeps its row's gathered key
 
 The peak adds the larger of two working sets on top of what is kept: the log-probs' backward (2.5
 chunks of fp32 logits) and a layer's backward (its activations, recomputed under full recompute, and
-the gradients of them, about 0.3 of a layer's). Measured on CPU, glibc's malloc told to map each
+the gradients of them, about 0.3 of a layer's).
+
+Pipeline stages (``--pipeline-model-parallel-size P``): each stage holds its layers (Megatron's even
+split), the first the embedding, the last the final norm and the output layer (with tied embeddings,
+its own copy of the embedding); under the 1F1B schedule stage s keeps the activations of up to P - s
+micro-batches in flight (P when the step has at least P micro-batches, as planned), and only the last
+stage projects logits. The plan is the busiest stage's. Measured on CPU, glibc's malloc told to map each
 tensor on its own (``MALLOC_MMAP_THRESHOLD_``), what is not a tensor adds about 64 MiB. Beyond the
 plan a device needs its CUDA context and the allocator's slack (``--gpu-memory-gb`` keeps 2 GiB for
 them). The vision tower's activations (frozen: none kept) and the engines' memory (colocated engines
-release theirs while the trainer trains) are not in the plan; nor are pipeline stages yet (open
-issue). Checked against measured peaks: ``benchmarks/memory_plan.py``."""
+release theirs while the trainer trains) are not in the plan. Checked against measured peaks:
+``benchmarks/memory_plan.py``."""
 
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 
 from slime_mt.backends.megatron.actor import LOGIT_CHUNK_BYTES
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, padded_vocab
+from slime_mt.backends.megatron.parallel import Stage
 from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
 
 GIB = 2**30
@@ -92,15 +99,30 @@ def _sparse_layers(spec: DecoderSpec) -> list[bool]:
     return spec.moe.sparse_layers if spec.moe else [False] * spec.num_layers
 
 
-def rank_parameters(spec: DecoderSpec, tp: int, moe: MoeOptions, vision: int = 0, vision_frozen=True):
-    """-> ParameterCount of one rank of the decoder (and the replicated vision tower, ``vision`` elements)."""
+def stages(num_layers: int, pp: int) -> list[Stage]:
+    """Megatron's even split of ``num_layers`` over ``pp`` pipeline stages."""
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
+    n = num_layers // pp
+    return [Stage(range(s * n, (s + 1) * n), first=s == 0, last=s == pp - 1) for s in range(pp)]
+
+
+def rank_parameters(
+    spec: DecoderSpec, tp: int, moe: MoeOptions, vision: int = 0, vision_frozen=True, stage: Stage | None = None
+):
+    """-> ParameterCount of one rank of the decoder (and the replicated vision tower, ``vision`` elements);
+    ``stage``: its pipeline stage's part (the vision tower with the first)."""
+    stage = stage or Stage.whole(spec.num_layers)
     h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
     embedding = padded_vocab(spec.vocab_size, tp) // tp * h
-    n = embedding * (1 if spec.tie_embeddings else 2) + h  # + the final norm
+    # the embedding on the first stage; the final norm and the output layer (or the tied embedding's
+    # copy, on a later stage) on the last
+    n = embedding * stage.first + (h + embedding * (not (spec.tie_embeddings and stage.first))) * stage.last
+    vision = vision if stage.first else 0
     qkv = (nq + 2 * nkv) * d
     attention = 2 * h + (qkv * h + nq * d * h + (qkv if spec.qkv_bias else 0)) // tp + (2 * d if spec.qk_norm else 0)
     experts = 0
-    for sparse in _sparse_layers(spec):
+    for sparse in [_sparse_layers(spec)[i] for i in stage.layers]:
         if sparse:
             m = spec.moe
             n += attention + m.num_experts * h
@@ -142,12 +164,30 @@ def plan_rank(
     spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
 ) -> RankMemory:
     """The peak of one train rank of ``train`` (a ``TrainConfig``) on micro-batches of ``tokens``, among
-    ``data_parallel`` DP ranks (they share the optimizer's state under ``--use-distributed-optimizer``)."""
+    ``data_parallel`` DP ranks (they share the optimizer's state under ``--use-distributed-optimizer``);
+    under pipeline parallelism, the busiest stage's."""
+    return max(plan_stages(spec, train, tokens, vision, use_reference, data_parallel), key=lambda plan: plan.total)
+
+
+def plan_stages(
+    spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
+) -> list[RankMemory]:
+    """``plan_rank`` of a rank of each pipeline stage, in stage order (one without PP)."""
+    pp = train.pipeline_model_parallel_size
+    return [
+        _plan_stage(spec, train, tokens, vision, use_reference, data_parallel, stage, in_flight=pp - s)
+        for s, stage in enumerate(stages(spec.num_layers, pp))
+    ]
+
+
+def _plan_stage(
+    spec: DecoderSpec, train, tokens: int, vision: int, use_reference: bool, data_parallel: int, stage, in_flight: int
+) -> RankMemory:
     tp, cp = train.tensor_model_parallel_size, train.context_parallel_size
     sp = train.sequence_parallel and tp > 1
     moe = MoeOptions.of(train)
     b = 2 if train.bf16 else 4
-    count = rank_parameters(spec, tp, moe, vision, train.freeze_vision_tower)
+    count = rank_parameters(spec, tp, moe, vision, train.freeze_vision_tower, stage)
     weights = count.trained + count.frozen
     optimized = count.trained  # elements of main weights and moments on this rank
     if train.use_distributed_optimizer:  # sharded over DP x CP; experts over their own DP group
@@ -161,12 +201,13 @@ def plan_rank(
         if train.recompute_granularity == "selective"
         else frozenset()
     )
-    per_layer = [layer_activations(spec, tp, moe, s, modules, sp) for s in _sparse_layers(spec)]
+    sparse_layers = [_sparse_layers(spec)[i] for i in stage.layers]
+    per_layer = [layer_activations(spec, tp, moe, s, modules, sp) for s in sparse_layers]
     whole = [a * local + kv * row for a, kv in per_layer]  # elements a layer keeps without full recompute
     h = spec.hidden_size / tp if sp else spec.hidden_size  # a layer's input: this TP rank's slice under SP
     if train.recompute_granularity == "full":
         n = train.recompute_num_layers or 1
-        layers = spec.num_layers
+        layers = len(stage.layers)
         if train.recompute_method == "block":  # the first n layers keep their input only
             kept = h * local * min(n, layers) + sum(whole[n:])
             recomputed = max(whole[:n], default=0)
@@ -175,9 +216,10 @@ def plan_rank(
             recomputed = max(sum(whole[i : i + n]) for i in range(0, layers, n))
     else:
         kept, recomputed = sum(whole), 0
-    outside = (2 * spec.hidden_size + 57) * local  # the gathered rows under SP
+    outside = (2 * spec.hidden_size + 57) * local * stage.last  # the gathered rows under SP
+    kept *= in_flight  # 1F1B: the micro-batches whose backward has not run yet
     vocab = padded_vocab(spec.vocab_size, tp) // tp
-    logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * local)
+    logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * local) * stage.last
     layer = (recomputed + LAYER_BACKWARD * max(whole)) * b
     return RankMemory(
         params=weights * b,
@@ -198,22 +240,39 @@ def vision_parameters(reader) -> int:
     return sum(math.prod(reader.shape(name)) for name in names if name.startswith(prefix))
 
 
+def _full_recompute(on: bool) -> dict:
+    """The recompute settings of ``FULL_RECOMPUTE`` (on) or none."""
+    return dict(
+        recompute_granularity="full" if on else None,
+        recompute_method="uniform" if on else None,
+        recompute_num_layers=1 if on else None,
+    )
+
+
 def fitting_layout(spec: DecoderSpec, train, tokens: int, budget: int, **kw) -> str | None:
-    """The first of: sequence parallelism (under TP, when off), full recompute, then CP doubled (up to 8
-    times the given) without and with it, whose plan fits ``budget`` bytes -> the flags that change, or
-    None."""
+    """The first of: sequence parallelism (under TP, when off), full recompute, CP doubled (up to 8
+    times the given) without and with it, then (without CP) 2, 4 or 8 pipeline stages that split the
+    layers evenly, without and with full recompute, whose plan fits ``budget`` bytes -> the flags that
+    change, or None."""
     cp, first = train.context_parallel_size, []
     if train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
         train, first = dataclasses.replace(train, sequence_parallel=True), ["--sequence-parallel"]
         if plan_rank(spec, train, tokens, **kw).total <= budget:
             return first[0]
-    tries = [(cp, "full")] + [(cp * k, r) for k in (2, 4, 8) for r in (None, "full")]
-    for size, recompute in tries:
-        flags = dict(context_parallel_size=size, recompute_granularity=recompute)
-        flags.update(recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None)
-        if plan_rank(spec, dataclasses.replace(train, **flags), tokens, **kw).total <= budget:
-            named = first + ([f"--context-parallel-size {size}"] if size != cp else [])
-            if recompute:
-                named.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-            return " ".join(named)
+    tries = [(dict(context_parallel_size=cp), True)]
+    tries += [(dict(context_parallel_size=cp * k), full) for k in (2, 4, 8) for full in (False, True)]
+    if cp == 1 and train.pipeline_model_parallel_size == 1:
+        stages = [p for p in (2, 4, 8) if spec.num_layers % p == 0]
+        tries += [(dict(pipeline_model_parallel_size=p), full) for p in stages for full in (False, True)]
+    for layout, full in tries:
+        if plan_rank(spec, dataclasses.replace(train, **layout, **_full_recompute(full)), tokens, **kw).total <= budget:
+            named = list(first)
+            if layout.get("context_parallel_size", cp) != cp:
+                named.append(f"--context-parallel-size {layout['context_parallel_size']}")
+            if "pipeline_model_parallel_size" in layout:
+                named.append(f"--pipeline-model-parallel-size {layout['pipeline_model_parallel_size']}")
+            return " ".join(named + ([FULL_RECOMPUTE] if full else []))
     return None
+
+
+FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"

@@ -370,7 +370,7 @@ def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused", config=Non
     Megatron's block spec (``config``'s layer pattern: MoE and dense layers). Under sequence
     parallelism the local spec's norms are ``SequenceParallelNorm`` (a block spec: the final one too)."""
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}: use one of {ATTENTION}")
@@ -393,7 +393,8 @@ def layer_spec(spec: DecoderSpec, te: bool, attention: str = "fused", config=Non
         if isinstance(block, TransformerBlockSubmodules):
             block.layer_norm = SequenceParallelNorm
         else:
-            block = TransformerBlockSubmodules(layer_specs=[block] * spec.num_layers, layer_norm=SequenceParallelNorm)
+            layers = get_num_layers_to_build(config)  # this pipeline stage's (all of them without PP)
+            block = TransformerBlockSubmodules(layer_specs=[block] * layers, layer_norm=SequenceParallelNorm)
     return block
 
 
@@ -478,6 +479,12 @@ class TextPolicy(torch.nn.Module):
     @property
     def model_type(self):  # what Megatron's schedules ask of the model they run
         return self.gpt.model_type
+
+    @property
+    def module(self):
+        """The decoder, where Megatron's helpers (``get_attr_wrapped_model``: the schedules, the tied
+        embedding's gradient sum in ``finalize_model_grads``) look for what this wrapper lacks."""
+        return self.gpt
 
     @property
     def stage(self) -> Stage:

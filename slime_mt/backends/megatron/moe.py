@@ -183,14 +183,11 @@ def router_metrics(model: torch.nn.Module, micro_batches: int, device: torch.dev
 
     layers = moe_layers(model)
     experts = layers[0].config.num_moe_experts if layers else 0
-    loads = torch.stack(
-        [
-            layer.router.router_replay.load.to(device)
-            if layer.router.router_replay.load is not None
-            else torch.zeros(experts, dtype=torch.float64, device=device)
-            for layer in layers
-        ]
-    )  # [moe layers, experts]
+    # [moe layers, experts]; a pipeline stage of dense layers has none
+    loads = torch.zeros((len(layers), experts), dtype=torch.float64, device=device)
+    for k, layer in enumerate(layers):
+        if layer.router.router_replay.load is not None:
+            loads[k] = layer.router.router_replay.load.to(device)
     from megatron.core import parallel_state
 
     tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
@@ -200,11 +197,14 @@ def router_metrics(model: torch.nn.Module, micro_batches: int, device: torch.dev
         # summed over the group, counted once per group
         aux[0] = tracker["values"].double().sum() / max(1, micro_batches)
         aux[1] = len(layers) if parallel_state.get_tensor_and_context_parallel_rank() == 0 else 0
-    torch.distributed.all_reduce(loads)
+    # the loads over the ranks holding these layers (a pipeline stage's: every rank without PP), the
+    # load-balancing loss over every rank
+    stage = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(loads, group=stage)
     torch.distributed.all_reduce(aux)
     clear_aux_losses_tracker()
     out: dict[str, float] = {}
-    ratios = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)).tolist()
+    ratios = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-12)).tolist() if layers else []
     for layer, ratio in zip(layers, ratios):
         out[f"moe/load_max_over_mean/layer_{layer.layer_number - 1}"] = ratio
     if layers:

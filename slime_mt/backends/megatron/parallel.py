@@ -21,11 +21,13 @@ from slime_mt.backends.megatron import import_megatron_core
 from slime_mt.backends.megatron.cpu_patches import apply_cpu_patches
 
 
-def layout_name(tp: int, cp: int, ep: int, dp: int, sequence_parallel: bool = False) -> str:
+def layout_name(tp: int, cp: int, ep: int, dp: int, sequence_parallel: bool = False, pp: int = 1) -> str:
     """A train rank's parallel layout as the dry run and the trace name it: ``TP=2 (sequence parallel)
-    CP=1 EP=1 DP=2`` (sequence parallelism under TP only)."""
+    CP=1 EP=1 DP=2`` (sequence parallelism under TP only; ``PP=2`` before DP under pipeline
+    parallelism)."""
     sp = " (sequence parallel)" if sequence_parallel and tp > 1 else ""
-    return f"TP={tp}{sp} CP={cp} EP={ep} DP={dp}"
+    stages = f" PP={pp}" if pp > 1 else ""
+    return f"TP={tp}{sp} CP={cp} EP={ep}{stages} DP={dp}"
 
 
 @dataclass(frozen=True)

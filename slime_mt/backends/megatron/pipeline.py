@@ -20,16 +20,20 @@ import torch
 OnLastStage = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
-def run_pipeline(model, rows: list, on_last_stage: OnLastStage, forward_only: bool) -> list:
-    """``rows`` (packed rows, the same on every stage) through the pipeline, one micro-batch each ->
-    on the last stage, what ``on_last_stage`` kept of each row, in order; on the others, []."""
+def run_pipeline(
+    model, rows: list, forward: Callable[[Any], torch.Tensor], on_last_stage: OnLastStage, forward_only: bool
+) -> list:
+    """``rows`` (packed rows, the same on every stage) through the pipeline, one micro-batch each:
+    ``forward(row)`` runs this stage's layers (``model.hidden``), ``on_last_stage`` turns the last
+    stage's output into a loss and what to keep -> on the last stage, what it kept of each row, in
+    order; on the others, []."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     kept: list = []
 
     def forward_step(data_iterator, module):
         row = next(data_iterator)
-        hidden = module.hidden(row.tokens, row.position_ids, row.attention_mask, row.packed_seq_params)
+        hidden = forward(row)
 
         def loss_func(output: torch.Tensor):
             loss, keep = on_last_stage(row, output)
@@ -55,6 +59,29 @@ def run_pipeline(model, rows: list, on_last_stage: OnLastStage, forward_only: bo
     finally:
         config.calculate_per_token_loss = per_token
     return kept
+
+
+def from_last_stage(value: Any) -> Any:
+    """The last pipeline stage's ``value`` (tensors and numbers in lists and dicts) on every stage of
+    this rank's pipeline; the other stages pass what they have (ignored)."""
+    from megatron.core import parallel_state
+
+    box = [value]
+    torch.distributed.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def every_stage(value: Any) -> list:
+    """Every stage's ``value`` of this rank's pipeline, in stage order (collective over it)."""
+    from megatron.core import parallel_state
+
+    out: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(out, value, group=parallel_state.get_pipeline_model_parallel_group())
+    return out
 
 
 def reduce_tied_embedding_grads(model) -> None:

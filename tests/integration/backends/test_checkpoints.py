@@ -1,9 +1,10 @@
 """Checkpoints: a bitwise resume that survives a killed save, bf16 checkpoints with their fp32 main
-parameters and optimizer state, resharding TP=1 -> TP=2 -> TP=1 (TP=1 x DP=2), and the distributed
-optimizer's shards scattered from and gathered into the same HF-named checkpoint."""
+parameters and optimizer state, resharding TP=1 -> TP=2 -> TP=1 (TP=1 x DP=2) and TP=1 -> PP=2, and the
+distributed optimizer's shards scattered from and gathered into the same HF-named checkpoint."""
 
 import json
 
+import pytest
 import torch
 
 from slime_mt.backends.megatron.convert import load_hf_state
@@ -65,3 +66,28 @@ def test_the_distributed_optimizer_resumes_a_replicated_checkpoint_and_saves_it_
     sharded = torch.load(megatron_dir / "reshard_continued_distopt_dp2.pt", weights_only=True)
     for name in tp1:  # DP=2 sums the batch's gradient in two halves
         assert torch.allclose(tp1[name], sharded[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("world,tag", [("pp2", "tp1_pp2"), ("tp2pp2sp", "tp2_pp2_sp")])
+def test_pipeline_stages_load_and_save_a_tp1_checkpoint_bit_for_bit(request, megatron_dir, world, tag):
+    """Two pipeline stages (at TP=1, and at TP=2 with sequence parallelism on 4 ranks) load the TP=1
+    checkpoint (each its layers' weights and Adam's moments) and save it again: the same files, bit for
+    bit (every stage's tensors reach rank 0, the tied embedding once), so it resumes at TP=1 x PP=1;
+    and their next step is TP=1's."""
+    results = request.getfixturevalue(f"megatron_{world}")
+    root = megatron_dir / "reshard"
+    a, p = (root / x / (root / x / "latest").read_text() for x in ("a", tag))
+    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
+        first, again = load_hf_state(a / sub), load_hf_state(p / sub)
+        assert first.keys() == again.keys() and len(first) > 0
+        for name in first:
+            assert torch.equal(first[name], again[name]), (sub, name)
+    saved = json.loads((p / "trainer_state.json").read_text())
+    tp = 2 if world == "tp2pp2sp" else 1
+    assert saved["step"] == 2 and saved["layout"] == {"tp": tp, "dp": 1, "pp": 2}
+    assert results["pp_reshard"] == {"step": 3, "extra": {"layout": "tp1"}}
+    tp1 = torch.load(megatron_dir / "reshard_continued_tp1.pt", weights_only=True)
+    staged = torch.load(megatron_dir / f"reshard_continued_{tag}.pt", weights_only=True)
+    assert staged.keys() == tp1.keys()
+    for name in tp1:  # TP=2 sums in another order, as at TP=2 alone (test_checkpoints_reshard_tp1_to_tp2_to_tp1)
+        assert torch.allclose(tp1[name], staged[name], rtol=0, atol=1e-5 if tp == 2 else 1e-6), name

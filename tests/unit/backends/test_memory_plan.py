@@ -10,7 +10,15 @@ from train_helpers import REPO
 
 from slime_mt.assets import SIZED_MODELS
 from slime_mt.backends.megatron.convert import CheckpointReader
-from slime_mt.backends.megatron.memory_plan import GIB, plan_rank, rank_parameters, vision_parameters
+from slime_mt.backends.megatron.memory_plan import (
+    GIB,
+    fitting_layout,
+    plan_rank,
+    plan_stages,
+    rank_parameters,
+    stages,
+    vision_parameters,
+)
 from slime_mt.backends.megatron.models import MoeOptions, decoder_spec, read_hf_config
 from slime_mt.config import TrainConfig
 from slime_mt.config_parsing import parse_config
@@ -55,6 +63,47 @@ def test_cp_splits_the_tokens_but_each_rank_keeps_the_rows_keys_and_values():
     kv = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * tokens * 4
     assert one.activations - 2 * two.activations == pytest.approx(-kv, abs=16)
     assert two.total < 0.6 * one.total
+
+
+def test_pipeline_stages_split_the_layers_and_the_first_keeps_every_micro_batch_in_flight():
+    """Qwen3-0.6B (28 layers, tied) over 2 and 4 stages: each stage's parameters are its layers', the
+    embedding on the first and its copy on the last; under 1F1B stage s keeps P - s micro-batches' worth
+    of its layers' activations, so the first stage keeps as much as one rank without PP (but for the
+    final norm's and the log-probs' rows, on the last stage only), and only the last projects logits."""
+    spec, tokens = sized_spec("qwen3-0.6b", "qwen3"), 8192
+    one = plan_rank(spec, TrainConfig(), tokens)
+    whole = rank_parameters(spec, 1, MoeOptions()).trained
+    embedding = spec.vocab_size * spec.hidden_size
+    for pp in (2, 4):
+        parts = stages(spec.num_layers, pp)
+        assert [list(s.layers)[0] for s in parts] == list(range(0, 28, 28 // pp)) and parts[0].first and parts[-1].last
+        counts = [rank_parameters(spec, 1, MoeOptions(), stage=s).trained for s in parts]
+        assert sum(counts) == whole + embedding  # every layer once, the tied embedding twice
+        plans = plan_stages(spec, TrainConfig(pipeline_model_parallel_size=pp), tokens)
+        outside = (2 * spec.hidden_size + 57) * tokens * 4
+        assert plans[0].activations == one.activations - outside
+        assert [p.activations for p in plans[1:]] == [
+            pytest.approx((pp - s) / pp * (one.activations - outside) + outside * (s == pp - 1), abs=8)
+            for s in range(1, pp)
+        ]
+        assert plans[0].working == plans[-1].working == one.working  # a layer's backward: the larger here
+        short = plan_stages(spec, TrainConfig(pipeline_model_parallel_size=pp), 512)  # the logits' chunks the larger
+        assert short[0].working < short[-1].working == plan_rank(spec, TrainConfig(), 512).working
+        assert plan_rank(spec, TrainConfig(pipeline_model_parallel_size=pp), tokens) == max(
+            plans, key=lambda p: p.total
+        )
+    with pytest.raises(ValueError, match="28 layers do not split evenly over 3 pipeline stages"):
+        stages(28, 3)
+
+
+def test_when_the_weights_do_not_fit_the_plan_names_pipeline_stages():
+    """Qwen3-0.6B's short rows at TP=1: recompute and CP leave the weights and Adam's state whole; two
+    stages halve them."""
+    spec, tokens = sized_spec("qwen3-0.6b", "qwen3"), 512
+    two = plan_rank(spec, TrainConfig(pipeline_model_parallel_size=2), tokens).total
+    assert two < 0.75 * plan_rank(spec, TrainConfig(), tokens).total
+    assert fitting_layout(spec, TrainConfig(), tokens, two) == "--pipeline-model-parallel-size 2"
+    assert fitting_layout(spec, TrainConfig(context_parallel_size=2), tokens, two) is None  # PP with CP: not yet
 
 
 @pytest.mark.parametrize("tokens, measured_gib", [(4096, 18.53), (8192, 26.33), (16384, 41.93)])
@@ -114,7 +163,7 @@ def test_gpu_memory_gb_refuses_a_plan_that_cannot_fit_and_names_what_fits(tiny_p
     short = (plan_rank(spec, parse_config(recomputed).train, 1048576).total + DEVICE_RESERVE_BYTES) / GIB - 0.01
     with pytest.raises(ConfigError, match=r"allocator; --context-parallel-size 2 fits$"):
         memory_plan(parse_config([*recomputed, "--gpu-memory-gb", f"{short}"]), spec)
-    with pytest.raises(ConfigError, match=r"lower --max-tokens-per-micro-batch or add tensor parallelism$"):
+    with pytest.raises(ConfigError, match=r"lower --max-tokens-per-micro-batch or add tensor or pipeline parallelism$"):
         memory_plan(parse_config([*model, "--gpu-memory-gb", "2.1"]), spec)
     fits = memory_plan(parse_config([*model, "--gpu-memory-gb", f"{just_short + 0.02}"]), spec)
     assert fits[-1].startswith(f"  fits --gpu-memory-gb {just_short + 0.02:g} (0.01 GiB to spare")
