@@ -79,6 +79,10 @@ class _Process:
             )
 
     def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace`` seconds. A stop never raises: it runs in
+        clean-ups, where an exception would hide the error that ended the run (a loaded machine has
+        left a SIGKILLed process unreaped for more than 10 s); such a process is logged and left to the
+        OS, which reaps it."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -88,7 +92,10 @@ class _Process:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.proc.wait(timeout=grace)
+                try:
+                    self.proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s (pid %d) had not exited %g s after SIGKILL", self.name, self.proc.pid, grace)
         self._log.close()
 
 
