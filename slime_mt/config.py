@@ -417,6 +417,12 @@ class TrainConfig:
         choices=["fused", "megatron"],
     )
 
+    @property
+    def recomputes_moe(self) -> bool:
+        """Whether the backward recomputes MoE layers' forward (full recompute, or selective of ``moe``)."""
+        selective = self.recompute_granularity == "selective" and "moe" in (self.recompute_modules or [])
+        return self.recompute_granularity == "full" or selective
+
 
 @dataclass
 class CheckpointConfig:

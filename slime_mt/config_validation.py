@@ -173,9 +173,8 @@ def _validate_pipeline_parallel(t) -> None:
     _require(t.expert_model_parallel_size == 1, flag, pp, "does not run with --expert-model-parallel-size above 1 yet")
     _require(not t.shared_prefix_training, flag, pp, "does not run prefix trees yet: no --shared-prefix-training")
     _require(t.moe_aux_loss_coef == 0, flag, pp, "does not run with the load-balancing loss (--moe-aux-loss-coef) yet")
-    recomputed = t.recompute_granularity == "full" or "moe" in (t.recompute_modules or [])
     _require(
-        not (t.use_rollout_routing_replay and recomputed),
+        not (t.use_rollout_routing_replay and t.recomputes_moe),
         flag,
         pp,
         "does not replay routes (--use-rollout-routing-replay) in recomputed MoE layers yet",

@@ -1579,7 +1579,7 @@ def _pipeline_family(kind: str, info) -> dict:
     from slime_mt.backends.megatron.logprobs import hidden_logprobs
     from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, read_hf_config, stage_of
     from slime_mt.backends.megatron.packing import pack_row
-    from slime_mt.backends.megatron.pipeline import reduce_tied_embedding_grads, run_pipeline
+    from slime_mt.backends.megatron.pipeline import run_pipeline
 
     path = untied_llama() if kind == "llama-untied" else tiny_model_dir(kind)
     spec = decoder_spec(read_hf_config(path), f"{path}/config.json")
@@ -1622,7 +1622,7 @@ def _pipeline_family(kind: str, info) -> dict:
     with torch.no_grad():
         forward_lp = run(forward_only=True)
     trained_lp = run(forward_only=False)
-    reduce_tied_embedding_grads(staged)
+    _sum_tied_embedding_grads(staged.gpt)
 
     def global_name(name: str) -> str:
         if name.startswith("decoder.layers."):
@@ -1658,6 +1658,17 @@ def _pipeline_family(kind: str, info) -> dict:
         "whole_parameters": sum(p.numel() for p in whole.gpt.parameters()),
         "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
     }
+
+
+def _sum_tied_embedding_grads(gpt) -> None:
+    """What ``finalize_model_grads`` does for the actor's DDP-wrapped model, on this bare one: under PP
+    with tied embeddings the first stage's embedding gradient and the last stage's copy's, summed over
+    the embedding group."""
+    from megatron.core import parallel_state
+
+    if gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
+        grad = gpt.shared_embedding_or_output_weight().grad
+        dist.all_reduce(grad, group=parallel_state.get_embedding_group())
 
 
 def _all_stage_layers(stage, info) -> list[list[int]]:

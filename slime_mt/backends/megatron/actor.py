@@ -192,7 +192,7 @@ class MegatronActor:
             # 1F1B runs the next row's forward before this row's backward: a recomputed MoE layer would
             # replay the next row's routes
             "--use-rollout-routing-replay and MoE layers recomputed": (
-                train.use_rollout_routing_replay and _recomputes_moe(train)
+                train.use_rollout_routing_replay and train.recomputes_moe
             ),
         }
         for what, on in refused.items():
@@ -404,8 +404,9 @@ class MegatronActor:
 
             kept = run_pipeline(module, rows, lambda row: self._hidden(module, row), score, forward_only=True)
             for row, lp in zip(rows, from_last_stage([t.cpu() for t in kept])):
+                lp = lp.to(self.device)
                 for k, i in enumerate(row.sample_index):
-                    out[i] = lp.to(self.device)[row.seq_ids == k]
+                    out[i] = lp[row.seq_ids == k]
             module.train(was_training)
             return out
         for row_indices in self._aligned(self._rows(samples, indices)):
@@ -494,18 +495,20 @@ class MegatronActor:
         # a CP rank's load-balancing loss is its tokens' share of the row's (Megatron's global-batch form):
         # summed over CP as the policy loss is
         set_aux_loss_scale(self.spec.moe, self.info.cp_size / max(1, trained_rows))
-        packed = [None if r is None else self.pack(samples, r) for r in rows]
         if self.info.pp_size > 1:  # the schedule runs the backward from each row's loss on the last stage
 
             def on_last_stage(row, hidden):
                 lp, entropy = self._score(self.policy, row, hidden, not self.train_cfg.sft, temperature)
                 return self._row_loss(share, row, lp, entropy, old, ref, unreplayed, sums), None
 
+            packed = [self.pack(samples, r) for r in rows]  # no idle rows: PP runs without EP
             run_pipeline(self.policy, packed, lambda row: self._hidden(self.policy, row), on_last_stage, False)
-        for row in packed if self.info.pp_size == 1 else []:
-            if row is None:  # another expert-parallel rank still has a row
+            rows = []
+        for row_indices in rows:
+            if row_indices is None:  # another expert-parallel rank still has a row
                 self._idle_pass(self.policy, temperature, backward=True)
                 continue
+            row = self.pack(samples, row_indices)
             lp, entropy = self._logprobs(self.policy, row, with_entropy=not self.train_cfg.sft, temperature=temperature)
             self._row_loss(share, row, lp, entropy, old, ref, unreplayed, sums).backward()
         finalize_model_grads([self.model])
@@ -716,12 +719,6 @@ class MegatronActor:
 
     def load(self, root: str | Path) -> dict:
         return load_checkpoint(self, root)
-
-
-def _recomputes_moe(train: TrainConfig) -> bool:
-    """Whether the backward recomputes MoE layers' forward (full recompute, or selective of ``moe``)."""
-    selective = train.recompute_granularity == "selective" and "moe" in (train.recompute_modules or [])
-    return train.recompute_granularity == "full" or selective
 
 
 def _or_nan(log_probs: list[float] | None, length: int) -> list[float]:

@@ -486,10 +486,6 @@ class TextPolicy(torch.nn.Module):
         embedding's gradient sum in ``finalize_model_grads``) look for what this wrapper lacks."""
         return self.gpt
 
-    @property
-    def stage(self) -> Stage:
-        return stage_of(self.gpt)
-
     def set_input_tensor(self, tensor) -> None:
         """The previous pipeline stage's output for the next ``hidden`` (Megatron's schedules pass a
         list of one)."""

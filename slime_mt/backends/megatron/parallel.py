@@ -64,14 +64,6 @@ class ParallelInfo:
     pp_size: int = 1
 
     @property
-    def first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
     def first_replica(self) -> bool:
         """Whether this rank's model shard is the one exports and checkpoints read (DP rank 0, CP rank 0):
         every DP and CP rank holds the same dense weights."""

@@ -4,8 +4,8 @@ Each stage runs its layers on every micro-batch (one packed row each); the rows 
 their shapes travel with them (``variable_seq_lengths``). The last stage turns its output into what the
 caller asks of a row (``on_last_stage``: log-probs, a loss); the schedule runs the backward from that
 loss through every stage, 1F1B. Tied embeddings: the first stage's embedding and the last stage's copy
-of it as the output layer get the sum of both gradients (``reduce_tied_embedding_grads``), as
-Megatron's ``finalize_model_grads`` does.
+of it as the output layer get the sum of both gradients from Megatron's ``finalize_model_grads``
+(the actor's step).
 """
 
 from __future__ import annotations
@@ -82,18 +82,3 @@ def every_stage(value: Any) -> list:
     out: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     torch.distributed.all_gather_object(out, value, group=parallel_state.get_pipeline_model_parallel_group())
     return out
-
-
-def reduce_tied_embedding_grads(model) -> None:
-    """Under PP with tied embeddings: the embedding's gradient (first stage) and its output-layer
-    copy's (last stage) summed over the embedding group, so both copies take the same step."""
-    from megatron.core import parallel_state
-
-    gpt = model.gpt
-    if not gpt.share_embeddings_and_output_weights or parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return
-    if not (gpt.pre_process or gpt.post_process):
-        return
-    weight = gpt.shared_embedding_or_output_weight()
-    grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
-    torch.distributed.all_reduce(grad, group=parallel_state.get_embedding_group())

@@ -10,6 +10,15 @@ import torch
 from slime_mt.backends.megatron.convert import load_hf_state
 
 
+def assert_same_checkpoint_files(a, b) -> None:
+    """Two checkpoint folders hold the same weights and Adam moments, bit for bit, under the same names."""
+    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
+        first, again = load_hf_state(a / sub), load_hf_state(b / sub)
+        assert first.keys() == again.keys() and len(first) > 0
+        for name in first:
+            assert torch.equal(first[name], again[name]), (sub, name)
+
+
 def test_checkpoint_resume_is_bitwise_and_survives_a_killed_save(megatron_tp1_models):
     r = megatron_tp1_models["checkpoint"]
     assert r["bitwise_equal"] is True
@@ -34,11 +43,7 @@ def test_checkpoints_reshard_tp1_to_tp2_to_tp1(megatron_dir, megatron_tp2, megat
     TP=2 takes the same step as at TP=1."""
     root = megatron_dir / "reshard"
     a, b, c = (root / x / (root / x / "latest").read_text() for x in "abc")
-    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
-        first, last = load_hf_state(a / sub), load_hf_state(c / sub)
-        assert first.keys() == last.keys() and len(first) > 0
-        for name in first:
-            assert torch.equal(first[name], last[name]), (sub, name)
+    assert_same_checkpoint_files(a, c)
     states = [json.loads((x / "trainer_state.json").read_text()) for x in (a, b, c)]
     assert [s["step"] for s in states] == [2, 2, 2] and [s["layout"]["tp"] for s in states] == [1, 2, 1]
     assert megatron_tp2["reshard_load_tp2"]["extra"] == {"layout": "tp1"}
@@ -54,11 +59,7 @@ def test_the_distributed_optimizer_resumes_a_replicated_checkpoint_and_saves_it_
     any layout, sharded or not); and its next step is TP=1's."""
     root = megatron_dir / "reshard"
     a, d = (root / x / (root / x / "latest").read_text() for x in "ad")
-    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
-        first, again = load_hf_state(a / sub), load_hf_state(d / sub)
-        assert first.keys() == again.keys() and len(first) > 0
-        for name in first:
-            assert torch.equal(first[name], again[name]), (sub, name)
+    assert_same_checkpoint_files(a, d)
     saved = json.loads((d / "trainer_state.json").read_text())
     assert saved["step"] == 2 and saved["optimizer_scalars"] == {"step": 2.0} and saved["layout"] == {"tp": 1, "dp": 2}
     assert megatron_dp2["distopt_reshard"] == {"step": 3, "extra": {"layout": "tp1"}}
@@ -77,11 +78,7 @@ def test_pipeline_stages_load_and_save_a_tp1_checkpoint_bit_for_bit(request, meg
     results = request.getfixturevalue(f"megatron_{world}")
     root = megatron_dir / "reshard"
     a, p = (root / x / (root / x / "latest").read_text() for x in ("a", tag))
-    for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
-        first, again = load_hf_state(a / sub), load_hf_state(p / sub)
-        assert first.keys() == again.keys() and len(first) > 0
-        for name in first:
-            assert torch.equal(first[name], again[name]), (sub, name)
+    assert_same_checkpoint_files(a, p)
     saved = json.loads((p / "trainer_state.json").read_text())
     tp = 2 if world == "tp2pp2sp" else 1
     assert saved["step"] == 2 and saved["layout"] == {"tp": tp, "dp": 1, "pp": 2}
