@@ -12,6 +12,11 @@ than ``budget_unit_seconds`` (its tests' time; from start to end, collection inc
 tests run), fails the session after the summary, which prints each tier's test count and time. A test
 past its budget but within the noise (the same tests, on another machine of the kind, take up to that
 factor longer) is listed as over the budget, a debt, without failing the session.
+
+What the budget counts is the time the machine gave: a virtual machine's host may run other guests on its
+cores (``steal`` in ``/proc/stat``: the time a virtual CPU was ready to run and not run). The seconds
+stolen while a test or a shared set-up ran, averaged over the CPUs, are not counted against it; the
+summary prints them beside the time taken, and the share of the run the host took.
 """
 
 from __future__ import annotations
@@ -30,6 +35,21 @@ import pytest
 TESTS = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "integration", "e2e")
 TIER = pytest.StashKey[str]()  # an item's tier
+PROC_STAT = Path("/proc/stat")  # the kernel's CPU time counters (Linux); elsewhere nothing is stolen
+
+
+def stolen_seconds() -> float:
+    """Seconds the host took from this machine so far (``steal`` in ``PROC_STAT``, in clock ticks),
+    averaged over its CPUs: the wall time one CPU of it was not given; 0.0 where there is no such file."""
+    try:
+        lines = PROC_STAT.read_text().splitlines()
+    except OSError:
+        return 0.0
+    total = next((line.split() for line in lines if line.startswith("cpu ")), None)
+    if total is None or len(total) < 9:
+        return 0.0
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit()) or 1
+    return int(total[8]) / os.sysconf("SC_CLK_TCK") / cpus
 
 
 def tier_of(path: Path) -> str:
@@ -165,6 +185,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     clock = item.config._setup_clock
     clock.current = item.nodeid
+    clock.start_phase()
     try:
         if item.stash.get(TIER, None) != "unit":
             return (yield)
@@ -177,38 +198,44 @@ def pytest_runtest_protocol(item, nextitem):
 class SetupClock:
     """Where tests run: times each shared (module or session) fixture's set-up and puts what a test's
     phase set up on that phase's report (``user_properties``), which pytest-xdist carries to the
-    process that reports."""
+    process that reports. Times are counted net of what the host stole (``stolen_seconds``)."""
 
     def __init__(self):
         self.current: str | None = None  # the test running now
-        self.nested: list[float] = []  # per shared set-up in progress: the shared set-ups inside it
-        self.shared = 0.0  # this phase's shared set-ups, outermost only
-        self.fixtures: dict[str, float] = {}  # this phase's: "fixture NAME (scope, where)" -> own time
+        self.nested: list[float] = []  # per shared set-up in progress: the counted time of those inside it
+        self.shared = 0.0  # this phase's shared set-ups, outermost only, counted
+        self.fixtures: dict[str, float] = {}  # this phase's: "fixture NAME (scope, where)" -> own counted time
+        self.phase_stolen = stolen_seconds()  # the counter when this phase began
+
+    def start_phase(self) -> None:
+        self.phase_stolen = stolen_seconds()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
         if fixturedef.scope == "function":
             return (yield)
         self.nested.append(0.0)
-        started = time.perf_counter()
+        started, stolen = time.perf_counter(), stolen_seconds()
         try:
             return (yield)
         finally:
-            seconds = time.perf_counter() - started
+            counted = time.perf_counter() - started - (stolen_seconds() - stolen)
             inner = self.nested.pop()
             name = f"fixture {fixturedef.argname} ({fixturedef.scope}, {fixturedef.baseid or 'tests'})"
-            self.fixtures[name] = max(self.fixtures.get(name, 0.0), seconds - inner)
+            self.fixtures[name] = max(self.fixtures.get(name, 0.0), counted - inner)
             if self.nested:
-                self.nested[-1] += seconds
+                self.nested[-1] += counted
             elif self.current is not None:
-                self.shared += seconds
+                self.shared += counted
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
         report = yield
+        now = stolen_seconds()
+        report.user_properties.append(("budget_stolen_seconds", now - self.phase_stolen))
         report.user_properties.append(("budget_shared_seconds", self.shared))
         report.user_properties.extend(("budget_fixture", f) for f in self.fixtures.items())
-        self.shared, self.fixtures = 0.0, {}
+        self.shared, self.fixtures, self.phase_stolen = 0.0, {}, now
         return report
 
 
@@ -241,7 +268,8 @@ NEAREST = 8  # the summary lists this many tests and shared set-ups past half th
 
 class Budget:
     """Where results are reported: each test's own time (its phases, less the shared set-ups it paid
-    for), each shared fixture's set-up, the tiers' times; the limits from the ini file."""
+    for and what the host stole meanwhile), each shared fixture's set-up, the tiers' times; the limits
+    from the ini file."""
 
     def __init__(self, config):
         self.per_test = float(config.getini("budget_test_seconds"))
@@ -253,7 +281,9 @@ class Budget:
             self.exceptions[nodeid] = float(seconds)
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = defaultdict(float)  # test -> its phases' time
-        self.shared: dict[str, float] = defaultdict(float)  # test -> shared set-ups it paid for
+        self.shared: dict[str, float] = defaultdict(float)  # test -> shared set-ups it paid for (counted)
+        self.stolen: dict[str, float] = defaultdict(float)  # test -> seconds the host stole in its phases
+        self.stolen_at_start = stolen_seconds()
         self.fixtures: dict[str, float] = {}  # "fixture NAME (scope, where)" -> its own set-up time
         self.violations: list[str] = []
         self.debts: list[str] = []  # past the budget, within the noise
@@ -263,6 +293,8 @@ class Budget:
         for key, value in report.user_properties:
             if key == "budget_shared_seconds":
                 self.shared[report.nodeid] += value
+            elif key == "budget_stolen_seconds":
+                self.stolen[report.nodeid] += value
             elif key == "budget_fixture":
                 name, seconds = value
                 self.fixtures[name] = max(self.fixtures.get(name, 0.0), seconds)
@@ -279,7 +311,13 @@ class Budget:
         return f"{self.limit_of(nodeid)}, budget_noise = {self.noise:g}: at most {limit:g} s"
 
     def own(self, nodeid: str) -> float:
-        return self.seconds[nodeid] - self.shared.get(nodeid, 0.0)
+        """A test's counted time: its phases less the shared set-ups (counted) and what was stolen in them
+        (the set-ups' steal included, hence added back with their counted time)."""
+        return self.seconds[nodeid] - self.shared.get(nodeid, 0.0) - self.stolen.get(nodeid, 0.0)
+
+    def took(self, seconds: float, name: str) -> str:
+        stolen = self.stolen.get(name, 0.0)
+        return f"{name} took {seconds:.1f} s" + (f" ({stolen:.1f} s more stolen by the host)" if stolen >= 0.05 else "")
 
     def timed(self) -> list[tuple[float, str]]:
         """(own seconds, name) of every test and every shared set-up, the longest first."""
@@ -289,7 +327,7 @@ class Budget:
     def by_tier(self) -> dict[str, tuple[int, float]]:
         out = {}
         for tier in TIERS:
-            times = [s for nodeid, s in self.seconds.items() if _tier_of_nodeid(nodeid) == tier]
+            times = [s - self.stolen.get(n, 0.0) for n, s in self.seconds.items() if _tier_of_nodeid(n) == tier]
             if times:
                 out[tier] = (len(times), sum(times))
         return out
@@ -298,13 +336,13 @@ class Budget:
     def pytest_sessionfinish(self, session, exitstatus):
         over = [(s, n) for s, n in self.timed() if s > self.exceptions.get(n, self.per_test)]
         failing = [(s, n) for s, n in over if s > self.exceptions.get(n, self.per_test) * self.noise]
-        self.violations = [f"{n} took {s:.1f} s ({self.failing_limit_of(n)})" for s, n in failing]
-        self.debts = [f"{n} took {s:.1f} s ({self.limit_of(n)})" for s, n in over if (s, n) not in failing]
+        self.violations = [f"{self.took(s, n)} ({self.failing_limit_of(n)})" for s, n in failing]
+        self.debts = [f"{self.took(s, n)} ({self.limit_of(n)})" for s, n in over if (s, n) not in failing]
         tiers = self.by_tier()
         if "unit" in tiers:
             unit = tiers["unit"][1]
-            if set(tiers) == {"unit"}:
-                unit = max(unit, time.perf_counter() - self.started)  # alone: collection included
+            if set(tiers) == {"unit"}:  # alone: collection included
+                unit = max(unit, time.perf_counter() - self.started - (stolen_seconds() - self.stolen_at_start))
             if unit > self.unit_tier:
                 self.violations.append(f"the unit tier took {unit:.1f} s (budget_unit_seconds = {self.unit_tier:g})")
         if self.violations and session.exitstatus == pytest.ExitCode.OK:
@@ -320,13 +358,17 @@ class Budget:
             write(f"{tier:<12} {count:4d} tests {seconds:8.1f} s")
         wall = time.perf_counter() - self.started
         write(f"{'session':<12} {sum(c for c, _ in tiers.values()):4d} tests {wall:8.1f} s (collection included)")
+        stolen = stolen_seconds() - self.stolen_at_start
+        if stolen >= 0.05:  # the tiers' and tests' times above and below are counted without it
+            share = f"{stolen:.1f} s of each CPU, {stolen / wall:.0%} of the run"
+            write(f"stolen by the host (steal, {PROC_STAT}): {share}")
         write(
             f"budget (pyproject.toml): a test or a shared set-up {self.per_test:g} s, unit tier {self.unit_tier:g} s"
             + (f"; a test fails past {self.noise:g} times its budget (budget_noise)" if self.noise != 1 else "")
         )
         for nodeid, limit in self.exceptions.items():
             if nodeid in self.seconds:
-                write(f"allowed up to {limit:g} s (budget_exceptions): {nodeid} took {self.own(nodeid):.1f} s")
+                write(f"allowed up to {limit:g} s (budget_exceptions): {self.took(self.own(nodeid), nodeid)}")
         near = [(s, n) for s, n in self.timed() if n not in self.exceptions and self.per_test / 2 <= s <= self.per_test]
         for seconds, name in near[:NEAREST]:  # what drifts past the budget next
             write(f"nearest the budget: {seconds:6.1f} s {name}")

@@ -1,8 +1,9 @@
 """The tiers and the budget (tests/helpers/tiers.py), run on a small project of their own: a test over
 its budget fails the run after its summary, a listed debt passes within its own limit, a test over its
-budget within the noise allowance passes listed as over, a unit test that starts a subprocess fails naming
-where it belongs, and a test outside a tier folder is refused.
-Integration tier: seven pytest runs in subprocesses, about 25 s."""
+budget within the noise allowance passes listed as over, the time the host stole from the machine is not
+counted, a unit test that starts a subprocess fails naming where it belongs, and a test outside a tier
+folder is refused.
+Integration tier: eight pytest runs in subprocesses, about 28 s."""
 
 import shutil
 import subprocess
@@ -19,12 +20,32 @@ STARTS_A_PROCESS = (
 )
 
 
+# The kernel's counters (/proc/stat) in a file of the project's own: its tests bump the steal column (the
+# eighth number, in clock ticks summed over the two CPUs) as a host taking the CPUs would
+STAT = "cpu  100 0 50 1000 0 0 0 {steal} 0 0\ncpu0 50 0 25 500 0 0 0 0 0 0\ncpu1 50 0 25 500 0 0 0 0 0 0\n"
+STEALS = (
+    "import os\nimport time\n\nimport tiers\n\n\n"
+    "def steal(seconds):\n"
+    "    line = tiers.PROC_STAT.read_text().split()\n"
+    "    ticks = int(line[8]) + round(seconds * os.sysconf('SC_CLK_TCK') * 2)\n"
+    f"    tiers.PROC_STAT.write_text({STAT!r}.format(steal=ticks))\n\n\n"
+    "def test_half_stolen():\n    steal(0.5)\n    time.sleep(0.8)\n\n\n"
+    "def test_little_stolen():\n    steal(0.1)\n    time.sleep(0.8)\n"
+)
+OWN_STAT = (
+    'import pathlib\n\nimport tiers\n\npytest_plugins = ["tiers"]\n'
+    'tiers.PROC_STAT = pathlib.Path(__file__).parent / "stat"\n'
+)
+
+
 def run_project(root: Path, files: dict[str, str], ini: str) -> subprocess.CompletedProcess:
     """A project with the tiers plugin (``tests/helpers/tiers.py``), ``files`` under it and ``ini`` as
-    its pytest.ini options; pytest run in it."""
+    its pytest.ini options; pytest run in it. Its CPU counters are its own (tests/stat): nothing is
+    stolen from it unless its tests say so."""
     (root / "tests" / "helpers").mkdir(parents=True)
     shutil.copy(HELPERS / "tiers.py", root / "tests" / "helpers" / "tiers.py")
-    (root / "tests" / "conftest.py").write_text('pytest_plugins = ["tiers"]\n')
+    (root / "tests" / "conftest.py").write_text(OWN_STAT)
+    (root / "tests" / "stat").write_text(STAT.format(steal=0))
     options = "-p no:cacheprovider -p no:hypothesispytest -p no:xdist -p no:anyio --import-mode=importlib"
     (root / "pytest.ini").write_text(f"[pytest]\npythonpath = tests/helpers\naddopts = {options}\n{ini}\n")
     for name, text in files.items():
@@ -63,6 +84,19 @@ def test_a_test_over_the_budget_fails_the_run_and_a_listed_debt_passes_within_it
     tier = run_project(tmp_path / "tier", {"tests/unit/test_slow.py": SLOW}, "budget_unit_seconds = 0.5")
     assert tier.returncode == 1, tier.stdout[-2000:]
     assert "OVER BUDGET: the unit tier took" in tier.stdout and "(budget_unit_seconds = 0.5)" in tier.stdout
+
+
+def test_what_the_host_stole_is_not_counted_and_is_named(tmp_path):
+    budget = "budget_test_seconds = 0.5\nbudget_unit_seconds = 100"
+    proc = run_project(tmp_path / "steal", {"tests/unit/test_steal.py": STEALS}, budget)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "2 passed" in proc.stdout
+    # 0.8 s, 0.5 of them stolen: 0.3 s counted, within the budget; 0.8 s with 0.1 stolen: 0.7 s, over it
+    assert "nearest the budget:    0.3 s tests/unit/test_steal.py::test_half_stolen" in proc.stdout
+    failing = "OVER BUDGET: tests/unit/test_steal.py::test_little_stolen took 0.7 s (0.1 s more stolen by the host)"
+    assert failing + " (budget_test_seconds = 0.5)" in proc.stdout
+    assert "stolen by the host (steal, " in proc.stdout and "stat): 0.6 s of each CPU" in proc.stdout
+    assert "unit            2 tests      1.0 s" in proc.stdout  # 1.6 s taken, 0.6 s of it stolen
 
 
 def test_a_unit_test_that_starts_a_process_fails_and_a_test_outside_the_tiers_is_refused(tmp_path):
