@@ -375,6 +375,14 @@ class TrainConfig:
         "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; text "
         "models; not yet with CP, EP, shared-prefix training or the load-balancing loss).",
     )
+    decoder_first_pipeline_num_layers: int | None = _opt(
+        None,
+        "Pipeline parallelism: layers on the first stage (it also holds the embedding); the others split "
+        "evenly over the stages between (Megatron's uneven split).",
+    )
+    decoder_last_pipeline_num_layers: int | None = _opt(
+        None, "Pipeline parallelism: layers on the last stage (it also holds the output layer and the loss)."
+    )
     sequence_parallel: bool = _opt(
         False,
         "Megatron's sequence parallelism: under TP, norms and the residual stream hold 1/TP of the row's "

@@ -166,6 +166,11 @@ def _validate_pipeline_parallel(t) -> None:
     """Pipeline parallelism runs the text decoder's stages on flat packed rows (the actor refuses a
     vision-language model, which this check cannot see)."""
     pp = t.pipeline_model_parallel_size
+    for key in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        value = getattr(t, key)
+        if value is not None:
+            _require(pp > 1, key, value, "splits pipeline stages: needs --pipeline-model-parallel-size above 1")
+            _require(value >= 1, key, value, "every pipeline stage holds at least one layer")
     if pp <= 1:
         return
     flag = "pipeline_model_parallel_size"

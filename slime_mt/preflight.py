@@ -11,7 +11,7 @@ from pathlib import Path
 from slime_mt.backends.megatron.convert import CheckpointReader
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
-from slime_mt.backends.megatron.parallel import layout_name
+from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
@@ -37,11 +37,10 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(
             f"--recompute-num-layers={t.recompute_num_layers}: the model {t.hf_checkpoint} has {spec.num_layers} layers"
         )
-    if spec.num_layers % t.pipeline_model_parallel_size:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size={t.pipeline_model_parallel_size}: the model {t.hf_checkpoint} has "
-            f"{spec.num_layers} layers, which do not split evenly over its stages"
-        )
+    try:
+        PipelineSplit.of(t).layer_counts(spec.num_layers)
+    except ValueError as e:
+        raise ConfigError(f"{e} (the model {t.hf_checkpoint})") from None
     if spec.moe is None and {"moe", "moe_act"} & set(t.recompute_modules or []):
         raise ConfigError(
             f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"

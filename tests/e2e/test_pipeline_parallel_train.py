@@ -1,9 +1,9 @@
 """``slime-mt train --pipeline-model-parallel-size 2`` (e2e tier): the demo's two-turn game with the tiny
 text Qwen3 (tied embeddings), two steps of two micro-batches, split over two pipeline stages under
-torchrun (~35 s) and on Ray (a stage on each of two nodes, ~60 s), trains as the one-process run
-(~25 s) does: the same rollouts and rewards in both steps (the engine was served the whole model,
-every stage's layers, after the first update), the same losses, entropies and grad norms to 1e-6, and a
-checkpoint with every tensor of the model (PP=2 equals PP=1 per gradient:
+torchrun (~35 s) and on Ray (a stage on each of two nodes, ~60 s, with the uneven split's flag), trains
+as the one-process run (~25 s) does: the same rollouts and rewards in both steps (the engine was served
+the whole model, every stage's layers, after the first update), the same losses, entropies and grad
+norms to 1e-6, and a checkpoint with every tensor of the model (PP=2 equals PP=1 per gradient:
 tests/integration/backends/test_pipeline_parallel.py)."""
 
 import json
@@ -58,7 +58,9 @@ def test_two_pipeline_stages_train_as_one_process_does(demo_data, one_stage, tmp
     cmd = _cmd(demo_data, tmp_path, "--pipeline-model-parallel-size", "2")
     if launcher == "ray":
         cluster = request.getfixturevalue("three_nodes")
-        cmd += ["--ray", "--ray-address", cluster.address, *RAY_TP2]
+        # Megatron's uneven split named (one of the two layers on the first stage, as the even split has
+        # it): the flag reaches every rank's Megatron config
+        cmd += ["--ray", "--ray-address", cluster.address, *RAY_TP2, "--decoder-first-pipeline-num-layers", "1"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd[1:]]
     proc = run(cmd)

@@ -1568,8 +1568,13 @@ def check_pipeline(args, info, out):
     if info.rank == 0:
         untied_llama()  # transformers saves a model on rank 0 only
     dist.barrier()
-    kinds = [k for k in (*PIPELINE_KINDS, "llama-untied") if k.removesuffix("-untied") in SELECTED]
+    kinds = [k for k in (*PIPELINE_KINDS, *UNTIED_KINDS) if k.split("-untied")[0] in SELECTED]
     out["pipeline"] = {kind: _pipeline_family(kind, info) for kind in kinds}
+
+
+# the untied llama (4 layers) split evenly, and with one layer on the first stage (Megatron's uneven
+# split, --decoder-first-pipeline-num-layers 1: the other three on the last)
+UNTIED_KINDS = {"llama-untied": {}, "llama-untied-first1": {"first": 1}}
 
 
 def _pipeline_family(kind: str, info) -> dict:
@@ -1579,9 +1584,10 @@ def _pipeline_family(kind: str, info) -> dict:
     from slime_mt.backends.megatron.logprobs import hidden_logprobs
     from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, read_hf_config, stage_of
     from slime_mt.backends.megatron.packing import pack_row
+    from slime_mt.backends.megatron.parallel import PipelineSplit
     from slime_mt.backends.megatron.pipeline import run_pipeline
 
-    path = untied_llama() if kind == "llama-untied" else tiny_model_dir(kind)
+    path = untied_llama() if kind in UNTIED_KINDS else tiny_model_dir(kind)
     spec = decoder_spec(read_hf_config(path), f"{path}/config.json")
     reader = CheckpointReader(path)
     samples = matrix_batch(path, kind)
@@ -1605,7 +1611,7 @@ def _pipeline_family(kind: str, info) -> dict:
         whole_lp.append(lp)
     whole_grads = {n: p.grad for n, p in whole.gpt.named_parameters()}
 
-    staged = TextPolicy(build_gpt(spec, 1, pp=info.pp_size))
+    staged = TextPolicy(build_gpt(spec, 1, pp=PipelineSplit(info.pp_size, **UNTIED_KINDS.get(kind, {}))))
     stage = stage_of(staged.gpt)
     load_into(staged.gpt, iter_hf_to_megatron(reader, spec, 0, 1, stage=stage))
 

@@ -359,6 +359,14 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             ],
             r"--pipeline-model-parallel-size=2: does not replay routes \(--use-rollout-routing-replay\) in recomputed",
         ),
+        (
+            ["--decoder-first-pipeline-num-layers", "1"],
+            r"--decoder-first-pipeline-num-layers=1: splits pipeline stages: needs --pipeline-model-parallel-size",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "0"],
+            r"--decoder-last-pipeline-num-layers=0: every pipeline stage holds at least one layer",
+        ),
     ],
 )
 def test_invalid_values_name_flag_and_value(argv, pattern):
@@ -444,7 +452,8 @@ def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(t
 
 def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
     """Checks that need the model's config (preflight, before anything starts): a recompute of more
-    layers than the model has, pipeline stages that do not split its layers evenly, MoE recompute or
+    layers than the model has, pipeline stages that do not split its layers (evenly, or as the uneven
+    split's flags say), MoE recompute or
     routing replay on a dense model."""
     from slime_mt.preflight import preflight
 
@@ -452,8 +461,11 @@ def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
     full = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9"]
     with pytest.raises(ConfigError, match=r"--recompute-num-layers=9: the model .* has 2 layers"):
         preflight(parse_config(model + full))
-    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size=4: the model .* has 2 layers, which do not"):
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 4: 2 layers leave 2 for 4 stages, at least"):
         preflight(parse_config([*model, "--pipeline-model-parallel-size", "4"]))
+    uneven = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]
+    with pytest.raises(ConfigError, match=r"first-pipeline-num-layers 2: 2 layers leave 0 for the other 1 stage, at"):
+        preflight(parse_config(model + uneven))
     with pytest.raises(ConfigError, match=r"--recompute-modules core_attn moe: the qwen3 model has no experts"):
         preflight(parse_config(model + "--recompute-granularity selective --recompute-modules core_attn moe".split()))
     with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: the qwen3 model .* has no experts"):

@@ -67,7 +67,7 @@ from slime_mt.backends.megatron.moe import (
 )
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
 from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, sp_pad, tree_keys
-from slime_mt.backends.megatron.parallel import ParallelInfo, Stage, current_device, layout_name
+from slime_mt.backends.megatron.parallel import ParallelInfo, PipelineSplit, Stage, current_device, layout_name
 from slime_mt.backends.megatron.pipeline import every_stage, from_last_stage, run_pipeline
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
 from slime_mt.backends.megatron.vlm import build_vlm
@@ -231,7 +231,7 @@ class MegatronActor:
                 self.moe,
                 None if frozen else Recompute.of(self.train_cfg),  # a frozen model has no backward
                 self.sequence_parallel,
-                self.info.pp_size,
+                PipelineSplit.of(self.train_cfg),
             )
             self.stage = stage_of(gpt)
             load_into(gpt, self.iter_megatron_tensors(reader))

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from slime_mt.backends.megatron.actor import LOGIT_CHUNK_BYTES
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, padded_vocab
-from slime_mt.backends.megatron.parallel import Stage
+from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
 
 GIB = 2**30
@@ -97,14 +97,6 @@ class ParameterCount:
 def _sparse_layers(spec: DecoderSpec) -> list[bool]:
     """Per decoder layer: an MoE layer."""
     return spec.moe.sparse_layers if spec.moe else [False] * spec.num_layers
-
-
-def stages(num_layers: int, pp: int) -> list[Stage]:
-    """Megatron's even split of ``num_layers`` over ``pp`` pipeline stages."""
-    if num_layers % pp:
-        raise ValueError(f"{num_layers} layers do not split evenly over {pp} pipeline stages")
-    n = num_layers // pp
-    return [Stage(range(s * n, (s + 1) * n), first=s == 0, last=s == pp - 1) for s in range(pp)]
 
 
 def rank_parameters(
@@ -173,10 +165,10 @@ def plan_stages(
     spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
 ) -> list[RankMemory]:
     """``plan_rank`` of a rank of each pipeline stage, in stage order (one without PP)."""
-    pp = train.pipeline_model_parallel_size
+    split = PipelineSplit.of(train)
     return [
-        _plan_stage(spec, train, tokens, vision, use_reference, data_parallel, stage, in_flight=pp - s)
-        for s, stage in enumerate(stages(spec.num_layers, pp))
+        _plan_stage(spec, train, tokens, vision, use_reference, data_parallel, stage, in_flight=split.size - s)
+        for s, stage in enumerate(split.stages(spec.num_layers))
     ]
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
 from slime_mt.backends.megatron.moe import shard_moe_layers
-from slime_mt.backends.megatron.parallel import Stage, current_device
+from slime_mt.backends.megatron.parallel import PipelineSplit, Stage, current_device
 from slime_mt.backends.megatron.recompute import Recompute
 from slime_mt.backends.megatron.rope import PositionRotary, rope_frequencies
 from slime_mt.backends.megatron.sequence_parallel import (
@@ -244,14 +244,18 @@ def transformer_config(
     te: bool = False,
     recompute: Recompute | None = None,
     sequence_parallel: bool = False,
-    pp: int = 1,
+    pp: int | PipelineSplit = 1,
 ):
     """Megatron TransformerConfig for the decoder; fusions off on CPU (they need CUDA kernels);
-    ``sequence_parallel`` under TP > 1 only (``sequence_parallel.py``); ``pp`` pipeline stages, whose
-    packed rows differ in length from one micro-batch to the next (their shapes travel with them)."""
+    ``sequence_parallel`` under TP > 1 only (``sequence_parallel.py``); ``pp`` pipeline stages (a count:
+    split evenly), whose packed rows differ in length from one micro-batch to the next (their shapes
+    travel with them)."""
     from megatron.core.transformer import TransformerConfig
 
     check_tp(spec, tp, moe)
+    split = pp if isinstance(pp, PipelineSplit) else PipelineSplit(pp)
+    split.layer_counts(spec.num_layers)  # Megatron builds a missing or a doubled layer without a word
+    pp = split.size
     gpu = torch.cuda.is_available()
     experts = {}
     if spec.moe is not None:
@@ -293,7 +297,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        **split.config_kwargs(),
         pipeline_dtype=dtype if pp > 1 else None,
         variable_seq_lengths=pp > 1,
         sequence_parallel=sequence_parallel and tp > 1,
@@ -408,7 +412,7 @@ def build_gpt(
     moe: MoeOptions | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool = False,
-    pp: int = 1,
+    pp: int | PipelineSplit = 1,
 ):
     """The Megatron decoder (``GPTModel``) for ``spec`` on this rank, parameters in ``dtype`` on
     ``device``, rotary from explicit positions (``rope.PositionRotary``), TP attributes set;
@@ -416,16 +420,17 @@ def build_gpt(
     decoder's experts are placed and routed; ``recompute``: which activations the backward recomputes;
     ``sequence_parallel``: the decoder runs on this TP rank's slice of the row (``TextPolicy.hidden``
     splits it after the embedding and gathers the final hidden states: the embedding and the output
-    layer see whole rows); ``pp``: this rank's pipeline stage of it (its layers by Megatron's split, the
-    embedding on the first stage, the final norm and the output layer on the last: ``stage_of``)."""
+    layer see whole rows); ``pp``: this rank's pipeline stage of it (its layers by Megatron's split, even
+    or a ``PipelineSplit``'s, the embedding on the first stage, the final norm and the output layer on
+    the last: ``stage_of``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     device = device or current_device()
     te = have_transformer_engine() if te is None else te
     config = transformer_config(spec, tp, dtype, moe, te, recompute, sequence_parallel, pp)
-    first = pp == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-    last = pp == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    first = config.pipeline_model_parallel_size == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = config.pipeline_model_parallel_size == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     with torch.device(device):
         model = GPTModel(
             config,

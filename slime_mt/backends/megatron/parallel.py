@@ -45,6 +45,67 @@ class Stage:
         return cls(range(num_layers))
 
 
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How the decoder's layers split over ``size`` pipeline stages, by Megatron's rule: evenly, or with
+    ``first`` layers on the first stage and ``last`` on the last (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``: a stage that also holds the embedding or the output layer
+    given fewer layers) and the rest evenly over the stages between."""
+
+    size: int = 1
+    first: int | None = None
+    last: int | None = None
+
+    @classmethod
+    def of(cls, train) -> PipelineSplit:
+        """The split a ``TrainConfig`` asks for."""
+        return cls(
+            train.pipeline_model_parallel_size,
+            train.decoder_first_pipeline_num_layers,
+            train.decoder_last_pipeline_num_layers,
+        )
+
+    def layer_counts(self, num_layers: int) -> list[int]:
+        """Layers per stage, in stage order; ValueError, naming the flags, where ``num_layers`` does not
+        split so (Megatron builds a missing or a doubled layer there without a word)."""
+        given = {0: self.first} if self.first is not None else {}
+        if self.last is not None:
+            given[self.size - 1] = self.last
+        flags = f"--pipeline-model-parallel-size {self.size}"
+        for end, n in (("first", self.first), ("last", self.last)):
+            flags += f" --decoder-{end}-pipeline-num-layers {n}" if n is not None else ""
+        if self.size == 1 and given:
+            raise ValueError(f"{flags}: an uneven split needs two or more pipeline stages")
+        if any(n < 1 for n in given.values()):
+            raise ValueError(f"{flags}: every pipeline stage holds at least one layer")
+        rest, left = num_layers - sum(given.values()), self.size - len(given)
+        stages = f"{left} stage{'s' if left != 1 else ''}"
+        where = f"the other {stages}" if given else stages
+        if not left and rest:
+            raise ValueError(f"{flags}: {num_layers} layers leave {rest} for no stage")
+        if rest < left:
+            raise ValueError(f"{flags}: {num_layers} layers leave {rest} for {where}, at least one each")
+        if left and rest % left:
+            raise ValueError(f"{flags}: {num_layers} layers leave {rest} for {where}, which do not split evenly")
+        return [given.get(s, rest // left if left else 0) for s in range(self.size)]
+
+    def stages(self, num_layers: int) -> list[Stage]:
+        """Each stage's layers (global indices), embedding on the first, output layer on the last."""
+        out, start = [], 0
+        for s, n in enumerate(self.layer_counts(num_layers)):
+            out.append(Stage(range(start, start + n), first=s == 0, last=s == self.size - 1))
+            start += n
+        return out
+
+    def config_kwargs(self) -> dict:
+        """Megatron's TransformerConfig fields for the split."""
+        return dict(
+            pipeline_model_parallel_size=self.size,
+            num_layers_in_first_pipeline_stage=self.first,
+            num_layers_in_last_pipeline_stage=self.last,
+        )
+
+
 @dataclass
 class ParallelInfo:
     rank: int

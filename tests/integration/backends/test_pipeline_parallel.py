@@ -5,7 +5,8 @@ Two stages, the decoder split by Megatron's rules, each converted from the HF ch
 layers, packed rows of different lengths through Megatron's 1F1B schedule (``run_pipeline``, CPU-patched):
 - the schedule alone: the last stage's log-probs equal the whole decoder's in one process, forward only
   and with the backward, and every stage's gradients equal the same layers', for the text families
-  (dense and MoE) and an untied model; tied embeddings' two copies get the summed gradient;
+  (dense and MoE) and an untied model, split evenly and unevenly (one of its four layers on the first
+  stage, ``--decoder-first-pipeline-num-layers 1``); tied embeddings' two copies get the summed gradient;
 - the actor at PP=2, and at TP=2 x PP=2 with sequence parallelism on 4 ranks (``compute_logprobs``,
   ``accumulate_gradients``, ``apply_gradients``, the export that sends every stage's tensors to rank 0)
   trains as at PP=1 with the same TP (TP=1; TP=2 with sequence parallelism): log-probs, loss, gradients
@@ -13,8 +14,8 @@ layers, packed rows of different lengths through Megatron's 1F1B schedule (``run
   own MoE layers';
 - each stage's parameters are what the memory plan counts for it;
 - what PP does not run with yet is refused by name.
-Not built yet: ``--pipeline-model-parallel-size`` on the command line, the vision tower on the first
-stage, PP with CP, EP or shared prefixes, the load-balancing loss under PP."""
+Not built yet: the vision tower on the first stage, PP with CP, EP or shared prefixes, the load-balancing
+loss under PP, virtual pipeline stages."""
 
 import pytest
 import torch
@@ -24,19 +25,21 @@ from megatron_worlds import MOE_FAMILIES
 # gradients, another order of the same sum (4.8e-7 on this machine): the issue's 1e-6
 TOLERANCE = 1e-6
 
-KINDS = ["llama", "qwen2", "qwen3", "qwen3-moe", "llama-untied"]
+KINDS = ["llama", "qwen2", "qwen3", "qwen3-moe", "llama-untied", "llama-untied-first1"]
+# each stage's (first layer, last layer + 1): Megatron's even split of the tiny models' 2 layers and the
+# untied llama's 4, and the uneven one
+STAGES = {"llama-untied": [[0, 2], [2, 4]], "llama-untied-first1": [[0, 1], [1, 4]]}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_pipeline_stages_score_and_train_as_the_whole_decoder(megatron_pp2, kind):
     result = megatron_pp2["pipeline"][kind]
     assert result["pp_size"] == 2
-    layers = 4 if kind == "llama-untied" else 2
-    assert result["stages"] == [[0, layers // 2], [layers // 2, layers]]  # Megatron's even split
+    assert result["stages"] == STAGES.get(kind, [[0, 1], [1, 2]])
     assert result["rows_scored_per_rank"] == [0, 2]  # forward only: the last stage scores both rows
     assert result["logprob_max_diff"] == 0.0
     assert result["grad_max_diff"] == 0.0
-    assert result["tied"] == (kind != "llama-untied")
+    assert result["tied"] == (kind not in STAGES)
     assert result["tied_grad_max_diff"] <= TOLERANCE
     first, last = result["parameters_per_rank"]
     # every parameter is on one stage, but the tied embedding's copy on the last one

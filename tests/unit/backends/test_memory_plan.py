@@ -16,10 +16,10 @@ from slime_mt.backends.megatron.memory_plan import (
     plan_rank,
     plan_stages,
     rank_parameters,
-    stages,
     vision_parameters,
 )
 from slime_mt.backends.megatron.models import MoeOptions, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.config import TrainConfig
 from slime_mt.config_parsing import parse_config
 from slime_mt.errors import ConfigError
@@ -75,7 +75,7 @@ def test_pipeline_stages_split_the_layers_and_the_first_keeps_every_micro_batch_
     whole = rank_parameters(spec, 1, MoeOptions()).trained
     embedding = spec.vocab_size * spec.hidden_size
     for pp in (2, 4):
-        parts = stages(spec.num_layers, pp)
+        parts = PipelineSplit(pp).stages(spec.num_layers)
         assert [list(s.layers)[0] for s in parts] == list(range(0, 28, 28 // pp)) and parts[0].first and parts[-1].last
         counts = [rank_parameters(spec, 1, MoeOptions(), stage=s).trained for s in parts]
         assert sum(counts) == whole + embedding  # every layer once, the tied embedding twice
@@ -92,8 +92,43 @@ def test_pipeline_stages_split_the_layers_and_the_first_keeps_every_micro_batch_
         assert plan_rank(spec, TrainConfig(pipeline_model_parallel_size=pp), tokens) == max(
             plans, key=lambda p: p.total
         )
-    with pytest.raises(ValueError, match="28 layers do not split evenly over 3 pipeline stages"):
-        stages(28, 3)
+    with pytest.raises(ValueError, match="28 layers leave 28 for 3 stages, which do not split evenly"):
+        PipelineSplit(3).stages(28)
+
+
+def test_an_uneven_split_gives_the_first_and_last_stages_their_layers_and_the_rest_evenly():
+    """Megatron's uneven split (``--decoder-first/last-pipeline-num-layers``): the given stages hold their
+    layers, the stages between split the rest evenly; a split that leaves layers over or short is refused
+    naming the flags (Megatron would build a missing or a doubled layer without a word); the plan's
+    stages follow the split (Qwen3-0.6B, 28 layers: 2 + 13 + 13 at PP=3)."""
+    assert PipelineSplit(3, first=2).layer_counts(28) == [2, 13, 13]
+    assert PipelineSplit(4, first=4, last=2).layer_counts(28) == [4, 11, 11, 2]
+    assert PipelineSplit(2, last=27).layer_counts(28) == [1, 27]
+    parts = PipelineSplit(4, first=4, last=2).stages(28)
+    assert [(s.layers.start, s.layers.stop, s.first, s.last) for s in parts] == [
+        (0, 4, True, False),
+        (4, 15, False, False),
+        (15, 26, False, False),
+        (26, 28, False, True),
+    ]
+    refusals = {
+        PipelineSplit(3, first=3): "--pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 3: 28 "
+        "layers leave 25 for the other 2 stages, which do not split evenly",
+        PipelineSplit(2, first=2, last=2): "--decoder-last-pipeline-num-layers 2: 28 layers leave 24 for no stage",
+        PipelineSplit(2, first=0): "every pipeline stage holds at least one layer",
+        PipelineSplit(1, last=4): "an uneven split needs two or more pipeline stages",
+        PipelineSplit(3, first=14, last=14): "28 layers leave 0 for the other 1 stage, at least one each",
+    }
+    for split, message in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            split.layer_counts(28)
+    spec = sized_spec("qwen3-0.6b", "qwen3")
+    train = TrainConfig(pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2)
+    plans = plan_stages(spec, train, 8192)
+    layer = rank_parameters(spec, 1, MoeOptions(), stage=Stage(range(1), first=False, last=False)).trained
+    bytes_per = 2 if train.bf16 else 4
+    # the middle stage's 13 layers against the first's 2 and the embedding
+    assert plans[1].params - plans[0].params == (11 * layer - spec.vocab_size * spec.hidden_size) * bytes_per
 
 
 def test_when_the_weights_do_not_fit_the_plan_names_pipeline_stages():
