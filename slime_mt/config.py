@@ -372,8 +372,8 @@ class TrainConfig:
     context_parallel_size: int = _opt(1, "Ranks each packed row is split over (zigzag; the fused attention).")
     pipeline_model_parallel_size: int = _opt(
         1,
-        "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; text "
-        "models; not yet with CP, EP, shared-prefix training or the load-balancing loss).",
+        "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; a VLM's "
+        "vision tower on the first; not yet with CP, EP, shared-prefix training or the load-balancing loss).",
     )
     decoder_first_pipeline_num_layers: int | None = _opt(
         None,

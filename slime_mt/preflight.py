@@ -12,6 +12,7 @@ from slime_mt.backends.megatron.convert import CheckpointReader
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
+from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
@@ -29,7 +30,8 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("--hf-checkpoint is required: the Hugging Face model folder to train")
     if not Path(t.hf_checkpoint).is_dir():
         raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
-    spec = decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json")
+    hf_config = read_hf_config(t.hf_checkpoint)
+    spec = decoder_spec(hf_config, f"{t.hf_checkpoint}/config.json")
     check_tp(spec, t.tensor_model_parallel_size, MoeOptions.of(t))
     if t.use_rollout_routing_replay and spec.moe is None:
         raise ConfigError(f"--use-rollout-routing-replay: the {spec.family} model {t.hf_checkpoint} has no experts")
@@ -37,10 +39,14 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(
             f"--recompute-num-layers={t.recompute_num_layers}: the model {t.hf_checkpoint} has {spec.num_layers} layers"
         )
+    split = PipelineSplit.of(t)
     try:
-        PipelineSplit.of(t).layer_counts(spec.num_layers)
+        split.layer_counts(spec.num_layers)
     except ValueError as e:
         raise ConfigError(f"{e} (the model {t.hf_checkpoint})") from None
+    reason = check_deepstack_stage(hf_config, spec.num_layers, split)
+    if reason:
+        raise ConfigError(f"--pipeline-model-parallel-size={split.size}: the model {t.hf_checkpoint}: {reason}")
     if spec.moe is None and {"moe", "moe_act"} & set(t.recompute_modules or []):
         raise ConfigError(
             f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"

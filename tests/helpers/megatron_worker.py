@@ -1546,6 +1546,9 @@ CHECKS["replay_gap"] = check_replay_gap
 # ---------------------------------------------------------------- pipeline parallelism
 
 PIPELINE_KINDS = ("llama", "qwen2", "qwen3", "qwen3-moe")  # the text families, dense and MoE
+# the actor's matrix under PP: those and a VLM (its vision tower on the first stage); Qwen3-VL's tiny
+# models put deepstack features into both their layers, which one stage of two cannot hold (refused)
+PP_MATRIX_KINDS = (*PIPELINE_KINDS, "qwen2.5-vl")
 
 
 def untied_llama() -> Path:
@@ -1689,12 +1692,13 @@ CHECKS["pipeline"] = check_pipeline
 
 
 def check_pp_matrix(args, info, out):
-    """The matrix run of the text families through the actor at this world's pipeline size: log-probs
+    """The matrix run of the text families and Qwen2.5-VL (images through the vision tower on the first
+    stage) through the actor at this world's pipeline size: log-probs
     (``compute_logprobs``), loss, gradients (HF layout, every stage's sent to rank 0), grad norm and
     the weights after a step, which must be the same TP's without PP (``matrix_tp1_KIND.pt``,
     ``matrix_tp2_sp_KIND.pt``); Qwen3-MoE once more replaying random routes (R3: each stage's MoE layers
     take their own columns of the routes)."""
-    for kind, suffix, batch, actor in matrix_actors([k for k in PIPELINE_KINDS if k in SELECTED], info):
+    for kind, suffix, batch, actor in matrix_actors([k for k in PP_MATRIX_KINDS if k in SELECTED], info):
         if not suffix:  # each stage's parameters as built and as the memory plan counts them
             plan = rank_parameters(actor.spec, info.tp_size, actor.moe, stage=actor.stage).trained
             built = sum(p.numel() for p in actor.policy.parameters() if p.requires_grad)
@@ -1732,7 +1736,7 @@ def check_pp_refusals(args, info, out):
         "context_parallel": ("llama", TrainConfig(), dataclasses.replace(info, cp_size=2)),
         "expert_parallel": ("qwen3-moe", TrainConfig(), dataclasses.replace(info, ep_size=2)),
         "aux_loss": ("qwen3-moe", TrainConfig(moe_aux_loss_coef=0.01), info),
-        "vlm": ("qwen2.5-vl", TrainConfig(), info),
+        "deepstack": ("qwen3-vl", TrainConfig(), info),
         "replay_recomputed": (
             "qwen3-moe",
             TrainConfig(use_rollout_routing_replay=True, recompute_granularity="selective", recompute_modules=["moe"]),

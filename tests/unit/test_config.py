@@ -453,7 +453,7 @@ def test_the_engine_client_holds_sglang_server_concurrency_requests_per_engine(t
 def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
     """Checks that need the model's config (preflight, before anything starts): a recompute of more
     layers than the model has, pipeline stages that do not split its layers (evenly, or as the uneven
-    split's flags say), MoE recompute or
+    split's flags say) or that leave a VLM's deepstack layers off the first stage, MoE recompute or
     routing replay on a dense model."""
     from slime_mt.preflight import preflight
 
@@ -470,3 +470,8 @@ def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
         preflight(parse_config(model + "--recompute-granularity selective --recompute-modules core_attn moe".split()))
     with pytest.raises(ConfigError, match=r"--use-rollout-routing-replay: the qwen3 model .* has no experts"):
         preflight(parse_config([*model, "--use-rollout-routing-replay"]))
+    # Qwen3-VL's deepstack features enter its first two layers (the tiny one's two): one stage must hold them
+    vlm = ["--hf-checkpoint", str(tiny_paths["qwen3-vl"]), "--pipeline-model-parallel-size", "2"]
+    deepstack = r"enter the first 2 decoder layers, which must be on the first pipeline stage: it holds 1"
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size=2: the model .*: the vision .*" + deepstack):
+        preflight(parse_config(vlm))

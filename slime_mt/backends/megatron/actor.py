@@ -67,10 +67,10 @@ from slime_mt.backends.megatron.moe import (
 )
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
 from slime_mt.backends.megatron.packing import PackedRow, cp_share, pack_row, pack_tree_row, sp_pad, tree_keys
-from slime_mt.backends.megatron.parallel import ParallelInfo, PipelineSplit, Stage, current_device, layout_name
+from slime_mt.backends.megatron.parallel import ParallelInfo, PipelineSplit, current_device, layout_name
 from slime_mt.backends.megatron.pipeline import every_stage, from_last_stage, run_pipeline
 from slime_mt.backends.megatron.prefix_tree import PrefixTrie
-from slime_mt.backends.megatron.vlm import build_vlm
+from slime_mt.backends.megatron.vlm import build_vlm, check_deepstack_stage
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.errors import ModelConfigError
 from slime_mt.routes import replay_targets
@@ -109,6 +109,8 @@ class MegatronActor:
         )
         # this rank's experts (MoE): which block of experts, which slice of each
         self.experts = ExpertLayout(info.ep_rank, info.ep_size, info.etp_rank, info.etp_size)
+        # the pipeline stages as the parallel state has them, the layers over them as the flags split them
+        self.layer_split = dataclasses.replace(PipelineSplit.of(train), size=info.pp_size)
         if train.shared_prefix_training and (self.te or train.local_attention != "fused"):
             raise ModelConfigError(
                 "--shared-prefix-training needs the fused local attention (--local-attention fused, and "
@@ -186,9 +188,6 @@ class MegatronActor:
             f"--context-parallel-size {info.cp_size}": info.cp_size > 1,
             f"--expert-model-parallel-size {info.ep_size}": info.ep_size > 1,
             f"--moe-aux-loss-coef {train.moe_aux_loss_coef}": self.spec.moe is not None and train.moe_aux_loss_coef > 0,
-            "a vision-language model (its vision tower is not placed on the first stage yet)": (
-                self.spec.mrope_section is not None
-            ),
             # 1F1B runs the next row's forward before this row's backward: a recomputed MoE layer would
             # replay the next row's routes
             "--use-rollout-routing-replay and MoE layers recomputed": (
@@ -198,12 +197,14 @@ class MegatronActor:
         for what, on in refused.items():
             if on:
                 raise ModelConfigError(f"{flag} with {what}: not yet")
+        reason = check_deepstack_stage(self.hf_config, self.spec.num_layers, self.layer_split)
+        if reason:
+            raise ModelConfigError(f"{flag}: {reason}")
 
     # ------------------------------------------------------------------ model
 
     def _build(self, reader: CheckpointReader, frozen: bool = False) -> torch.nn.Module:
         if self.spec.mrope_section is not None:
-            self.stage = Stage.whole(self.spec.num_layers)  # VLMs under PP are refused (_check_pipeline)
             model = build_vlm(
                 self.hf_config,
                 self.spec,
@@ -219,7 +220,9 @@ class MegatronActor:
                 experts=self.experts,
                 recompute=None if frozen else Recompute.of(self.train_cfg),
                 sequence_parallel=self.sequence_parallel,
+                pp=self.layer_split,
             )
+            self.stage = stage_of(model.gpt)
         else:
             gpt = build_gpt(
                 self.spec,
@@ -231,7 +234,7 @@ class MegatronActor:
                 self.moe,
                 None if frozen else Recompute.of(self.train_cfg),  # a frozen model has no backward
                 self.sequence_parallel,
-                PipelineSplit.of(self.train_cfg),
+                self.layer_split,
             )
             self.stage = stage_of(gpt)
             load_into(gpt, self.iter_megatron_tensors(reader))

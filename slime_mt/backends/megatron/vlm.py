@@ -8,6 +8,10 @@ enter the decoder as its input. Positions are transformers' own 3-D M-RoPE posit
 Qwen2.5-VL uses contiguous t/h/w frequency sections; Qwen3-VL interleaves them (``rope.py``) and adds
 its deepstack features to the hidden states after the first decoder layers at image positions
 (forward hooks), as the HF model does.
+
+Under pipeline parallelism the vision tower and the embedding are on the first stage, which hands the
+merged hidden states on; later stages have no vision tower. Deepstack features enter the first
+``deepstack_layers`` decoder layers, which must all be on the first stage (``check_deepstack_stage``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import torch
 
 from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
 from slime_mt.backends.megatron.convert import CheckpointReader, ExpertLayout, iter_hf_to_megatron, load_into
-from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt
+from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt, stage_of
+from slime_mt.backends.megatron.parallel import PipelineSplit
 from slime_mt.backends.megatron.sequence_parallel import sequence_slice
+from slime_mt.errors import ModelConfigError
 from slime_mt.types import TrainingSample
 
 
@@ -46,7 +52,29 @@ def rope_index_function(hf_config, model_type: str):
     return types.MethodType(model_cls.get_rope_index, stand_in)
 
 
+def deepstack_layers(hf_config: dict) -> int:
+    """Decoder layers the vision tower's deepstack features enter (Qwen3-VL: one per
+    ``deepstack_visual_indexes``, the first layers); 0 without deepstack."""
+    return len((hf_config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
+
+
+def check_deepstack_stage(hf_config: dict, num_layers: int, split: PipelineSplit) -> str | None:
+    """Why ``split`` cannot run the model (its deepstack layers beyond the first stage), or None."""
+    needed = deepstack_layers(hf_config)
+    if split.size == 1 or not needed:
+        return None
+    held = split.layer_counts(num_layers)[0]
+    if held >= needed:
+        return None
+    return (
+        f"the vision tower's deepstack features enter the first {needed} decoder layers, which must be on the "
+        f"first pipeline stage: it holds {held}; give it more (--decoder-first-pipeline-num-layers {needed})"
+    )
+
+
 class VLMPolicy(TextPolicy):
+    """A vision tower (None on pipeline stages after the first) under the Megatron decoder."""
+
     def __init__(self, visual, gpt, spec: DecoderSpec, image_token_id: int, vision_prefix: str, rope_index):
         super().__init__(gpt)
         self.visual = visual
@@ -94,7 +122,10 @@ class VLMPolicy(TextPolicy):
         image_order=None,
     ):
         """``image_order`` (prefix-tree rows): the images are the row's distinct ones, each run once
-        through the vision tower; pad run r of the row takes image ``image_order[r]``'s embeddings."""
+        through the vision tower; pad run r of the row takes image ``image_order[r]``'s embeddings. A
+        pipeline stage after the first runs its layers on the previous stage's output."""
+        if not self.gpt.pre_process:
+            return super().hidden(tokens, position_ids, attention_mask, packed_seq_params)
         embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
         self._deepstack = None
         if pixel_values is not None:
@@ -148,7 +179,10 @@ class VLMPolicy(TextPolicy):
         return self.output_logits(hidden[:, 0])[None]
 
     def vision_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named vision tower tensors (replicated: every rank holds them)."""
+        """HF-named vision tower tensors (replicated: every rank of the first pipeline stage holds them;
+        {} on later stages)."""
+        if self.visual is None:
+            return {}
         return {self.vision_prefix + k: v.detach() for k, v in self.visual.state_dict().items()}
 
 
@@ -173,24 +207,32 @@ def build_vlm(
     experts: ExpertLayout | None = None,
     recompute: Recompute | None = None,
     sequence_parallel: bool = False,
+    pp: PipelineSplit | None = None,
 ) -> VLMPolicy:
-    """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint) + this
-    rank's Megatron decoder."""
+    """The VLM policy on this rank: the HF vision tower alone (weights from the checkpoint; on the first
+    pipeline stage only) + this rank's Megatron decoder (its stage's layers, ``pp``)."""
     import transformers
+    from megatron.core import parallel_state
 
+    pp = pp or PipelineSplit()
+    reason = check_deepstack_stage(hf_config, spec.num_layers, pp)
+    if reason:
+        raise ModelConfigError(f"--pipeline-model-parallel-size {pp.size}: {reason}")
     config = transformers.AutoConfig.for_model(**hf_config)
     _, vision_cls = _classes(hf_config["model_type"])
     names = reader.names()
     vision_prefix = checkpoint_vision_prefix(names)
-    with torch.device(device):
-        visual = vision_cls._from_config(config.vision_config, dtype=dtype)
-    vision_state = {k[len(vision_prefix) :]: reader.get(k) for k in names if k.startswith(vision_prefix)}
-    missing, unexpected = visual.load_state_dict(vision_state, strict=False)
-    if missing or unexpected:
-        raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    visual.to(device=device)
-    gpt = build_gpt(spec, tp, dtype, device, te, attention, moe, recompute, sequence_parallel)
-    load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te, experts))
+    visual = None
+    if pp.size == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        with torch.device(device):
+            visual = vision_cls._from_config(config.vision_config, dtype=dtype)
+        vision_state = {k[len(vision_prefix) :]: reader.get(k) for k in names if k.startswith(vision_prefix)}
+        missing, unexpected = visual.load_state_dict(vision_state, strict=False)
+        if missing or unexpected:
+            raise KeyError(f"vision tower weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        visual.to(device=device)
+    gpt = build_gpt(spec, tp, dtype, device, te, attention, moe, recompute, sequence_parallel, pp)
+    load_into(gpt, iter_hf_to_megatron(reader, spec, rank, tp, te, experts, stage_of(gpt)))
     policy = VLMPolicy(
         visual,
         gpt,
@@ -199,7 +241,7 @@ def build_vlm(
         vision_prefix,
         rope_index_function(config, hf_config["model_type"]),
     )
-    if freeze_vision:
+    if freeze_vision and visual is not None:
         for p in policy.visual.parameters():
             p.requires_grad_(False)
     return policy

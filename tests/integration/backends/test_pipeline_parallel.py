@@ -7,15 +7,17 @@ layers, packed rows of different lengths through Megatron's 1F1B schedule (``run
   and with the backward, and every stage's gradients equal the same layers', for the text families
   (dense and MoE) and an untied model, split evenly and unevenly (one of its four layers on the first
   stage, ``--decoder-first-pipeline-num-layers 1``); tied embeddings' two copies get the summed gradient;
-- the actor at PP=2, and at TP=2 x PP=2 with sequence parallelism on 4 ranks (``compute_logprobs``,
+- the actor at PP=2, and at TP=2 x PP=2 with sequence parallelism on 4 ranks, for the text families and
+  Qwen2.5-VL (its images through the vision tower on the first stage) (``compute_logprobs``,
   ``accumulate_gradients``, ``apply_gradients``, the export that sends every stage's tensors to rank 0)
   trains as at PP=1 with the same TP (TP=1; TP=2 with sequence parallelism): log-probs, loss, gradients
   (HF layout), grad norm, the weights after a step, and R3's replayed routes, each stage replaying its
   own MoE layers';
 - each stage's parameters are what the memory plan counts for it;
-- what PP does not run with yet is refused by name.
-Not built yet: the vision tower on the first stage, PP with CP, EP or shared prefixes, the load-balancing
-loss under PP, virtual pipeline stages."""
+- what PP does not run with yet is refused by name, and a VLM whose deepstack layers (Qwen3-VL) are not
+  all on the first stage.
+Not built yet: PP with CP, EP or shared prefixes, the load-balancing loss under PP, virtual pipeline
+stages."""
 
 import pytest
 import torch
@@ -47,7 +49,7 @@ def test_two_pipeline_stages_score_and_train_as_the_whole_decoder(megatron_pp2, 
     assert extra == 0 if not result["tied"] else extra > 0
 
 
-CASES = [(k, "") for k in ("llama", "qwen2", "qwen3", "qwen3-moe")] + [(k, "_r3") for k in ("qwen3-moe",)]
+CASES = [(k, "") for k in ("llama", "qwen2", "qwen3", "qwen3-moe", "qwen2.5-vl")] + [("qwen3-moe", "_r3")]
 # the world, its matrix files' tag, its layout as the trace names it, and the world without PP it equals
 LAYOUTS = {
     "pp2": ("tp1_pp2", "TP=1 CP=1 EP=1 PP=2 DP=1", "tp1", "tp1"),
@@ -92,6 +94,8 @@ def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused_by_name(mega
         "context_parallel": f"{flag} --context-parallel-size 2: not yet",
         "expert_parallel": f"{flag} --expert-model-parallel-size 2: not yet",
         "aux_loss": f"{flag} --moe-aux-loss-coef 0.01: not yet",
-        "vlm": f"{flag} a vision-language model (its vision tower is not placed on the first stage yet): not yet",
+        "deepstack": "ModelConfigError: --pipeline-model-parallel-size 2: the vision tower's deepstack features "
+        "enter the first 2 decoder layers, which must be on the first pipeline stage: it holds 1; give it more "
+        "(--decoder-first-pipeline-num-layers 2)",
         "replay_recomputed": f"{flag} --use-rollout-routing-replay and MoE layers recomputed: not yet",
     }
