@@ -175,7 +175,6 @@ def _validate_pipeline_parallel(t) -> None:
         return
     flag = "pipeline_model_parallel_size"
     _require(t.context_parallel_size == 1, flag, pp, "does not run with --context-parallel-size above 1 yet")
-    _require(t.expert_model_parallel_size == 1, flag, pp, "does not run with --expert-model-parallel-size above 1 yet")
     _require(not t.shared_prefix_training, flag, pp, "does not run prefix trees yet: no --shared-prefix-training")
     _require(t.moe_aux_loss_coef == 0, flag, pp, "does not run with the load-balancing loss (--moe-aux-loss-coef) yet")
     _require(

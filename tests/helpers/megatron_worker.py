@@ -1734,7 +1734,6 @@ def check_pp_refusals(args, info, out):
     cases = {
         "shared_prefix": ("llama", TrainConfig(shared_prefix_training=True), info),
         "context_parallel": ("llama", TrainConfig(), dataclasses.replace(info, cp_size=2)),
-        "expert_parallel": ("qwen3-moe", TrainConfig(), dataclasses.replace(info, ep_size=2)),
         "aux_loss": ("qwen3-moe", TrainConfig(moe_aux_loss_coef=0.01), info),
         "deepstack": ("qwen3-vl", TrainConfig(), info),
         "replay_recomputed": (

@@ -341,10 +341,6 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             r"--pipeline-model-parallel-size=2: does not run with --context-parallel-size above 1 yet",
         ),
         (
-            ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-            r"--pipeline-model-parallel-size=2: does not run with --expert-model-parallel-size above 1 yet",
-        ),
-        (
             ["--pipeline-model-parallel-size", "2", "--shared-prefix-training"],
             r"--pipeline-model-parallel-size=2: does not run prefix trees yet",
         ),

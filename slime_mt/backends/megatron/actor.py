@@ -186,7 +186,6 @@ class MegatronActor:
         refused = {
             "--shared-prefix-training": train.shared_prefix_training,
             f"--context-parallel-size {info.cp_size}": info.cp_size > 1,
-            f"--expert-model-parallel-size {info.ep_size}": info.ep_size > 1,
             f"--moe-aux-loss-coef {train.moe_aux_loss_coef}": self.spec.moe is not None and train.moe_aux_loss_coef > 0,
             # 1F1B runs the next row's forward before this row's backward: a recomputed MoE layer would
             # replay the next row's routes
@@ -367,17 +366,31 @@ class MegatronActor:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return list(rows) + [None] * (int(count) - len(rows))
 
+    def _idle_row(self) -> PackedRow:
+        """One placeholder token pair, packed: a pass that trains nothing (``_idle_pass``)."""
+        return self.pack([TrainingSample([0], [0], [0], [0.0], 0.0, "idle/0", -1, True)], [0])
+
     def _idle_pass(self, module, temperature: float, backward: bool) -> None:
-        """A forward (and backward) pass of one placeholder token pair that trains nothing: its log-prob
-        enters the graph times zero and the load-balancing loss is off for it."""
-        placeholder = TrainingSample([0], [0], [0], [0.0], 0.0, "idle/0", -1, True)
-        row = self.pack([placeholder], [0])
+        """A forward (and backward) pass of the idle row: its log-prob enters the graph times zero and
+        the load-balancing loss is off for it."""
+        row = self._idle_row()
         set_aux_loss_scale(self.spec.moe, 0.0)
         count_routes(module, False)
         try:
             lp, _ = self._logprobs(module, row, False, temperature)
             if backward:
                 (lp.sum() * 0.0).backward()
+        finally:
+            count_routes(module, True)
+
+    def _stage_hidden(self, module, row: PackedRow, idle: PackedRow | None) -> torch.Tensor:
+        """``_hidden`` of a pipeline micro-batch; the ``idle`` row (expert parallelism: another rank of
+        the expert group still has a row) counts in no router metric."""
+        if row is not idle:
+            return self._hidden(module, row)
+        count_routes(module, False)
+        try:
+            return self._hidden(module, row)
         finally:
             count_routes(module, True)
 
@@ -400,13 +413,18 @@ class MegatronActor:
         out: list[torch.Tensor | None] = [None] * len(samples)
         indices = list(range(len(samples))) if indices is None else indices
         if self.info.pp_size > 1:
-            rows = [self.pack(samples, r, replay) for r in self._rows(samples, indices)]
+            aligned = self._aligned(self._rows(samples, indices))
+            idle = self._idle_row() if None in aligned else None
+            rows = [idle if r is None else self.pack(samples, r, replay) for r in aligned]
 
             def score(row, hidden):  # forward only: no loss
                 return hidden.new_zeros(()), self._score(module, row, hidden, False, self.temperature)[0]
 
-            kept = run_pipeline(module, rows, lambda row: self._hidden(module, row), score, forward_only=True)
+            forward = functools.partial(self._stage_hidden, module, idle=idle)
+            kept = run_pipeline(module, rows, forward, score, forward_only=True)
             for row, lp in zip(rows, from_last_stage([t.cpu() for t in kept])):
+                if row is idle:
+                    continue
                 lp = lp.to(self.device)
                 for k, i in enumerate(row.sample_index):
                     out[i] = lp[row.seq_ids == k]
@@ -499,13 +517,17 @@ class MegatronActor:
         # summed over CP as the policy loss is
         set_aux_loss_scale(self.spec.moe, self.info.cp_size / max(1, trained_rows))
         if self.info.pp_size > 1:  # the schedule runs the backward from each row's loss on the last stage
+            idle = self._idle_row() if None in rows else None
 
             def on_last_stage(row, hidden):
                 lp, entropy = self._score(self.policy, row, hidden, not self.train_cfg.sft, temperature)
+                if row is idle:  # trains nothing
+                    return lp.sum() * 0.0, None
                 return self._row_loss(share, row, lp, entropy, old, ref, unreplayed, sums), None
 
-            packed = [self.pack(samples, r) for r in rows]  # no idle rows: PP runs without EP
-            run_pipeline(self.policy, packed, lambda row: self._hidden(self.policy, row), on_last_stage, False)
+            packed = [idle if r is None else self.pack(samples, r) for r in rows]
+            forward = functools.partial(self._stage_hidden, self.policy, idle=idle)
+            run_pipeline(self.policy, packed, forward, on_last_stage, False)
             rows = []
         for row_indices in rows:
             if row_indices is None:  # another expert-parallel rank still has a row
@@ -701,7 +723,8 @@ class MegatronActor:
                     dist.recv(tensor, src=src)
                     yield name, tensor
             return
-        sender = self.info.tp_rank == 0 and self.info.pp_rank > 0
+        # the stage's first replica's TP rank 0 (other DP ranks lend their experts to it under EP)
+        sender = self.info.tp_rank == 0 and self.info.pp_rank > 0 and self.info.first_replica
         for name, tensor in mine:
             if sender:
                 dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
