@@ -373,7 +373,7 @@ class TrainConfig:
     pipeline_model_parallel_size: int = _opt(
         1,
         "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; a VLM's "
-        "vision tower on the first; not yet with CP, shared-prefix training or the load-balancing loss).",
+        "vision tower on the first; not yet with CP or shared-prefix training).",
     )
     decoder_first_pipeline_num_layers: int | None = _opt(
         None,

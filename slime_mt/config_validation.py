@@ -176,7 +176,12 @@ def _validate_pipeline_parallel(t) -> None:
     flag = "pipeline_model_parallel_size"
     _require(t.context_parallel_size == 1, flag, pp, "does not run with --context-parallel-size above 1 yet")
     _require(not t.shared_prefix_training, flag, pp, "does not run prefix trees yet: no --shared-prefix-training")
-    _require(t.moe_aux_loss_coef == 0, flag, pp, "does not run with the load-balancing loss (--moe-aux-loss-coef) yet")
+    _require(
+        not (t.moe_aux_loss_coef > 0 and t.recomputes_moe),
+        flag,
+        pp,
+        "does not run the load-balancing loss (--moe-aux-loss-coef) in recomputed MoE layers yet",
+    )
     _require(
         not (t.use_rollout_routing_replay and t.recomputes_moe),
         flag,

@@ -1734,7 +1734,11 @@ def check_pp_refusals(args, info, out):
     cases = {
         "shared_prefix": ("llama", TrainConfig(shared_prefix_training=True), info),
         "context_parallel": ("llama", TrainConfig(), dataclasses.replace(info, cp_size=2)),
-        "aux_loss": ("qwen3-moe", TrainConfig(moe_aux_loss_coef=0.01), info),
+        "aux_loss_recomputed": (
+            "qwen3-moe",
+            TrainConfig(moe_aux_loss_coef=0.01, recompute_granularity="selective", recompute_modules=["moe"]),
+            info,
+        ),
         "deepstack": ("qwen3-vl", TrainConfig(), info),
         "replay_recomputed": (
             "qwen3-moe",

@@ -77,11 +77,11 @@ WORLDS = {
     # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder, the
     # actor at PP=2 against TP=1's matrix run, what PP does not run with yet, and TP=1's checkpoint
     # loaded into two stages and saved again
-    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard", ["--pp", "2"]),
+    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard,aux_loss", ["--pp", "2"]),
     "tp2pp2sp": (2, 4, "pp_matrix,pp_reshard", ["--pp", "2", "--sp"]),  # TP=2 x PP=2 on 4 ranks, SP as TP runs
     # EP=2 x PP=2 on 4 ranks (DP=2, the experts split over each stage's two DP ranks): the MoE matrix, and
     # ranks packing different numbers of rows (idle micro-batches through the schedule)
-    "ep2pp2": (1, 4, "pp_matrix,ep_rows", [*MOE, "--ep", "2", "--pp", "2"]),
+    "ep2pp2": (1, 4, "pp_matrix,ep_rows,aux_loss", [*MOE, "--ep", "2", "--pp", "2"]),
 }
 
 

@@ -345,8 +345,11 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             r"--pipeline-model-parallel-size=2: does not run prefix trees yet",
         ),
         (
-            ["--pipeline-model-parallel-size", "2", "--moe-aux-loss-coef", "0.01"],
-            r"--pipeline-model-parallel-size=2: does not run with the load-balancing loss",
+            [
+                *("--pipeline-model-parallel-size", "2", "--moe-aux-loss-coef", "0.01"),
+                *("--recompute-granularity", "selective", "--recompute-modules", "moe"),
+            ],
+            r"--pipeline-model-parallel-size=2: does not run the load-balancing loss .* in recomputed MoE layers",
         ),
         (
             [

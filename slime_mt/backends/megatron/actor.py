@@ -62,6 +62,7 @@ from slime_mt.backends.megatron.moe import (
     replay_counts,
     reset_router_metrics,
     router_metrics,
+    scaled_aux_loss_coefficient,
     set_aux_loss_scale,
     sum_sequence_sharded_grads,
 )
@@ -186,7 +187,11 @@ class MegatronActor:
         refused = {
             "--shared-prefix-training": train.shared_prefix_training,
             f"--context-parallel-size {info.cp_size}": info.cp_size > 1,
-            f"--moe-aux-loss-coef {train.moe_aux_loss_coef}": self.spec.moe is not None and train.moe_aux_loss_coef > 0,
+            # a recomputed MoE layer's load-balancing loss takes the coefficient of the backward's moment,
+            # which an idle micro-batch's does not share
+            f"--moe-aux-loss-coef {train.moe_aux_loss_coef} and MoE layers recomputed": (
+                self.spec.moe is not None and train.moe_aux_loss_coef > 0 and train.recomputes_moe
+            ),
             # 1F1B runs the next row's forward before this row's backward: a recomputed MoE layer would
             # replay the next row's routes
             "--use-rollout-routing-replay and MoE layers recomputed": (
@@ -385,12 +390,13 @@ class MegatronActor:
 
     def _stage_hidden(self, module, row: PackedRow, idle: PackedRow | None) -> torch.Tensor:
         """``_hidden`` of a pipeline micro-batch; the ``idle`` row (expert parallelism: another rank of
-        the expert group still has a row) counts in no router metric."""
+        the expert group still has a row) counts in no router metric and has no load-balancing loss."""
         if row is not idle:
             return self._hidden(module, row)
         count_routes(module, False)
         try:
-            return self._hidden(module, row)
+            with scaled_aux_loss_coefficient(module, 0.0):  # no load-balancing loss either
+                return self._hidden(module, row)
         finally:
             count_routes(module, True)
 
@@ -527,7 +533,9 @@ class MegatronActor:
 
             packed = [idle if r is None else self.pack(samples, r) for r in rows]
             forward = functools.partial(self._stage_hidden, self.policy, idle=idle)
-            run_pipeline(self.policy, packed, forward, on_last_stage, False)
+            # the schedule sets the load-balancing loss's gradient scale to 1: the coefficient carries it
+            with scaled_aux_loss_coefficient(self.policy, 1.0 / max(1, trained_rows)):
+                run_pipeline(self.policy, packed, forward, on_last_stage, False)
             rows = []
         for row_indices in rows:
             if row_indices is None:  # another expert-parallel rank still has a row

@@ -25,6 +25,7 @@ choice differs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -244,7 +245,25 @@ def set_aux_loss_scale(moe, scale: float) -> None:
         return
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=current_device()))
+    # shape [1], as Megatron's schedules set it (they copy into the tensor set first)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], dtype=torch.float32, device=current_device()))
+
+
+@contextlib.contextmanager
+def scaled_aux_loss_coefficient(model: torch.nn.Module, factor: float):
+    """Every MoE layer's load-balancing coefficient times ``factor`` while the block runs (0: no
+    load-balancing loss). Megatron's pipeline schedules set the loss's gradient scale to 1 for every
+    micro-batch (``set_aux_loss_scale`` cannot hold), so under pipeline parallelism the scale goes into
+    the coefficient; the logged loss is divided by the coefficient, so it is unchanged."""
+    configs = {id(layer.router.config): layer.router.config for layer in moe_layers(model)}
+    saved = {key: config.moe_aux_loss_coeff for key, config in configs.items()}
+    for key, config in configs.items():
+        config.moe_aux_loss_coeff = saved[key] * factor
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.moe_aux_loss_coeff = saved[key]
 
 
 def sum_sequence_sharded_grads(model: torch.nn.Module, tp_group) -> None:

@@ -19,8 +19,9 @@ layers, packed rows of different lengths through Megatron's 1F1B schedule (``run
 - each stage's parameters are what the memory plan counts for it;
 - what PP does not run with yet is refused by name, and a VLM whose deepstack layers (Qwen3-VL) are not
   all on the first stage.
-Not built yet: PP with CP or shared prefixes, the load-balancing loss under PP, virtual pipeline
-stages."""
+- the load-balancing loss at PP=2 and EP=2 x PP=2 gives one rank's gradients and router metrics;
+Not built yet: PP with CP or shared prefixes, the load-balancing loss in recomputed MoE layers under PP,
+virtual pipeline stages."""
 
 import pytest
 import torch
@@ -103,6 +104,24 @@ def test_ranks_of_a_stage_that_pack_fewer_rows_run_idle_micro_batches(
         assert float((a[name] - b[name]).abs().max()) <= 1e-5 * max(1.0, float(b[name].abs().max())), name
 
 
+@pytest.mark.parametrize("world,tag", [("pp2", "tp1_pp2"), ("ep2pp2", "tp1_ep2_pp2")])
+def test_the_load_balancing_loss_in_pipeline_stages_is_one_stages(request, megatron_dir, world, tag):
+    """With the load-balancing loss on, two stages (and EP=2 x PP=2) give the gradients and router
+    metrics of one rank: each stage's MoE layers' loss is scaled as one rank scales it (Megatron's
+    schedule sets its gradient scale to 1; the coefficient carries the scale), and the logged loss
+    averages every stage's layers."""
+    request.getfixturevalue("megatron_tp1_moe"), request.getfixturevalue(f"megatron_{world}")
+    one, staged = (torch.load(megatron_dir / f"aux_{t}.pt", weights_only=True) for t in ("tp1", tag))
+    assert one["metrics"]["moe/load_balancing_loss"] > 0
+    assert staged["metrics"].keys() == one["metrics"].keys()
+    for key, want in one["metrics"].items():
+        got = staged["metrics"][key]
+        assert abs(got - want) <= TOLERANCE * max(1.0, abs(want)), (key, got, want)
+    assert staged["grads"].keys() == one["grads"].keys()
+    for name, want in one["grads"].items():
+        assert float((staged["grads"][name] - want).abs().max()) <= TOLERANCE, name
+
+
 def _assert_trains_as_one_stage(megatron_dir, tag: str, flat_tag: str, layout: str, kind: str, replay: str) -> None:
     files = (megatron_dir / f"matrix_{t}_{kind}{replay}.pt" for t in (tag, flat_tag))
     pp, one = (torch.load(f, weights_only=True) for f in files)
@@ -129,7 +148,7 @@ def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused_by_name(mega
     assert refused == {
         "shared_prefix": f"{flag} --shared-prefix-training: not yet",
         "context_parallel": f"{flag} --context-parallel-size 2: not yet",
-        "aux_loss": f"{flag} --moe-aux-loss-coef 0.01: not yet",
+        "aux_loss_recomputed": f"{flag} --moe-aux-loss-coef 0.01 and MoE layers recomputed: not yet",
         "deepstack": "ModelConfigError: --pipeline-model-parallel-size 2: the vision tower's deepstack features "
         "enter the first 2 decoder layers, which must be on the first pipeline stage: it holds 1; give it more "
         "(--decoder-first-pipeline-num-layers 2)",
