@@ -269,6 +269,14 @@ def check_aux_loss(args, info, out):
     out["aux_loss"] = "saved"
 
 
+def _second_step(actor, samples) -> dict:
+    """The batch once more on the updated weights (Adam's state from the first step): loss, grad norm
+    and the weights after two steps."""
+    sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+    step = actor.apply_gradients()
+    return {"loss_2": sums["loss"], "grad_norm_2": step["train/grad_norm"], "weights_2": actor.export_hf()}
+
+
 def _matrix_run(actor, samples) -> dict:
     """One sample at a time: log-probs and entropies; then one step of the whole batch."""
     logprobs, entropies, pads = [], [], []
@@ -291,6 +299,7 @@ def _matrix_run(actor, samples) -> dict:
         "grad_norm": step["train/grad_norm"],
         "replicated_spread": replicated_spread(actor),
         "weights": actor.export_hf(),
+        **_second_step(actor, samples),
         "replayed_routes": sums.get("routing_replay_routes", 0.0),
         "sequence_parallel": bool(actor.policy.config.sequence_parallel),
         "row_pads": pads,  # tokens sequence parallelism padded each one-sample row with
@@ -1719,6 +1728,7 @@ def check_pp_matrix(args, info, out):
             "weights": actor.export_hf(),
             "replayed_routes": sums.get("routing_replay_routes", 0.0),
             "layout": actor.layout_name,
+            **_second_step(actor, batch),
         }
         if is_main(info):
             torch.save(result, Path(args.out) / f"matrix_{layout_tag(info)}_{kind}{suffix}.pt")

@@ -11,8 +11,8 @@ layers, packed rows of different lengths through Megatron's 1F1B schedule (``run
   Qwen2.5-VL (its images through the vision tower on the first stage) (``compute_logprobs``,
   ``accumulate_gradients``, ``apply_gradients``, the export that sends every stage's tensors to rank 0)
   trains as at PP=1 with the same TP (TP=1; TP=2 with sequence parallelism): log-probs, loss, gradients
-  (HF layout), grad norm, the weights after a step, and R3's replayed routes, each stage replaying its
-  own MoE layers';
+  (HF layout), grad norm, the weights after one step and after two, and R3's replayed routes, each stage
+  replaying its own MoE layers';
 - EP=2 x PP=2 on 4 ranks (each stage's experts split over its two DP ranks) trains Qwen3-MoE as one
   rank does, with and without R3, and when the DP ranks pack different numbers of rows (idle micro-batches
   through the schedule, in no expert's load);
@@ -134,9 +134,12 @@ def _assert_trains_as_one_stage(megatron_dir, tag: str, flat_tag: str, layout: s
     for name, want in one["grads"].items():
         assert float((pp["grads"][name] - want).abs().max()) <= TOLERANCE, name
     assert abs(pp["grad_norm"] - one["grad_norm"]) <= TOLERANCE * max(1.0, one["grad_norm"])
-    assert pp["weights"].keys() == one["weights"].keys()
-    for name, want in one["weights"].items():
-        assert float((pp["weights"][name] - want).abs().max()) <= TOLERANCE, name
+    for after in ("weights", "weights_2"):  # after one step and after two (Adam's state from the first)
+        assert pp[after].keys() == one[after].keys()
+        for name, want in one[after].items():
+            assert float((pp[after][name] - want).abs().max()) <= TOLERANCE, (after, name)
+    assert abs(pp["loss_2"] - one["loss_2"]) <= TOLERANCE and pp["loss_2"] != pp["loss"]
+    assert abs(pp["grad_norm_2"] - one["grad_norm_2"]) <= TOLERANCE * max(1.0, one["grad_norm_2"])
     assert pp["replayed_routes"] == one["replayed_routes"] and (pp["replayed_routes"] > 0) == bool(replay)
     if kind in MOE_FAMILIES:  # the router metrics of both stages' MoE layers reached every stage
         assert "moe/load_max_over_mean" in pp["metric_keys"]

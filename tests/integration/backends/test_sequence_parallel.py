@@ -1,8 +1,8 @@
 """Sequence parallelism (integration tier; the worlds tp2sp ~45 s and tp2sp_moe ~45 s, 2 ranks each):
 TP=2 with ``--sequence-parallel`` equals TP=2 without it for every family (log-probs, entropies, loss,
-every gradient in HF layout, grad norm, replicated copies, the weights after a step), the MoE families
-also replaying random routes (R3) and with the load-balancing loss on; rows of an odd length are padded
-to split over the TP ranks. TP=2 x EP=2 and TP=2 x CP=2 with SP are in test_expert_parallel.py and
+every gradient in HF layout, grad norm, replicated copies, the weights after one step and after two),
+the MoE families also replaying random routes (R3) and with the load-balancing loss on; rows of an odd
+length are padded to split over the TP ranks. TP=2 x EP=2 and TP=2 x CP=2 with SP are in test_expert_parallel.py and
 test_context_parallel.py (against one rank)."""
 
 import pytest
@@ -31,9 +31,12 @@ def test_sequence_parallel_trains_as_tp2_without_it(world_of, megatron_dir, kind
         assert float((on["grads"][name] - want).abs().max()) <= TOLERANCE, name
     assert abs(on["grad_norm"] - off["grad_norm"]) <= TOLERANCE * max(1.0, off["grad_norm"])
     assert on["replicated_spread"] == 0.0
-    assert on["weights"].keys() == off["weights"].keys()
-    for name, want in off["weights"].items():
-        assert float((on["weights"][name] - want).abs().max()) <= TOLERANCE, name
+    for after in ("weights", "weights_2"):  # after one step and after two (Adam's state from the first)
+        assert on[after].keys() == off[after].keys()
+        for name, want in off[after].items():
+            assert float((on[after][name] - want).abs().max()) <= TOLERANCE, (after, name)
+    assert abs(on["loss_2"] - off["loss_2"]) <= TOLERANCE
+    assert abs(on["grad_norm_2"] - off["grad_norm_2"]) <= TOLERANCE * max(1.0, off["grad_norm_2"])
 
 
 def test_the_load_balancing_loss_under_sequence_parallelism_is_tp2s(request, megatron_dir):
