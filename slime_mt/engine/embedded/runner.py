@@ -9,10 +9,16 @@ Log-probs are ``log_softmax(logits / T)`` of the sampled token, as SGLang report
 MoE models: every forward pass records the experts each MoE layer's router chose for every token it
 processed (a hook on each router; ``slime_mt/routes.py``), and each sequence keeps its tokens' routes
 (``Sequence.routes``), as SGLang's ``--enable-return-routed-experts`` keeps them with the KV cache.
+
+FP8 checkpoints (block-wise e4m3, ``engine/weights/fp8.py``) are served dequantized: the folder loads
+through this engine's dequantizer, the one every update takes, so a fresh load of a folder and an update
+with the same tensors serve the same weights. An update must then send each quantized weight in FP8 with
+its scale (a full-precision one is refused, as an FP8 tensor is by an engine serving full precision).
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +26,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as transformers_logging
 
 from slime_mt.engine.protocol import SamplingParams, expand_image_pads
+from slime_mt.engine.weights import fp8
 from slime_mt.engine.weights.checkpoint import checkpoint_files
 from slime_mt.errors import ProtocolError, WeightUpdateError
 from slime_mt.processing import QwenVLProcessor, load_tokenizer_or_processor, tokenizer_of
@@ -64,9 +72,12 @@ class ModelRunner:
         self.tokenizer = tokenizer_of(self.processor)
         self.is_vlm = isinstance(self.processor, QwenVLProcessor)
         self.config = AutoConfig.from_pretrained(self.model_path)
+        self.fp8 = fp8.folder_format(self.model_path)  # None: full-precision weights
         self.model = self._load_model().eval()
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None  # while released
         self._unloaded: set[int] = set()  # parameters resumed and not yet loaded again (by id)
+        if self.fp8 is not None:  # the FP8 tensors dequantized with their scales (``_load_model``)
+            self.load_weights_from_disk(self.model_path)
         text_config = getattr(self.config, "text_config", self.config)
         self.vocab_size = int(text_config.vocab_size)
         self.context_length = int(getattr(text_config, "max_position_embeddings", 4096))
@@ -107,7 +118,22 @@ class ModelRunner:
             cls = AutoModelForImageTextToText
         else:
             cls = AutoModelForCausalLM
-        return cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        if self.fp8 is None:
+            return cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        # built as a full-precision model: transformers casts the FP8 tensors without their scales (and
+        # reports the scales as unexpected keys), and ``__init__`` loads the folder again through
+        # ``fp8.BlockFp8``. transformers' own dequantizer takes the block size from the scale grid, which
+        # is wrong or refused for a dimension of several blocks with a partial last one, and on a GPU it
+        # keeps FP8 modules an update in full precision could not be copied into.
+        config = copy.deepcopy(self.config)
+        del config.quantization_config
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            model = cls.from_pretrained(self.model_path, config=config, dtype=self.dtype)
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        return model.to(self.device)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -303,6 +329,7 @@ class ModelRunner:
                 "the weights are released (release_memory_occupation); resume them "
                 "(resume_memory_occupation with tag weights) before an update"
             )
+        named = self._full_precision(named)
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         aliases = _hf_name_aliases(params)
@@ -326,6 +353,25 @@ class ModelRunner:
             target.copy_(tensor)
             self._unloaded.discard(id(base))
         return len(staged)
+
+    def _full_precision(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An update's tensors in the served precision: FP8 weights dequantized with their scales when
+        this engine serves an FP8 checkpoint; a tensor in the other precision is a WeightUpdateError."""
+        for name, tensor in named.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")
+            if self.fp8 is None and tensor.dtype == fp8.FP8_DTYPE:
+                raise WeightUpdateError(
+                    f"weight '{name}' is float8_e4m3fn, but this engine serves full-precision weights "
+                    "(its checkpoint has no FP8 quantization_config)"
+                )
+            if self.fp8 is not None and tensor.dtype != fp8.FP8_DTYPE and fp8.quantized(name, tensor):
+                raise WeightUpdateError(
+                    f"weight '{name}' is {str(tensor.dtype).removeprefix('torch.')}, but this engine serves FP8 "
+                    f"weights ({self.fp8.block[0]} x {self.fp8.block[1]} blocks): send it in float8_e4m3fn with "
+                    f"'{fp8.scale_name(name)}' (--rollout-quantization fp8)"
+                )
+        return named if self.fp8 is None else fp8.dequantize_named(named, self.fp8, self.dtype)
 
     def load_weights_from_disk(self, model_path: str) -> int:
         """Load every ``*.safetensors`` file of an HF folder into the model, all or nothing. A missing

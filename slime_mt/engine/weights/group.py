@@ -27,13 +27,20 @@ GROUP_NAME = "weight_update_group"  # SGLang's default
 JOIN_TIMEOUT = timedelta(minutes=10)
 
 DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8")
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "float8_e4m3fn")
 }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """SGLang's spelling of a dtype in a request (``torch.bfloat16`` -> ``bfloat16``)."""
     return str(dtype).removeprefix("torch.")
+
+
+def on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast moves for ``tensor``: its bytes as uint8 for an FP8 tensor (gloo has no FP8
+    type; NCCL moves FP8 as bytes too, so an engine that receives in FP8 gets the same), else itself."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -107,7 +114,7 @@ def receive(
     tensors = {
         name: torch.empty(shape, dtype=dtype_of(d), device=device) for name, d, shape in zip(names, dtypes, shapes)
     }
-    works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors.values()]
+    works = [dist.broadcast(on_the_wire(t), src=0, group=group, async_op=True) for t in tensors.values()]
     for work in works:
         work.wait()
     return tensors

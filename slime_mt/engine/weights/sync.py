@@ -235,7 +235,9 @@ class DistributedWeights:
                         str(version),
                     )
                 )
-                works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+                works = [
+                    dist.broadcast(weight_group.on_the_wire(t), src=0, group=self.group, async_op=True) for t in tensors
+                ]
                 sent = _in_thread(_wait_all, works)
                 try:
                     _first_failure([sent, answered], f"weights version {version} to {client.worker_urls}")
