@@ -23,6 +23,7 @@ from slime_mt.errors import (
     RolloutRoleFailed,
     TrainerRankLost,
     TrainSetupError,
+    WeightUpdateError,
 )
 from slime_mt.launch.ray.driver import dry_run_placement, run
 from slime_mt.metrics import plot_run
@@ -35,6 +36,8 @@ COMMANDS = {
     "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
     "inspect": "A run folder as one self-contained HTML page (curves, every dumped trajectory token by token), "
     "or a terminal summary (--text).",
+    "convert-fp8": "Write an HF model folder as block-wise FP8 (e4m3, weight_scale_inv, the HF format) for the "
+    "engines (--rollout-checkpoint).",
     "check-template": "Which tokenization path (append, strip_thinking, step-wise, retokenize) is exact for a "
     "model's chat template.",
 }
@@ -76,6 +79,15 @@ def build_cli() -> argparse.ArgumentParser:
     check.add_argument("--hf-checkpoint", required=True, help="Model folder holding the tokenizer (and processor).")
     check.add_argument("--chat-template", help="A Jinja chat template file to check instead of the folder's.")
     check.add_argument("--tools", help="A JSON file with a list of tool schemas for the tool scenarios.")
+    fp8 = sub.add_parser("convert-fp8", help=COMMANDS["convert-fp8"], description=COMMANDS["convert-fp8"])
+    fp8.add_argument("--model-dir", required=True, help="The full-precision HF model folder (safetensors).")
+    fp8.add_argument("--save-dir", required=True, help="Where the FP8 folder goes (replaced when it exists).")
+    fp8.add_argument(
+        "--strategy", default="block", choices=["block"], help="Block-wise scales (slime's default; the only one)."
+    )
+    fp8.add_argument(
+        "--block-size", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLUMNS"), help="Default 128 128."
+    )
     inspect = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"])
     inspect.add_argument("run_dir", help="Run directory (metrics.jsonl, config.yaml, the rollout dumps).")
     inspect.add_argument("--step", type=int, help="Only this step's dump (default: every dumped step).")
@@ -199,6 +211,22 @@ def run_check_template(ns) -> int:
     return 0
 
 
+def run_convert_fp8(ns) -> int:
+    """``slime-mt convert-fp8``: the FP8 folder's path on stdout; exit 2 naming a bad input."""
+    from pathlib import Path
+
+    from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder
+
+    try:
+        if not (Path(ns.model_dir) / "config.json").is_file():
+            raise ConfigError(f"--model-dir {ns.model_dir}: not a model folder (no config.json)")
+        print(convert_folder(ns.model_dir, ns.save_dir, BlockFp8(tuple(ns.block_size))))
+    except (ConfigError, WeightUpdateError, OSError) as e:
+        print(f"slime-mt convert-fp8: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run_inspect(ns) -> int:
     """``slime-mt inspect``: the page's path (or the summary) on stdout; exit 2 naming what is missing."""
     from slime_mt.inspection.report import text_summary, write_report
@@ -254,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_check_template(ns)
     if ns.command == "inspect":
         return run_inspect(ns)
+    if ns.command == "convert-fp8":
+        return run_convert_fp8(ns)
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:

@@ -252,6 +252,28 @@ class EngineConfig:
     update_weight_buffer_size: int = _opt(
         512 * 1024**2, "distributed weight transport: bytes broadcast per bucket (slime's flag)."
     )
+    rollout_quantization: str = _opt(
+        "none",
+        "The precision the engines serve: none (the trainer's dtype) or fp8 (block-wise e4m3 in the HF format, "
+        "as Qwen3-*-FP8 checkpoints ship it: the trainer's weights are quantized at every update, in buckets "
+        "or into the disk folder; embeddings, norms, the LM head, routers and the vision tower stay as they "
+        "are). The engines start from --rollout-checkpoint, else from --hf-checkpoint converted into "
+        "RUN_DIR/rollout_checkpoint.",
+        choices=["none", "fp8"],
+    )
+    rollout_checkpoint: str | None = _opt(
+        None,
+        "The model folder the engines start from (slime's FP8 checkpoint for the engines, written by "
+        "'slime-mt convert-fp8'); its quantization_config is the format of every update. None: "
+        "--hf-checkpoint (converted at start under --rollout-quantization fp8; with --ray or --engine-url "
+        "give the folder every engine can read).",
+    )
+    rollout_quantization_block_size: list[int] = _opt(
+        [128, 128],
+        "--rollout-quantization fp8: the blocks (rows columns) --hf-checkpoint is converted with; a "
+        "--rollout-checkpoint's own weight_block_size is used as it is.",
+        nargs=2,
+    )
     sglang_mem_fraction_static: float = _opt(0.7, "SGLang --mem-fraction-static.")
     sglang_extra_args: str | None = _opt(None, "Extra SGLang launch_server arguments, one string.")
     vllm_python: str | None = _opt(

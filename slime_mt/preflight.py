@@ -16,6 +16,7 @@ from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
 from slime_mt.data import PromptDataset, load_rows
+from slime_mt.engine.weights.fp8 import check_rollout_checkpoint
 from slime_mt.errors import ConfigError, TrainSetupError
 from slime_mt.inspection.dumps import dump_path
 from slime_mt.inspection.replay import checked_dump
@@ -31,6 +32,13 @@ def preflight(cfg: Config) -> None:
     if not Path(t.hf_checkpoint).is_dir():
         raise TrainSetupError(f"--hf-checkpoint {t.hf_checkpoint}: model folder not found")
     hf_config = read_hf_config(t.hf_checkpoint)
+    if hf_config.get("quantization_config") is not None:
+        method = hf_config["quantization_config"].get("quant_method")
+        raise TrainSetupError(
+            f"--hf-checkpoint {t.hf_checkpoint} is quantized ({method}): the trainer needs full-precision weights; "
+            "pass the full-precision folder, and the quantized one as --rollout-checkpoint"
+        )
+    check_rollout_checkpoint(cfg.engine, t.hf_checkpoint)
     spec = decoder_spec(hf_config, f"{t.hf_checkpoint}/config.json")
     check_tp(spec, t.tensor_model_parallel_size, MoeOptions.of(t))
     if t.use_rollout_routing_replay and spec.moe is None:

@@ -75,21 +75,24 @@ def off_policy_weights(
     log_w = ((old_log_probs - rollout_log_probs) * mask).detach()
     raw = torch.exp(log_w)
     keep = mask.clone()
-    if mode == "token":
-        weights = raw.clamp(low, high)
+    if mode in ("token", "token_mask"):
+        outside = (raw < low) | (raw > high)  # [T]
     elif mode == "sequence":
-        seq_w = torch.exp(segment_sum(log_w, seq_ids, num_seqs)).clamp(low, high)
-        weights = seq_w[seq_ids]
-    elif mode == "token_mask":
-        weights = torch.ones_like(raw)
-        keep = keep * ((raw >= low) & (raw <= high)).to(mask.dtype)
+        seq_w = torch.exp(segment_sum(log_w, seq_ids, num_seqs))  # [S]
+        outside = ((seq_w < low) | (seq_w > high))[seq_ids]
     elif mode == "geo_mean_mask":
         counts = segment_sum(mask, seq_ids, num_seqs).clamp_min(1)
         geo = torch.exp(segment_sum(log_w, seq_ids, num_seqs) / counts)
-        weights = torch.ones_like(raw)
-        keep = keep * ((geo >= low) & (geo <= high))[seq_ids].to(mask.dtype)
+        outside = ((geo < low) | (geo > high))[seq_ids]
     else:
         raise ValueError(f"unknown off-policy correction {mode!r}")
+    if mode == "token":
+        weights = raw.clamp(low, high)
+    elif mode == "sequence":
+        weights = seq_w.clamp(low, high)[seq_ids]
+    else:  # the masks: tokens (or every token of sequences) outside the band train nothing
+        weights = torch.ones_like(raw)
+        keep = keep * (~outside).to(mask.dtype)
     n = mask.sum().clamp_min(1)
     live = mask > 0
     metrics = {
@@ -97,8 +100,15 @@ def off_policy_weights(
         "tis_weight_min": float(weights[live].min()) if live.any() else 0.0,
         "tis_weight_max": float(weights[live].max()) if live.any() else 0.0,
         "tis_masked_fraction": float(((mask - keep) * mask).sum() / n),
+        # clipped or masked: the tokens whose weight (their sequence's, for the sequence modes) left the band
+        "tis_clipped_fraction": float((outside.to(mask.dtype) * mask).sum() / n),
     }
     return weights * keep, keep, metrics
+
+
+# metrics that are a largest value rather than a token-weighted sum: reduced by max over rows, ranks and
+# mini-batches
+MAXIMA = frozenset({"train_rollout_logprob_abs_diff_max"})
 
 
 def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -170,6 +180,9 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     if bool(sampled.any()):  # over the tokens that have rollout log-probs; absent when none has
         diff = (x.old_log_probs - x.rollout_log_probs).abs()
         metrics["train_rollout_logprob_abs_diff"] = float((diff * w)[sampled].sum())
+        trained = sampled & (w > 0)
+        if bool(trained.any()):  # the largest gap of a trained token (MAXIMA: reduced by max, not summed)
+            metrics["train_rollout_logprob_abs_diff_max"] = float(diff[trained].max())
     if x.entropy is not None:
         metrics["entropy"] = float((x.entropy.detach() * w).sum())
     return loss, metrics

@@ -23,6 +23,7 @@ from slime_mt.compat import SlimeCompat
 from slime_mt.config import Config
 from slime_mt.data import PromptDataset
 from slime_mt.engine.clients.update_gate import UpdateGate
+from slime_mt.engine.weights.fp8 import rollout_checkpoint
 from slime_mt.engine.weights.sync import EngineWeights, UpdatePlan, transport_for
 from slime_mt.errors import DatasetError, RolloutFailedError
 from slime_mt.inspection.records import RunRecords
@@ -109,9 +110,10 @@ class RolloutRole(RolloutSteps):
             eval_data = PromptDataset.from_config(
                 cfg.data.eval_prompt_data, cfg.data, cfg.rollout.n_samples_per_eval_prompt
             )
+        served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
         engines = start_engines(
             engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay),
-            cfg.train.hf_checkpoint,
+            served,
             run_dir / "logs",
             seed=cfg.train.seed,
             tp_size=cfg.train.tensor_model_parallel_size,
@@ -156,6 +158,7 @@ class RolloutRole(RolloutSteps):
                         cfg.engine, cfg.cluster.ray, cfg.cluster.colocate, engines.local_engines, ctx, run_dir
                     ),
                     ctx.client.worker_urls,
+                    quantization,
                 )
             except BaseException:
                 ctx.close()

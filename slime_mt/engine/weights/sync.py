@@ -48,6 +48,7 @@ import torch.distributed as dist
 from slime_mt.backends.megatron.convert import ShardWriter
 from slime_mt.engine.weights import group as weight_group
 from slime_mt.engine.weights import tensor_payload
+from slime_mt.engine.weights.fp8 import BlockFp8, quantize_stream
 from slime_mt.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)
@@ -147,11 +148,16 @@ class UpdatePlan:
 class EngineWeights:
     """The run's transport (``make``: engine URLs -> a transport), made again when the engines that take
     the weights change (one was lost, or came back): each ``push`` loads a whole version on the
-    engines of its ``UpdatePlan``, behind the update gate unless they are asleep."""
+    engines of its ``UpdatePlan``, behind the update gate unless they are asleep. With ``quantization``
+    (the FP8 format the engines serve, ``fp8.rollout_checkpoint``) every tensor is quantized on its way,
+    one at a time, so a bucket or the disk folder holds the served format."""
 
-    def __init__(self, make: Callable[[list[str]], object], worker_urls: list[str]) -> None:
+    def __init__(
+        self, make: Callable[[list[str]], object], worker_urls: list[str], quantization: BlockFp8 | None = None
+    ) -> None:
         self.make = make
         self.worker_urls = list(worker_urls)
+        self.quantization = quantization
         self.transport = make(self.worker_urls)
 
     def push(self, stream: Iterator, version: int, plan: UpdatePlan, gate_closed: GateClosed) -> None:
@@ -159,6 +165,8 @@ class EngineWeights:
             self.transport.close()
             self.transport = self.make(plan.worker_urls)
             self.worker_urls = list(plan.worker_urls)
+        if self.quantization is not None:
+            stream = quantize_stream(stream, self.quantization)
         self.transport.push(stream, version, contextlib.nullcontext if plan.asleep else gate_closed)
 
     def close(self) -> None:

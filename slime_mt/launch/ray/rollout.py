@@ -20,6 +20,7 @@ import ray
 
 from slime_mt.config import Config
 from slime_mt.engine.clients.control import EngineControl
+from slime_mt.engine.weights.fp8 import rollout_checkpoint
 from slime_mt.engine.weights.sync import EngineWeights, transport_for
 from slime_mt.roles.link import RolloutHost
 from slime_mt.roles.steps import drain_weights
@@ -63,7 +64,8 @@ class RemoteWeights:
             return transport_for(e, True, cfg.cluster.colocate, [], self.control, run_dir)
 
         try:
-            self.weights = EngineWeights(make, worker_urls)
+            quantization = rollout_checkpoint(e, cfg.train.hf_checkpoint, run_dir)[1]  # the folder is given
+            self.weights = EngineWeights(make, worker_urls, quantization)
         except BaseException:
             self.control.close()
             raise

@@ -130,15 +130,18 @@ def test_token_tis_clips_weights_at_both_ends():
     )
     assert w.tolist() == pytest.approx([2.0, 0.1, 1.0])
     assert m["tis_weight_max"] == pytest.approx(2.0) and m["tis_weight_min"] == pytest.approx(0.1)
+    assert m["tis_clipped_fraction"] == pytest.approx(2 / 3) and m["tis_masked_fraction"] == 0.0
 
 
 def test_sequence_tis_and_masks():
     log_w = torch.tensor([0.5, 0.5, -0.2])
     seq = torch.tensor([0, 0, 1])
-    w, _, _ = off_policy_weights(log_w, torch.zeros(3), torch.ones(3), seq, 2, "sequence", 0.0, 2.0)
+    w, _, m = off_policy_weights(log_w, torch.zeros(3), torch.ones(3), seq, 2, "sequence", 0.0, 2.0)
     assert w.tolist() == pytest.approx([2.0, 2.0, math.exp(-0.2)])  # e^1 = 2.72 clipped to 2
+    assert m["tis_clipped_fraction"] == pytest.approx(2 / 3)  # both tokens of the clipped sequence
     w, keep, m = off_policy_weights(log_w, torch.zeros(3), torch.ones(3), seq, 2, "token_mask", 0.9, 1.5)
     assert keep.tolist() == [0.0, 0.0, 0.0]  # e^0.5 = 1.65 > 1.5; e^-0.2 = 0.82 < 0.9
+    assert m["tis_clipped_fraction"] == m["tis_masked_fraction"] == 1.0
     w, keep, m = off_policy_weights(log_w, torch.zeros(3), torch.ones(3), seq, 2, "geo_mean_mask", 0.8, 1.5)
     assert keep.tolist() == [0.0, 0.0, 1.0] and m["tis_masked_fraction"] == pytest.approx(2 / 3)
 
@@ -148,6 +151,7 @@ def test_tis_multiplies_the_policy_gradient():
     loss, m = policy_loss(x, AlgoConfig(use_tis=True, tis_clip=2.0))
     assert float(loss) == pytest.approx(-(0.5 * 2.0 + 0.5 * 1.0))
     assert m["train_rollout_logprob_abs_diff"] == pytest.approx(0.5)
+    assert m["train_rollout_logprob_abs_diff_max"] == 1.0  # the largest gap, unweighted
 
 
 def test_sft_loss_is_weighted_nll():

@@ -18,6 +18,7 @@ from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, dequantize_nam
 from slime_mt.errors import ConfigError, WeightUpdateError
 
 KINDS = ["qwen3", "qwen3-moe", "qwen2.5-vl"]
+SMALL_BLOCK = BlockFp8((16, 24))
 BLOCKS = [(128, 128), (16, 24)]
 # the decoder's linear weights, every expert's included; nothing of the vision tower
 LINEAR = re.compile(
@@ -158,3 +159,37 @@ def test_scales_that_do_not_fit_their_weights_are_refused_by_name():
         dequantize_named({"b.weight_scale_inv": scale_inv}, fmt, torch.float32)
     with pytest.raises(WeightUpdateError, match=r"weight 'a.weight': scale_inv of shape \(3, 2\) .* expected \(3, 3\)"):
         dequantize_named({"a.weight": q, "a.weight_scale_inv": scale_inv[:, :2]}, fmt, torch.float32)
+
+
+def test_the_engines_folder_and_its_format_follow_the_flags(tiny_paths, tmp_path):
+    """--rollout-quantization fp8 converts --hf-checkpoint into the run folder, or takes an FP8
+    --rollout-checkpoint as it is (its own blocks); a folder in the other precision is refused by name."""
+    from slime_mt.config import EngineConfig
+    from slime_mt.engine.weights.fp8 import check_rollout_checkpoint, rollout_checkpoint
+
+    hf = str(tiny_paths["qwen3"])
+    assert rollout_checkpoint(EngineConfig(), hf, tmp_path) == (hf, None)
+    fp8 = EngineConfig(rollout_quantization="fp8", rollout_quantization_block_size=[16, 24])
+    folder, fmt = rollout_checkpoint(fp8, hf, tmp_path / "run")
+    assert folder == str(tmp_path / "run" / "rollout_checkpoint") and fmt == BlockFp8((16, 24)) == folder_format(folder)
+    given = EngineConfig(rollout_quantization="fp8", rollout_checkpoint=folder)  # its 16 x 24, not the default
+    assert rollout_checkpoint(given, hf, tmp_path / "other") == (folder, BlockFp8((16, 24)))
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ConfigError, match=f"--rollout-checkpoint {folder} is FP8 .*add --rollout-quantization fp8"):
+        check_rollout_checkpoint(EngineConfig(rollout_checkpoint=folder), hf)
+    with pytest.raises(ConfigError, match=f"--rollout-checkpoint {hf}: not FP8"):
+        check_rollout_checkpoint(EngineConfig(rollout_quantization="fp8", rollout_checkpoint=hf), hf)
+    with pytest.raises(ConfigError, match="--rollout-checkpoint /nowhere: not a model folder"):
+        check_rollout_checkpoint(EngineConfig(rollout_checkpoint="/nowhere"), hf)
+
+
+def test_slime_mt_convert_fp8_writes_the_folder_and_names_a_bad_input(tiny_paths, tmp_path, capsys):
+    from slime_mt.cli import main
+
+    args = ["convert-fp8", "--model-dir", str(tiny_paths["qwen2"]), "--save-dir", str(tmp_path / "out")]
+    assert main([*args, "--block-size", "16", "24"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out") and folder_format(tmp_path / "out") == SMALL_BLOCK
+    assert main(["convert-fp8", "--model-dir", str(tmp_path / "none"), "--save-dir", str(tmp_path / "x")]) == 2
+    assert f"--model-dir {tmp_path / 'none'}: not a model folder" in capsys.readouterr().err
+    assert main(["convert-fp8", "--model-dir", str(tmp_path / "out"), "--save-dir", str(tmp_path / "y")]) == 2
+    assert "already quantized (fp8)" in capsys.readouterr().err and not (tmp_path / "y").exists()
