@@ -16,13 +16,11 @@ tensors as they come.
 """
 
 import argparse
-import asyncio
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 
 from slime_mt.assets import qwen_tokenizer_dir, sized_model_dir
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.clients import client_for
+from slime_mt.engine.clients.control import EngineControl
 from slime_mt.engine.embedded.server import wait_healthy
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, quantize_stream, quantized
@@ -38,25 +36,6 @@ from slime_mt.engine.weights.sync import DistributedWeights, EngineWeights, Upda
 
 REPO = Path(__file__).resolve().parents[1]
 BUFFER = 512 * 1024**2  # --update-weight-buffer-size's default
-
-
-class Side:
-    """What a transport needs of the rollout context: an engine client and a loop in its own thread."""
-
-    def __init__(self, url: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.client = client_for("local", url)
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run_sync(self, coro):
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        self.run_sync(self.client.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def serve(folder: Path):
@@ -88,7 +67,7 @@ class _open:
 
 def measure(folder: Path, state: dict, quantization: BlockFp8 | None, updates: int) -> dict:
     proc, url = serve(folder)
-    side = Side(url)
+    side = EngineControl("local", url, [url], timeout=600.0, max_retries=0)  # the client a trainer rank holds
     try:
         weights = EngineWeights(lambda urls: DistributedWeights(side, [1], BUFFER), [url], quantization)
         seconds = []

@@ -111,6 +111,16 @@ def off_policy_weights(
 MAXIMA = frozenset({"train_rollout_logprob_abs_diff_max"})
 
 
+def add_metric(totals: dict[str, float], key: str, value: float, divisor: int = 1) -> None:
+    """One more row's, rank's or mini-batch's ``value`` of metric ``key`` (``train/`` prefixed or not)
+    into ``totals`` (a defaultdict of 0.0): the larger of the two for MAXIMA, else the sum with
+    ``value / divisor``."""
+    if key.removeprefix("train/") in MAXIMA:
+        totals[key] = max(totals[key], value)
+    else:
+        totals[key] += value / divisor
+
+
 def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """-> (scalar loss = sum over tokens of per-token loss x weights, metric sums over tokens).
 

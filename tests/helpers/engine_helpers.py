@@ -1,14 +1,21 @@
 """Helpers for engine tests: run a coroutine, draw distinct images, encode them as data URIs, a client
-on a loop of its own (what a weight transport needs of the rollout context)."""
+on a loop of its own (what a weight transport needs of the rollout context), an embedded engine in a
+process of its own."""
 
 import asyncio
 import base64
+import contextlib
 import io
+import subprocess
+import sys
 import threading
 
 from PIL import Image, ImageDraw
+from train_helpers import REPO
 
 from slime_mt.engine.clients import client_for
+from slime_mt.engine.embedded.server import wait_healthy
+from slime_mt.engine.launch import free_port
 
 
 def run(coro):
@@ -74,3 +81,19 @@ class LoopSide:
     def close(self) -> None:
         self.run_sync(self.client.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@contextlib.contextmanager
+def engine_process(model_path, *flags: str):
+    """An embedded engine in its own process (``slime-mt serve``: as on another node, nothing shared but
+    the network) -> its URL; stopped on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", str(model_path), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *flags], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=120)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.algo.batching import RankShare, micro_batches_by_count, micro_batches_by_tokens, split_by_dp
-from slime_mt.algo.losses import MAXIMA, LossInputs, policy_loss, sft_loss
+from slime_mt.algo.losses import LossInputs, add_metric, policy_loss, sft_loss
 from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.context_parallel import gather_owned
 from slime_mt.backends.megatron.convert import (
@@ -492,9 +492,7 @@ class MegatronActor:
             with maybe_span(self.timeline, "optimizer step", "train", lane="train", mini_batch=m):
                 metrics.update(self.apply_gradients())
             for k, v in metrics.items():
-                totals[k] = (
-                    max(totals[k], v) if k.removeprefix("train/") in MAXIMA else totals[k] + v / share.mini_batches
-                )
+                add_metric(totals, k, v, divisor=share.mini_batches)
         totals["train/seconds"] = time.perf_counter() - started
         totals["train/optimizer_steps"] = share.mini_batches
         return dict(totals)
@@ -608,7 +606,7 @@ class MegatronActor:
             metrics["tokens_before_sharing"] = sum(row.lengths)
             metrics["tokens_after_sharing"] = row.num_real_tokens
         for k, v in metrics.items():
-            sums[k] = max(sums[k], v) if k in MAXIMA else sums[k] + v
+            add_metric(sums, k, v)
         # DDP averages over DP x CP ranks; the weights are global, and each CP rank's gradient is
         # its tokens' share of the row's
         return loss * self.info.dp_size * self.info.cp_size
@@ -659,7 +657,7 @@ class MegatronActor:
         out: dict[str, float] = collections.defaultdict(float)
         for part in gathered:
             for k, v in part.items():
-                out[k] = max(out[k], v) if k in MAXIMA else out[k] + v
+                add_metric(out, k, v)
         return dict(out)
 
     # ------------------------------------------------------------------ weights for the engine

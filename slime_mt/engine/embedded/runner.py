@@ -334,9 +334,7 @@ class ModelRunner:
         params.update(dict(self.model.named_buffers()))
         aliases = _hf_name_aliases(params)
         staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for name, tensor in named.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")
+        for name, tensor in named.items():  # every one a tensor (``_full_precision``)
             base, target, tensor = _target(params, aliases, name, tensor)
             if target is None:
                 raise WeightUpdateError(f"weight '{name}' is not a parameter of {type(self.model).__name__}")
@@ -356,7 +354,8 @@ class ModelRunner:
 
     def _full_precision(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """An update's tensors in the served precision: FP8 weights dequantized with their scales when
-        this engine serves an FP8 checkpoint; a tensor in the other precision is a WeightUpdateError."""
+        this engine serves an FP8 checkpoint; a value that is not a tensor, or a tensor in the other
+        precision, is a WeightUpdateError."""
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor):
                 raise WeightUpdateError(f"weight '{name}' is a {type(tensor).__name__}, not a tensor")

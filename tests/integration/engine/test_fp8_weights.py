@@ -6,20 +6,16 @@ fresh engine on the same quantized folder serves; a weight in the wrong precisio
 and changes nothing."""
 
 import shutil
-import subprocess
-import sys
 
 import httpx
 import pytest
 import torch
-from engine_helpers import LoopSide
+from engine_helpers import LoopSide, engine_process
 from safetensors.torch import save_file
-from train_helpers import REPO
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
-from slime_mt.engine.launch import free_port
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, quantize_stream
 from slime_mt.engine.weights.sync import DistributedWeights, FolderWeights, TensorWeights, WeightFolders
 from slime_mt.errors import WeightUpdateError
@@ -94,16 +90,8 @@ def test_updates_in_fp8_serve_what_a_fresh_load_of_the_quantized_folder_serves(t
 def fp8_engine(tiny_paths, tmp_path_factory):
     """An embedded engine in its own process serving the tiny Qwen2 in FP8 (nothing shared but the network)."""
     folder = convert_folder(tiny_paths["qwen2"], tmp_path_factory.mktemp("fp8") / "qwen2", SMALL)
-    port = free_port()
-    cmd = [sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", str(folder), "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout=120)
+    with engine_process(folder) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("transport", [DistributedWeights, TensorWeights])

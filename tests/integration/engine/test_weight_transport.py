@@ -4,19 +4,15 @@
 (SGLang's release and resume of memory occupation)."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from engine_helpers import LoopSide
-from train_helpers import REPO
+from engine_helpers import LoopSide, engine_process
 
 from slime_mt.backends.megatron.convert import load_hf_state
-from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
-from slime_mt.engine.launch import free_port
+from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.weights.sync import DistributedWeights, FolderWeights, TensorWeights
 
 PROMPT = [3, 17, 29, 101, 7, 64]
@@ -25,22 +21,9 @@ PROMPT = [3, 17, 29, 101, 7, 64]
 @pytest.fixture(scope="module")
 def remote_engine(tiny_paths):
     """An embedded engine in its own process (as on another node: nothing shared but the network)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slime_mt.cli", "serve", "--model-path", str(tiny_paths["qwen2"]), "--port", str(port)]
-        + ["--cache-tokens", "4096"],  # KV state kept between requests, which a release must free
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout=120)
+    # KV state kept between requests, which a release must free
+    with engine_process(tiny_paths["qwen2"], "--cache-tokens", "4096") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def version(step: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
