@@ -357,6 +357,22 @@ class AlgoConfig:
         "Off-policy correction: clip token or sequence weights, or mask outside the band.",
         choices=["token", "sequence", "token_mask", "geo_mean_mask"],
     )
+    use_decoupled_loss: bool = _opt(
+        False,
+        "AReaL's decoupled PPO objective: the clip against the proximal policy (the trainer's weights at the "
+        "step's start, recomputed) and each token weighted by pi_prox / pi_behav, the behaviour policy being "
+        "the weights that generated that token (its engine log-prob). Under --fully-async, groups beyond "
+        "--max-staleness are trained this way instead of dropped.",
+    )
+    behav_imp_weight_cap: float = _opt(
+        5.0, "--use-decoupled-loss: tokens whose pi_prox / pi_behav exceeds this get no loss (AReaL's cap)."
+    )
+    m2po_threshold: float | None = _opt(
+        None,
+        "--use-decoupled-loss: M2PO's second-moment bound. Over the step's trained tokens, those with the "
+        "largest (log pi_prox / pi_behav)^2 get no loss until the mean of the rest is at most this (0.04 in "
+        "the paper); none: off.",
+    )
     loss_reduction: str = _opt(
         "token_mean",
         "How token losses are averaged over the global batch.",

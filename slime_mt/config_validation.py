@@ -496,6 +496,7 @@ def validate(cfg: Config) -> None:
         a.tis_clip_low,
         f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}",
     )
+    _validate_decoupled_loss(a)
     _require(t.lr > 0, "lr", t.lr, "must be > 0")
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     _require(
@@ -536,3 +537,18 @@ def validate(cfg: Config) -> None:
             t.hf_checkpoint,
             "is required to launch SGLang engines (or pass --engine-url)",
         )
+
+
+def _validate_decoupled_loss(a) -> None:
+    if not a.use_decoupled_loss:
+        _require(a.m2po_threshold is None, "m2po_threshold", a.m2po_threshold, "needs --use-decoupled-loss")
+        return
+    _require(
+        not a.use_tis,
+        "use_tis",
+        a.use_tis,
+        "--use-decoupled-loss already weights every token by pi_prox / pi_behav; drop --use-tis",
+    )
+    _require(a.behav_imp_weight_cap > 1, "behav_imp_weight_cap", a.behav_imp_weight_cap, "must be > 1")
+    if a.m2po_threshold is not None:
+        _require(a.m2po_threshold > 0, "m2po_threshold", a.m2po_threshold, "must be > 0")

@@ -99,6 +99,7 @@ PLOTS = {
         "time/rollout_idle_seconds",
         "async/dropped_groups",
         "async/dropped_token_share",
+        "async/length_bias_tokens",
         "async/partial_resumes",
     ],
 }

@@ -10,8 +10,10 @@ Terms: PPO clipped surrogate with asymmetric clip (``eps_clip``, ``eps_clip_high
 (``eps_clip_c``); GSPO's sequence ratio, with GSPO-token's gradient or slime's (``gspo_gradient``);
 KL to a reference (k1, k2, k3, low_var_kl = k3 clamped to [-10, 10], as slime has them); entropy
 bonus; off-policy correction against the rollout log-probs (token TIS, sequence TIS, token mask
-outside a band, geometric-mean sequence mask). Where this differs from slime on purpose, the
-README's "Where the math differs from slime" says how and which flag gives slime's numbers.
+outside a band, geometric-mean sequence mask); AReaL's decoupled objective for stale tokens (the
+clip against the proximal policy, the weight pi_prox / pi_behav capped by masking, M2PO's
+second-moment filter). Where this differs from slime on purpose, the README's "Where the math
+differs from slime" says how and which flag gives slime's numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LossInputs:
     seq_ids: torch.Tensor  # [T] long, sequence index of each token
     ref_log_probs: torch.Tensor | None = None  # [T] reference policy, for the KL term
     entropy: torch.Tensor | None = None  # [T] policy entropy per position
+    m2po_cutoff: float | None = None  # --m2po-threshold: the step's bound on (log pi_prox / pi_behav)^2
 
 
 def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -106,6 +109,66 @@ def off_policy_weights(
     return weights * keep, keep, metrics
 
 
+def decoupled_weights(
+    prox_log_probs: torch.Tensor,
+    behav_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    m2po_cutoff: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """AReaL's behaviour weights w_t = pi_prox / pi_behav of the decoupled objective -> (weights [T]
+    (no grad), kept-token mask [T], metrics). A token with w_t > ``cap`` gets no loss (AReaL masks it
+    rather than clipping); with ``m2po_cutoff`` (``m2po_cutoff``'s, over the whole step) a token whose
+    (log w_t)^2 exceeds it gets none either. Metrics are means over the masked-in tokens ``mask``."""
+    log_w = ((prox_log_probs - behav_log_probs) * mask).detach()
+    raw = torch.exp(log_w)
+    live = mask > 0
+    capped = live & (raw > cap)
+    filtered = live & ~capped & (log_w.square() > m2po_cutoff) if m2po_cutoff is not None else torch.zeros_like(live)
+    keep = mask * (~(capped | filtered)).to(mask.dtype)
+    n = mask.sum().clamp_min(1)
+    metrics = {
+        "behav_weight_mean": float((raw * mask).sum() / n),
+        "behav_log_weight_second_moment": float((log_w.square() * mask).sum() / n),
+        "behav_capped_fraction": float(capped.to(mask.dtype).sum() / n),
+        "m2po_masked_fraction": float(filtered.to(mask.dtype).sum() / n),
+    }
+    return raw * keep, keep, metrics
+
+
+def m2po_cutoff(log_w_sq: torch.Tensor, threshold: float, group=None) -> float | None:
+    """M2PO's bound for one step: the largest c such that the tokens with (log w)^2 <= c have a mean
+    (log w)^2 of at most ``threshold``; None when every token's already does (nothing is masked).
+
+    ``log_w_sq [N]`` (float64) holds this rank's trained tokens; with ``group`` the step is every rank
+    of it, and each rank returns the same c. The mean below c only grows with c, so c is found by
+    bisection on sums and counts (two numbers per rank and round), not by gathering every token."""
+
+    def below(c: float) -> tuple[float, float]:
+        inside = log_w_sq <= c
+        totals = torch.stack([log_w_sq[inside].sum(), inside.sum().to(log_w_sq.dtype)])
+        if group is not None:
+            torch.distributed.all_reduce(totals, group=group)
+        return float(totals[0]), float(totals[1])
+
+    top = log_w_sq.max() if log_w_sq.numel() else log_w_sq.new_zeros(())
+    if group is not None:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+    high = float(top)
+    total, count = below(high)
+    if total <= threshold * count:
+        return None
+    low = 0.0  # no token below 0: an empty mean, within the bound
+    for _ in range(64):  # float64: the bracket is then below one step between the values
+        middle = (low + high) / 2
+        total, count = below(middle)
+        if total <= threshold * count:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 # metrics that are a largest value rather than a token-weighted sum: reduced by max over rows, ranks and
 # mini-batches
 MAXIMA = frozenset({"train_rollout_logprob_abs_diff_max"})
@@ -168,6 +231,19 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
         pg = pg * is_weights
         weights = weights * keep
         metrics.update({k: v * float(x.weights.sum()) for k, v in tis_metrics.items()})
+    if cfg.use_decoupled_loss:
+        if not bool(sampled[mask > 0].all()):
+            raise ValueError(
+                "--use-decoupled-loss needs the behaviour policy's log-probs, but some trained tokens have "
+                "none (a re-tokenized history: --retokenize-chat-history with --sample-format concat)"
+            )
+        behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)
+        is_weights, keep, behav_metrics = decoupled_weights(
+            x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff
+        )
+        pg = pg * is_weights
+        weights = weights * keep
+        metrics.update({k: v * float(x.weights.sum()) for k, v in behav_metrics.items()})
     per_token = pg
     if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
         if x.ref_log_probs is None:

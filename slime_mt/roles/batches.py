@@ -15,7 +15,7 @@ import concurrent.futures
 import time
 
 from slime_mt.rollout.manager import RolloutManager
-from slime_mt.rollout.staleness import drop_metrics
+from slime_mt.rollout.staleness import waste_metrics
 from slime_mt.types import Batch, BatchSource
 
 
@@ -91,7 +91,9 @@ class FullyAsyncBatches(NextBatch):
 
     def __init__(self, side, version: int) -> None:
         super().__init__(side)
-        self.manager = RolloutManager(side.ctx, side.data, version=version)
+        self.manager = RolloutManager(
+            side.ctx, side.data, version=version, train_stale=side.cfg.algo.use_decoupled_loss
+        )
         self.manager.start()
 
     def take(self, step: int) -> Batch:
@@ -128,10 +130,10 @@ def _manager_metrics(batch) -> dict[str, float]:
     return {
         "async/dropped_groups": batch.dropped_groups,
         "async/stale_groups": batch.stale_groups,
-        "async/filtered_groups": batch.filtered_groups,
+        "async/filtered_groups": len(batch.filtered),
         "async/partial_resumes": sum(s.metadata.get("partial_resumes", 0) for s in samples),
         "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
         "time/trainer_idle_seconds": batch.trainer_wait_seconds,
         "time/rollout_idle_seconds": batch.rollout_idle_seconds,
-        **drop_metrics(batch.groups, batch.dropped),
+        **waste_metrics(batch.groups, batch.dropped, batch.filtered),
     }

@@ -14,7 +14,8 @@ step and S = ``--max-staleness``:
   bound     a group that finished out of order and whose oldest trainable token is more than S
             versions behind the step that takes it is dropped and counted, never trained (with
             ``--mask-offpolicy-in-partial-rollout`` its tokens beyond the bound are masked instead,
-            ``staleness.mask_stale``).
+            ``staleness.mask_stale``; with ``--use-decoupled-loss`` it is trained as it is, each token
+            weighted by its own behaviour policy, so the long trajectories are not the ones lost).
 Filtered and dropped groups do not count against the throttle, and every change to what it counts
 (a group finishing, dropped or taken, a new version) wakes the generation task at once.
 
@@ -45,8 +46,8 @@ class Batch:
 
     groups: list[list[Sample]]
     dropped: list[list[Sample]]  # beyond the staleness bound, never trained
-    stale_groups: int  # beyond the bound, kept with their stale tokens masked (--mask-offpolicy-...)
-    filtered_groups: int  # rejected by the dynamic-sampling filter since the last take
+    stale_groups: int  # beyond the bound, kept: masked (--mask-offpolicy-...) or trained (--use-decoupled-loss)
+    filtered: list[list[Sample]]  # rejected by the dynamic-sampling filter since the last take
     trainer_wait_seconds: float  # the trainer waiting for groups
     rollout_idle_seconds: float  # no group in flight, since the last take
 
@@ -59,12 +60,13 @@ class RolloutManager:
     """Start with ``start()`` from any thread; the other methods are coroutines on the ctx's loop
     (``ctx.run_sync(manager.take(...))``)."""
 
-    def __init__(self, ctx: RolloutContext, data: PromptDataset, version: int = 0):
+    def __init__(self, ctx: RolloutContext, data: PromptDataset, version: int = 0, train_stale: bool = False):
         r = ctx.rollout
         self.ctx, self.data = ctx, data
         self.batch_size = r.rollout_batch_size
         self.max_staleness = r.max_staleness
         self.mask_stale = r.mask_offpolicy_in_partial_rollout
+        self.train_stale = train_stale  # --use-decoupled-loss: a group beyond the bound is trained as it is
         self.extra = (
             max((r.over_sampling_batch_size or r.rollout_batch_size) - r.rollout_batch_size, 0)
             if r.dynamic_sampling_filter_path
@@ -79,7 +81,7 @@ class RolloutManager:
         self._main: asyncio.Task | None = None
         self._changed: asyncio.Condition | None = None
         self._error: BaseException | None = None
-        self._filtered = 0
+        self._filtered: list[list[Sample]] = []
         self._rejected_in_a_row = 0
         self._idle_seconds = 0.0
         self._idle_since: float | None = None
@@ -142,7 +144,7 @@ class RolloutManager:
             else:
                 for s in done:
                     s.metadata["filtered"] = True
-                self._filtered += 1
+                self._filtered.append(done)
                 self._rejected_in_a_row += 1
                 if self._rejected_in_a_row > MAX_OVERSAMPLING_ROUNDS * self.batch_size:
                     self._error = RolloutError(
@@ -177,7 +179,7 @@ class RolloutManager:
                 group = self.buffer.pop(0)
                 oldest = oldest_version(group)
                 if oldest is not None and version - oldest > self.max_staleness:
-                    if not self.mask_stale:
+                    if not (self.mask_stale or self.train_stale):
                         logger.info(
                             "group %d dropped: started under version %s, oldest token version %d, trains "
                             "version %d (--max-staleness %d)",
@@ -197,7 +199,7 @@ class RolloutManager:
                 self.trained += 1  # now, not after the loop: the wait above lets the generation task run
             self._set_idle()
             idle, self._idle_seconds = self._idle_seconds, 0.0
-            filtered, self._filtered = self._filtered, 0
+            filtered, self._filtered = self._filtered, []
             self._changed.notify_all()
         return Batch(groups, dropped, stale, filtered, self._now() - started, idle)
 

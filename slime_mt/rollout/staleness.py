@@ -87,18 +87,53 @@ def route_staleness_metrics(samples: list[Sample], version: int) -> dict[str, fl
     return {"rollout/route_version_gap_max": float(max(gaps)), "rollout/route_version_gap_mean": sum(gaps) / len(gaps)}
 
 
-def drop_metrics(trained: list[list[Sample]], dropped: list[list[Sample]]) -> dict[str, float]:
-    """What dropping stale groups removed from a step, to see its bias toward short episodes (the
-    groups that outlive the bound are the long ones): the share of the generated tokens that were
-    dropped, and per sample the mean turns and generated tokens of dropped and of trained groups
-    (the dropped means only when a group was dropped)."""
-    kept = [s for g in trained for s in g]
-    lost = [s for g in dropped for s in g]
-    kept_tokens = sum(_generated_tokens(s) for s in kept)
-    lost_tokens = sum(_generated_tokens(s) for s in lost)
-    out = {"async/dropped_token_share": lost_tokens / max(kept_tokens + lost_tokens, 1)}
-    for name, samples, tokens in (("trained", kept, kept_tokens), ("dropped", lost, lost_tokens)):
-        if samples:
-            out[f"async/{name}_turns_mean"] = sum(len(s.turns) for s in samples) / len(samples)
-            out[f"async/{name}_generated_tokens_mean"] = tokens / len(samples)
+def length_distance(a: list[float], b: list[float]) -> float:
+    """The earth mover's (Wasserstein-1) distance between the empirical distributions of ``a`` and
+    ``b``: the area between their CDFs, in their unit (0 when either is empty)."""
+    if not a or not b:
+        return 0.0
+    a, b = sorted(a), sorted(b)
+    points = sorted(set(a) | set(b))
+    out, i, j = 0.0, 0, 0
+    for left, right in zip(points, points[1:]):
+        while i < len(a) and a[i] <= left:
+            i += 1
+        while j < len(b) and b[j] <= left:
+            j += 1
+        out += abs(i / len(a) - j / len(b)) * (right - left)
+    return out
+
+
+def waste_metrics(
+    trained: list[list[Sample]], dropped: list[list[Sample]], filtered: list[list[Sample]] = ()
+) -> dict[str, float]:
+    """Where a step's generated tokens went, to make waste and its bias toward short episodes visible
+    (the groups that outlive the staleness bound are the long ones). Generated: every trajectory of
+    the groups that finished and reached this step, trained, dropped beyond the bound or rejected by
+    the dynamic-sampling filter. Per step: the share of generated tokens in each, the mean turns and
+    generated tokens per trajectory of trained, dropped (when any) and generated groups, the length
+    bias (trained mean over generated mean, 1 when nothing was lost) and the earth mover's distance
+    between the trained and the generated distributions of tokens per trajectory. The tokens masked
+    inside trained groups are ``async/masked_token_share`` (the bound) and the trainer's
+    ``train/behav_capped_fraction`` / ``train/m2po_masked_fraction``."""
+    parts = {
+        "trained": [s for g in trained for s in g],
+        "dropped": [s for g in dropped for s in g],
+        "filtered": [s for g in filtered for s in g],
+    }
+    parts["generated"] = [s for name in ("trained", "dropped", "filtered") for s in parts[name]]
+    tokens = {name: [_generated_tokens(s) for s in samples] for name, samples in parts.items()}
+    total = max(sum(tokens["generated"]), 1)
+    out = {f"async/{name}_token_share": sum(tokens[name]) / total for name in ("trained", "dropped", "filtered")}
+    out["async/generated_tokens"] = float(sum(tokens["generated"]))
+    for name in ("trained", "dropped", "generated"):
+        if parts[name]:
+            out[f"async/{name}_turns_mean"] = sum(len(s.turns) for s in parts[name]) / len(parts[name])
+            out[f"async/{name}_generated_tokens_mean"] = sum(tokens[name]) / len(parts[name])
+    if parts["trained"]:
+        out["async/length_bias_tokens"] = out["async/trained_generated_tokens_mean"] / max(
+            out["async/generated_generated_tokens_mean"], 1e-9
+        )
+        out["async/length_bias_turns"] = out["async/trained_turns_mean"] / out["async/generated_turns_mean"]
+        out["async/length_distance_tokens"] = length_distance(tokens["trained"], tokens["generated"])
     return out

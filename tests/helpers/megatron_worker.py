@@ -708,11 +708,18 @@ def dp_batch() -> list[TrainingSample]:
     return samples
 
 
+DP_VARIANTS = {
+    "token_mean": AlgoConfig(eps_clip=0.2, use_tis=True, tis_clip=2.0, loss_reduction="token_mean"),
+    "seq_mean_token_mean": AlgoConfig(eps_clip=0.2, use_tis=True, tis_clip=2.0, loss_reduction="seq_mean_token_mean"),
+    # the decoupled objective with M2PO: its cutoff is one for the whole step, over every DP rank's tokens
+    "decoupled": AlgoConfig(eps_clip=0.2, use_decoupled_loss=True, m2po_threshold=0.1),
+}
+
+
 def check_dp(args, info, out):
     """One optimizer step on the whole batch, then ``train`` with two mini-batches off-policy; the
     grad norm, loss and weights must not depend on the DP (or TP) layout."""
-    for reduction in ("token_mean", "seq_mean_token_mean"):
-        algo = AlgoConfig(eps_clip=0.2, use_tis=True, tis_clip=2.0, loss_reduction=reduction)
+    for reduction, algo in DP_VARIANTS.items():
         actor = MegatronActor(
             str(tiny_model_dir("qwen3")),
             TrainConfig(lr=1e-5, clip_grad=100.0, max_tokens_per_micro_batch=64),
@@ -720,6 +727,9 @@ def check_dp(args, info, out):
             info,
         )
         samples = dp_batch()
+        if algo.use_decoupled_loss:  # behaviour log-probs of several versions: (log w)^2 from 0 to ~0.9
+            for s in samples:
+                s.rollout_log_probs = [-11.0 - 0.15 * (j % 7) for j in range(len(s.response_ids))]
         advantages = [0.5 * (-1) ** i * (1 + i % 3) for i in range(len(samples))]
         sums = actor.accumulate_gradients(actor.share_of(samples, advantages, len(samples)))
         step = actor.apply_gradients()

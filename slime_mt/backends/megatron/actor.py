@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.algo.batching import RankShare, micro_batches_by_count, micro_batches_by_tokens, split_by_dp
-from slime_mt.algo.losses import LossInputs, add_metric, policy_loss, sft_loss
+from slime_mt.algo.losses import LossInputs, add_metric, m2po_cutoff, policy_loss, sft_loss
 from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.context_parallel import gather_owned
 from slime_mt.backends.megatron.convert import (
@@ -180,6 +180,7 @@ class MegatronActor:
         # under the weights the step started from, for the dump's train-vs-rollout gap
         self.keep_log_probs = False
         self.kept_log_probs: dict[int, list[float]] = {}
+        self.m2po_cutoff: float | None = None  # --m2po-threshold: this step's bound, the same on every rank
 
     def _check_pipeline(self, train: TrainConfig, info: ParallelInfo) -> None:
         """What pipeline parallelism does not run with yet, refused by name."""
@@ -468,15 +469,19 @@ class MegatronActor:
         """One pass over this rank's ``share`` of the step, one optimizer step per mini-batch (all DP
         ranks together)."""
         started = time.perf_counter()
-        need_old = not self.train_cfg.sft and (not on_policy or share.mini_batches > 1)
+        m2po = self.algo.use_decoupled_loss and self.algo.m2po_threshold is not None
+        need_old = not self.train_cfg.sft and (not on_policy or share.mini_batches > 1 or m2po)
         old = ref = None
         self.kept_log_probs = {}
+        self.m2po_cutoff = None
         everything = sorted(range(len(share.samples)), key=lambda k: share.indices[k])  # in batch order
         if need_old:
             with maybe_span(self.timeline, "old log-probs", "train", lane="train"):
                 old = self.compute_logprobs(share.samples, everything)
             if self.keep_log_probs:
                 self.kept_log_probs = {share.indices[k]: old[k].tolist() for k in everything}
+            if m2po and not self.train_cfg.sft:
+                self.m2po_cutoff = self._m2po_cutoff(share, old)
         if self.reference is not None:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
                 ref = self.compute_logprobs(share.samples, everything, reference=True)
@@ -593,6 +598,7 @@ class MegatronActor:
             seq_ids=row.seq_ids,
             entropy=entropy,
             ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
+            m2po_cutoff=self.m2po_cutoff,
         )
         loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
         sampled = ~torch.isnan(inputs.rollout_log_probs)
@@ -610,6 +616,25 @@ class MegatronActor:
         # DDP averages over DP x CP ranks; the weights are global, and each CP rank's gradient is
         # its tokens' share of the row's
         return loss * self.info.dp_size * self.info.cp_size
+
+    def _m2po_cutoff(self, share: RankShare, old: list) -> float | None:
+        """M2PO's bound for this step (``losses.m2po_cutoff``) over every DP rank's trained tokens that
+        the weight cap keeps: (log pi_prox / pi_behav)^2 of each."""
+        from megatron.core import parallel_state
+
+        values = []
+        for k, sample in enumerate(share.samples):
+            if sample.rollout_log_probs is None or old[k] is None:
+                continue
+            log_w = old[k].to(torch.float64) - torch.as_tensor(
+                sample.rollout_log_probs, dtype=torch.float64, device=old[k].device
+            )
+            live = torch.as_tensor(sample.loss_mask, device=old[k].device) > 0
+            live &= torch.exp(log_w) <= self.algo.behav_imp_weight_cap
+            values.append(log_w[live].square())
+        values = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64, device=self.device)
+        group = parallel_state.get_data_parallel_group() if self.info.dp_size > 1 else None
+        return m2po_cutoff(values, self.algo.m2po_threshold, group)
 
     def apply_gradients(self) -> dict[str, float]:
         """Clip, Adam step and LR schedule step on the finalized gradients."""

@@ -1,5 +1,6 @@
 """Data parallelism: DP=2 and TP=2 x DP=2 take the same update as one rank (tokens, loss, grad norm, the
-step's metrics, the weights after three Adam steps), under both loss reductions; the distributed
+step's metrics, the weights after three Adam steps), under both loss reductions and with the decoupled
+objective (M2PO's cutoff taken over both ranks' tokens); the distributed
 optimizer (``--use-distributed-optimizer``) takes the same steps as the replicated Adam there, each rank
 holding half its state (dense and MoE, fp32 and bf16; in the dp2 and tp2dp2 worlds' ``dp`` check)."""
 
@@ -8,7 +9,7 @@ import torch
 from megatron_worlds import rel
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "decoupled"])
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2_dp2"])
 def test_data_parallel_gives_the_same_update_as_one_rank(
     megatron_dir, megatron_tp1, megatron_dp2, megatron_tp2dp2, reduction, layout
@@ -19,7 +20,11 @@ def test_data_parallel_gives_the_same_update_as_one_rank(
     assert many["tokens"] == one["tokens"]
     assert abs(many["loss"] - one["loss"]) < 1e-6
     assert abs(many["grad_norm"] - one["grad_norm"]) <= 1e-5 * one["grad_norm"], (many["grad_norm"], one["grad_norm"])
-    for key in ("train/loss", "train/grad_norm", "train/tokens"):
+    keys = ["train/loss", "train/grad_norm", "train/tokens"]
+    if reduction == "decoupled":  # M2PO's one cutoff over both ranks' tokens masks what one rank masks
+        assert 0.05 < one["train"]["train/m2po_masked_fraction"] < 0.95, one["train"]
+        keys += ["train/m2po_masked_fraction", "train/behav_log_weight_second_moment", "train/behav_weight_mean"]
+    for key in keys:
         assert abs(many["train"][key] - one["train"][key]) <= 1e-5 * abs(one["train"][key]) + 1e-7, key
     for name, a in one["weights"].items():  # three Adam steps at lr 1e-5 (see the TP weights test)
         assert rel(many["weights"][name], a) < 1e-5 and float((many["weights"][name] - a).abs().max()) <= 6e-5, name

@@ -1,9 +1,9 @@
 """The fully-async rollout manager on a real embedded engine: the test plays the trainer (take a
 batch, "train", push weights through the update gate in the middle of generation, raise the
 version) over a long-tailed workload in which one group's environment is slow. The staleness
-bound holds for every trained token; the slow group is dropped and counted, or kept with its stale
-tokens masked; the throttle holds; no group is trained twice; a checkpoint's data state draws the
-untrained groups again."""
+bound holds for every trained token; the slow group is dropped and counted, kept with its stale
+tokens masked, or (the decoupled loss) trained whole; the throttle holds; no group is trained
+twice; a checkpoint's data state draws the untrained groups again."""
 
 import asyncio
 import json
@@ -75,13 +75,13 @@ def workload(engine, tmp_path, delays, **rollout):
     return ctx, data
 
 
-def run_steps(engine, tmp_path, steps, **rollout):
+def run_steps(engine, tmp_path, steps, train_stale=False, **rollout):
     """Play at least ``steps`` training steps, and more until group 0 (the slow one) has left the
     manager -> (batches, manager, data, ctx)."""
     ctx, data = workload(engine, tmp_path, [2.5] + [0.02] * 39, rollout_batch_size=2, **rollout)
     version = int(engine.weight_version)
     weights = load_hf_state(engine.model_path)
-    manager = RolloutManager(ctx, data, version=version)
+    manager = RolloutManager(ctx, data, version=version, train_stale=train_stale)
     manager.start()
     batches, capacity_ok = [], []
     step = version
@@ -122,7 +122,7 @@ def test_no_trained_token_is_staler_than_the_bound_and_the_slow_group_is_dropped
         dropped = sum(b.dropped_groups for _, b in batches)
         if staleness == 1:  # group 0 started under version 0 and finished after later groups were trained
             assert 0 not in trained and dropped >= 1
-        assert sum(b.filtered_groups for _, b in batches) == 0
+        assert sum(len(b.filtered) for _, b in batches) == 0
         assert all(b.trainer_wait_seconds >= 0 and b.rollout_idle_seconds >= 0 for _, b in batches)
         # a checkpoint now: the groups drawn and not trained are drawn first by a resumed run
         pending = sorted(g[0].group_index for g in ctx.run_sync(manager.pending()))
@@ -153,6 +153,33 @@ def test_with_masking_the_slow_group_trains_without_its_stale_tokens(engine, tmp
         ctx.run_sync(manager.stop())
 
 
+def test_with_the_decoupled_loss_the_slow_group_is_trained_whole(engine, tmp_path):
+    """--use-decoupled-loss: the slow group, beyond the bound when it finishes, is trained with every
+    token it generated (nothing dropped, nothing masked), each token keeping its own version; the
+    throttle still bounds what starts, and the step's waste metrics say nothing was lost."""
+    from slime_mt.rollout.staleness import waste_metrics
+
+    batches, manager, _, ctx = run_steps(engine, tmp_path, 5, train_stale=True, max_staleness=1, partial_rollout=True)
+    try:
+        trained = [g[0].group_index for _, b in batches for g in b.groups]
+        assert 0 in trained and len(trained) == len(set(trained)) == 2 * len(batches)
+        assert sum(b.dropped_groups for _, b in batches) == 0
+        stale = [(step, g) for step, b in batches for g in b.groups if step - oldest_version(g) > 1]
+        assert any(g[0].group_index == 0 for _, g in stale)
+        assert sum(b.stale_groups for _, b in batches) == len(stale)
+        step, group = next((step, g) for step, g in stale if g[0].group_index == 0)
+        samples, _ = finalize(group, "concat", merge=False)
+        gaps = staleness_metrics(samples, step)
+        assert gaps["rollout/token_version_gap_max"] > 1  # trained as generated, by its own versions
+        assert all(m == 1 for s in samples for v, m in zip(s.token_versions, s.loss_mask) if v >= 0)
+        batch = next(b for k, b in batches if k == step)
+        metrics = waste_metrics(batch.groups, batch.dropped, batch.filtered)
+        assert metrics["async/trained_token_share"] == 1.0 and metrics["async/dropped_token_share"] == 0.0
+        assert metrics["async/length_bias_tokens"] == 1.0 and metrics["async/length_distance_tokens"] == 0.0
+    finally:
+        ctx.run_sync(manager.stop())
+
+
 def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
     """A filter that keeps even groups only: every trained group is even, the rejected ones are counted
     and do not count against the throttle (over-sampling widens it), the bound still holds."""
@@ -168,7 +195,7 @@ def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
     try:
         trained = [g[0].group_index for _, b in batches for g in b.groups]
         assert trained and all(k % 2 == 0 for k in trained) and len(trained) == len(set(trained))
-        assert sum(b.filtered_groups for _, b in batches) >= len(trained) - 2
+        assert sum(len(b.filtered) for _, b in batches) >= len(trained) - 2
         assert manager.extra == 2
         for step, batch in batches:
             assert all(step - oldest_version(g) <= 1 for g in batch.groups)
@@ -200,7 +227,7 @@ def test_a_dropped_groups_slot_is_filled_at_once_and_the_drop_is_measured(engine
     freed slot must start group 4 at once, while the step still waits. The step's metrics then say
     what the drop removed (group 0's turns and generated tokens against the trained ones)."""
     from slime_mt.plugins import load_module
-    from slime_mt.rollout.staleness import drop_metrics
+    from slime_mt.rollout.staleness import waste_metrics
 
     (tmp_path / "held.py").write_text(HELD)
     held = load_module(str(tmp_path / "held.py"))
@@ -254,13 +281,17 @@ def test_a_dropped_groups_slot_is_filled_at_once_and_the_drop_is_measured(engine
         assert [g[0].group_index for g in batch.groups] == [3] and batch.dropped_groups == 1
         (lost,) = batch.dropped
         assert lost[0].group_index == 0 and all(s.metadata["dropped_stale"] for s in lost)
-        metrics = drop_metrics(batch.groups, batch.dropped)
+        metrics = waste_metrics(batch.groups, batch.dropped)
         lost_tokens = sum(sum(s.loss_mask) for s in lost)
         kept_tokens = sum(sum(s.loss_mask) for g in batch.groups for s in g)
         assert metrics["async/dropped_token_share"] == lost_tokens / (lost_tokens + kept_tokens)
         assert metrics["async/dropped_turns_mean"] == sum(len(s.turns) for s in lost) / 2
         assert metrics["async/dropped_generated_tokens_mean"] == lost_tokens / 2
         assert metrics["async/trained_generated_tokens_mean"] == kept_tokens / 2
+        assert metrics["async/trained_token_share"] == kept_tokens / (lost_tokens + kept_tokens)
+        assert metrics["async/generated_tokens"] == lost_tokens + kept_tokens
+        assert metrics["async/generated_generated_tokens_mean"] == (lost_tokens + kept_tokens) / 4
+        assert metrics["async/length_bias_tokens"] == pytest.approx(2 * kept_tokens / (lost_tokens + kept_tokens))
         assert manager.admitted() <= manager.capacity()
     finally:
         ctx.run_sync(manager.stop())

@@ -182,3 +182,99 @@ def test_mini_batches_take_whole_groups_and_micro_batches_respect_budget():
     assert mini_batches_by_groups(batch, 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert micro_batches_by_tokens([5, 3, 8, 2, 9], 10) == [[4], [2, 3], [0, 1]]
     assert micro_batches_by_tokens([12], 10) == [[0]]
+
+
+# the decoupled objective: a batch trained at version 2 with tokens of three behaviour versions. Each
+# token: (current log-prob, proximal = the trainer's at the step's start, behaviour = the engine's when
+# it generated the token, its version, advantage). Version 2's tokens are fresh (behaviour = proximal up
+# to the engine's noise), the older ones drift further; token 4's weight e^1.8 is past the cap of 5.
+DECOUPLED = [
+    (-1.00, -1.10, -1.10, 2, 1.0),
+    (-0.50, -0.70, -0.60, 1, 1.0),
+    (-2.00, -1.60, -1.90, 0, -0.5),  # ratio e^-0.4: clipped at 0.8 for A < 0
+    (-0.30, -0.40, -0.45, 2, 2.0),
+    (-1.20, -1.20, -3.00, 0, 1.0),  # w = e^1.8 = 6.05 > 5: no loss
+    (-0.90, -0.80, -0.20, 1, -1.0),  # w = e^-0.6, (log w)^2 = 0.36: M2PO's largest kept
+]
+
+
+def _decoupled_by_hand(cutoff: float | None, cap: float = 5.0, low: float = 0.2, high: float = 0.2):
+    """AReaL's decoupled PPO, token by token in floats: loss sum_t w_t * max(-A r_t, -A clip(r_t)) / n
+    with r_t = pi_theta / pi_prox and w_t = pi_prox / pi_behav, 0 where w_t > cap or (log w_t)^2 >
+    cutoff; the gradient in the current log-prob is -A r_t w_t / n where the clip does not bind."""
+    n = len(DECOUPLED)
+    loss, grad = 0.0, []
+    for lp, prox, behav, _version, adv in DECOUPLED:
+        r = math.exp(lp - prox)
+        log_w = prox - behav
+        w = math.exp(log_w)
+        kept = w <= cap and (cutoff is None or log_w**2 <= cutoff)
+        clipped = min(max(r, 1 - low), 1 + high)
+        pg = max(-adv * r, -adv * clipped)
+        loss += (w * pg / n) if kept else 0.0
+        grad.append(-adv * r * w / n if kept and -adv * r >= -adv * clipped else 0.0)
+    return loss, grad
+
+
+def _decoupled_inputs(cutoff=None):
+    lp, prox, behav, _, adv = zip(*DECOUPLED)
+    return inputs(list(lp), list(prox), list(adv), rollout=list(behav), seq=[0, 0, 0, 1, 1, 1], m2po_cutoff=cutoff)
+
+
+@pytest.mark.parametrize("cutoff", [None, 0.05])
+def test_the_decoupled_loss_and_gradient_by_hand_over_three_versions(cutoff):
+    """Loss and gradient of the decoupled objective against the hand computation, without M2PO and with
+    a cutoff that also drops token 5 ((log w)^2 = 0.36) and token 2 (0.09)."""
+    x = _decoupled_inputs(cutoff)
+    loss, m = policy_loss(x, AlgoConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0))
+    expected, grad = _decoupled_by_hand(cutoff)
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert x.log_probs.grad.tolist() == pytest.approx(grad, rel=1e-6, abs=1e-9)
+    n = len(DECOUPLED)
+    assert m["behav_capped_fraction"] == pytest.approx(1 / n)
+    assert m["m2po_masked_fraction"] == pytest.approx(0.0 if cutoff is None else 2 / n)
+    log_w = [prox - behav for _, prox, behav, _, _ in DECOUPLED]
+    assert m["behav_log_weight_second_moment"] == pytest.approx(sum(v * v for v in log_w) / n, rel=1e-6)
+    assert m["behav_weight_mean"] == pytest.approx(sum(math.exp(v) for v in log_w) / n, rel=1e-6)
+
+
+def test_the_decoupled_loss_on_fresh_tokens_is_the_plain_ppo_loss():
+    """Every token of the current version, its behaviour log-prob the proximal one: weight 1, so the
+    objective on is the objective off, loss and gradient bit for bit."""
+    lp, prox, _, _, adv = zip(*DECOUPLED)
+    on = inputs(list(lp), list(prox), list(adv), rollout=list(prox))
+    off = inputs(list(lp), list(prox), list(adv), rollout=list(prox))
+    loss_on, _ = policy_loss(on, AlgoConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0))
+    loss_off, _ = policy_loss(off, AlgoConfig())
+    assert float(loss_on) == float(loss_off)
+    loss_on.backward()
+    loss_off.backward()
+    assert on.log_probs.grad.tolist() == off.log_probs.grad.tolist()
+
+
+def _m2po_by_hand(values: list[float], threshold: float) -> float | None:
+    """The largest kept value: drop the largest values until the mean of the rest is <= threshold."""
+    kept = sorted(values)
+    if sum(kept) <= threshold * len(kept):
+        return None
+    while kept and sum(kept) > threshold * len(kept):
+        top = kept[-1]
+        kept = [v for v in kept if v != top]  # ties go together
+    return kept[-1] if kept else 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_m2po_cutoff_keeps_exactly_the_tokens_the_definition_keeps(seed):
+    from slime_mt.algo.losses import m2po_cutoff
+
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(200, generator=g, dtype=torch.float64) * 0.3).square()
+    values[:5] = values[5]  # ties
+    cutoff = m2po_cutoff(values, 0.04)
+    expected = _m2po_by_hand(values.tolist(), 0.04)
+    assert (values <= cutoff).tolist() == [v <= expected for v in values.tolist()]
+    kept = values[values <= cutoff]
+    assert float(kept.mean()) <= 0.04
+    assert m2po_cutoff(values, float(values.mean()) + 1e-9) is None  # within the bound: nothing masked
+    assert m2po_cutoff(values[:0], 0.04) is None
