@@ -156,7 +156,8 @@ class RolloutConfig:
         1,
         "--fully-async: a trained token was generated at most this many weight versions "
         "before the one trained (0: on-policy). Generation is throttled to the bound and "
-        "groups beyond it are dropped and counted (AReaL's max_head_offpolicyness).",
+        "groups beyond it are dropped and counted (AReaL's max_head_offpolicyness; with "
+        "--use-decoupled-loss they are trained).",
     )
     partial_rollout: bool = _opt(
         False,
@@ -168,6 +169,12 @@ class RolloutConfig:
         False,
         "--partial-rollout: instead of dropping a group with tokens beyond --max-staleness, give those "
         "tokens loss mask 0 (they stay as context) and train the rest.",
+    )
+    max_tokens_in_flight: int | None = _opt(
+        None,
+        "--fully-async: besides the group throttle, a group starts only while the trajectories in flight hold "
+        "fewer tokens than this (their contexts so far: prompt, generated and observation tokens), so a few "
+        "long episodes keep the engines' KV cache to themselves instead of sharing it with new groups.",
     )
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
     max_invalid_actions_per_turn: int = _opt(

@@ -41,6 +41,16 @@ def _validate_async(r: RolloutConfig) -> None:
             "--partial-rollout resumes turns that a weight update interrupts, which only "
             "--fully-async does: add --fully-async"
         )
+    if r.max_tokens_in_flight is not None:
+        _require(r.max_tokens_in_flight > 0, "max_tokens_in_flight", r.max_tokens_in_flight, "must be > 0")
+        _require(r.fully_async, "max_tokens_in_flight", r.max_tokens_in_flight, "throttles --fully-async: add it")
+        _require(
+            r.rollout_num_processes == 1,
+            "max_tokens_in_flight",
+            r.max_tokens_in_flight,
+            f"counts the tokens of the trajectories in this process; --rollout-num-processes="
+            f"{r.rollout_num_processes} runs them in others",
+        )
     if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
         raise ConfigError(
             "--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add --partial-rollout"

@@ -136,4 +136,5 @@ def _manager_metrics(batch) -> dict[str, float]:
         "time/trainer_idle_seconds": batch.trainer_wait_seconds,
         "time/rollout_idle_seconds": batch.rollout_idle_seconds,
         **waste_metrics(batch.groups, batch.dropped, batch.filtered),
+        **({} if batch.tokens_in_flight is None else {"async/tokens_in_flight": batch.tokens_in_flight}),
     }

@@ -10,7 +10,8 @@ Staleness, AReaL's semantics, with version v = weight updates so far = steps tra
 step and S = ``--max-staleness``:
   throttle  a group starts only while trained + buffered + running groups < (v + S + 1) * B (plus
             ``--over-sampling-batch-size`` - B when a filter drops groups), so a group started
-            under version v is, finishing in order, trained by step v + S;
+            under version v is, finishing in order, trained by step v + S; with
+            ``--max-tokens-in-flight`` also only while the running trajectories hold fewer tokens;
   bound     a group that finished out of order and whose oldest trainable token is more than S
             versions behind the step that takes it is dropped and counted, never trained (with
             ``--mask-offpolicy-in-partial-rollout`` its tokens beyond the bound are masked instead,
@@ -50,6 +51,7 @@ class Batch:
     filtered: list[list[Sample]]  # rejected by the dynamic-sampling filter since the last take
     trainer_wait_seconds: float  # the trainer waiting for groups
     rollout_idle_seconds: float  # no group in flight, since the last take
+    tokens_in_flight: int | None = None  # what the running trajectories held when the step took its groups
 
     @property
     def dropped_groups(self) -> int:
@@ -67,6 +69,7 @@ class RolloutManager:
         self.max_staleness = r.max_staleness
         self.mask_stale = r.mask_offpolicy_in_partial_rollout
         self.train_stale = train_stale  # --use-decoupled-loss: a group beyond the bound is trained as it is
+        self.max_tokens = r.max_tokens_in_flight
         self.extra = (
             max((r.over_sampling_batch_size or r.rollout_batch_size) - r.rollout_batch_size, 0)
             if r.dynamic_sampling_filter_path
@@ -103,6 +106,18 @@ class RolloutManager:
     def admitted(self) -> int:
         return self.trained + len(self.buffer) + len(self.running)
 
+    def tokens_in_flight(self) -> int:
+        """Tokens the running trajectories hold now (their contexts grow in place as turns run; one not
+        yet tokenized counts one)."""
+        return sum(max(len(s.tokens), 1) for group in self.running.values() for s in group)
+
+    def may_start(self) -> bool:
+        """The throttle: a group may start under the group bound and, with --max-tokens-in-flight, the
+        token budget (re-checked whenever a group finishes, so growing contexts only ever delay a start)."""
+        if self.admitted() >= self.capacity():
+            return False
+        return self.max_tokens is None or self.tokens_in_flight() < self.max_tokens
+
     async def _run(self) -> None:
         generate, rm, keep = load_plugins(self.ctx.rollout)
         semaphore = asyncio.Semaphore(self.ctx.rollout.rollout_concurrency)
@@ -110,7 +125,7 @@ class RolloutManager:
         try:
             while True:
                 async with self._changed:
-                    await self._changed.wait_for(lambda: self.admitted() < self.capacity())
+                    await self._changed.wait_for(self.may_start)
                 group = self.data.get_samples(1)[0]
                 for s in group:
                     s.metadata["rollout_id"] = self.version
@@ -201,7 +216,9 @@ class RolloutManager:
             idle, self._idle_seconds = self._idle_seconds, 0.0
             filtered, self._filtered = self._filtered, []
             self._changed.notify_all()
-        return Batch(groups, dropped, stale, filtered, self._now() - started, idle)
+            # trajectories run in rollout processes grow there, not here: nothing to count
+            in_flight = self.tokens_in_flight() if self.ctx.rollout.rollout_num_processes == 1 else None
+        return Batch(groups, dropped, stale, filtered, self._now() - started, idle, in_flight)
 
     async def set_version(self, version: int) -> None:
         """The engines now serve ``version``: the throttle lets more groups start."""

@@ -242,6 +242,12 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--use-decoupled-loss", "--behav-imp-weight-cap", "1"], r"--behav-imp-weight-cap=1.0: must be > 1"),
         (["--use-decoupled-loss", "--m2po-threshold", "0"], r"--m2po-threshold=0.0: must be > 0"),
         (["--m2po-threshold", "0.04"], r"--m2po-threshold=0.04: needs --use-decoupled-loss"),
+        (["--max-tokens-in-flight", "100"], r"--max-tokens-in-flight=100: throttles --fully-async: add it"),
+        (["--fully-async", "--max-tokens-in-flight", "0"], r"--max-tokens-in-flight=0: must be > 0"),
+        (
+            ["--fully-async", "--max-tokens-in-flight", "100", "--rollout-num-processes", "2"],
+            r"--max-tokens-in-flight=100: counts the tokens of the trajectories in this process",
+        ),
         (["--offload"], r"--offload: the trainer leaves the device to colocated engines; it needs --colocate"),
         (["--env-worker-num-cpus", "0"], r"--env-worker-num-cpus=0.0: must be > 0"),
         (["--env-num-workers", "2"], r"--env-num-workers=2: runs the --rollout-interaction-env-path environments"),

@@ -180,6 +180,35 @@ def test_with_the_decoupled_loss_the_slow_group_is_trained_whole(engine, tmp_pat
         ctx.run_sync(manager.stop())
 
 
+@pytest.mark.parametrize("budget", [None, 1])
+def test_the_token_throttle_holds_back_new_groups_while_the_running_ones_hold_the_budget(engine, tmp_path, budget):
+    """--max-tokens-in-flight 1: any trajectory in flight holds more than one token, so a group starts
+    only when none runs; without it the group throttle alone lets several run at once (the test could
+    fail). Steps still take their groups."""
+    ctx, data = workload(engine, tmp_path, [0.05] * 12, rollout_batch_size=2, max_tokens_in_flight=budget)
+    manager = RolloutManager(ctx, data, version=int(engine.weight_version))
+    most = []
+
+    async def watch():
+        while True:
+            most.append(len(manager.running))
+            await asyncio.sleep(0.002)
+
+    watcher = ctx.run_sync(_spawn(watch()))
+    manager.start()
+    try:
+        for _ in range(2):
+            assert len(ctx.run_sync(manager.take(manager.version)).groups) == 2
+        assert max(most) == 1 if budget == 1 else max(most) > 1
+    finally:
+        watcher.cancel()
+        ctx.run_sync(manager.stop())
+
+
+async def _spawn(coro):
+    return asyncio.get_running_loop().create_task(coro)
+
+
 def test_dynamic_sampling_keeps_working_in_fully_async_mode(engine, tmp_path):
     """A filter that keeps even groups only: every trained group is even, the rejected ones are counted
     and do not count against the throttle (over-sampling widens it), the bound still holds."""

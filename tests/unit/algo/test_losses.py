@@ -278,3 +278,20 @@ def test_m2po_cutoff_keeps_exactly_the_tokens_the_definition_keeps(seed):
     assert float(kept.mean()) <= 0.04
     assert m2po_cutoff(values, float(values.mean()) + 1e-9) is None  # within the bound: nothing masked
     assert m2po_cutoff(values[:0], 0.04) is None
+
+
+@pytest.mark.parametrize("tis", [False, True])
+def test_with_the_decoupled_loss_off_the_new_inputs_change_nothing(tis):
+    """The objective off is today's loss: the same inputs with a step's M2PO cutoff and the decoupled
+    options set (but not switched on) give the same loss, gradient and metrics as without them."""
+    lp, prox, behav, _, adv = zip(*DECOUPLED)
+    plain = inputs(list(lp), list(prox), list(adv), rollout=list(behav))
+    extra = inputs(list(lp), list(prox), list(adv), rollout=list(behav), m2po_cutoff=0.01)
+    today = AlgoConfig(use_tis=tis)
+    loss_a, m_a = policy_loss(plain, today)
+    loss_b, m_b = policy_loss(extra, dataclasses.replace(today, behav_imp_weight_cap=1.5, m2po_threshold=0.01))
+    assert float(loss_a) == float(loss_b) and m_a == m_b
+    assert not any(k.startswith(("behav_", "m2po_")) for k in m_a)
+    loss_a.backward()
+    loss_b.backward()
+    assert plain.log_probs.grad.tolist() == extra.log_probs.grad.tolist()
