@@ -266,7 +266,7 @@ async def run_python(
         if not done:
             escaped = True
             reading.cancel()
-            _kill_escaped(root)
+            await _kill_escaped(root, KILL_GRACE_SECONDS)
         feeding.cancel()
         await asyncio.wait_for(process.wait(), KILL_GRACE_SECONDS)
     except BaseException:
@@ -354,16 +354,33 @@ async def _feed(process, stdin: str) -> None:
         pass
 
 
-def _kill_escaped(root: str) -> None:
+async def _kill_escaped(root: str, seconds: float) -> None:
     """SIGKILL what is left of a run outside its process group (a daemon, possible without namespaces):
-    the processes whose working folder is still the run's."""
+    the processes whose working folder is still the run's, again until none is left alive (a kill takes
+    effect a moment later, and one may fork in between) or ``seconds`` have passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while _signal_alive_in(root) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+def _signal_alive_in(root: str) -> bool:
+    """SIGKILL every live process whose working folder is under ``root`` -> whether there was one."""
+    found = False
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if os.readlink(f"/proc/{entry.name}/cwd").startswith(root):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
+                if not os.readlink(f"/proc/{entry.name}/cwd").startswith(root):
+                    continue
+                with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                    state = fh.read().rsplit(b")", 1)[1].split()[0]
+                if state in (b"Z", b"X"):  # dead, waiting to be reaped: nothing left to kill
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+            except (OSError, IndexError):
                 continue
+    return found
 
 
 def _kill(process) -> None:
