@@ -212,38 +212,36 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     weights = x.weights
     metrics: dict[str, float] = {}
     sampled = ~torch.isnan(x.rollout_log_probs)  # [T] False on re-tokenized history (no rollout log-probs)
-    if cfg.use_tis:
+    if cfg.use_tis or cfg.use_decoupled_loss:  # one or the other (config_validation refuses both)
+        flag, needs = (
+            ("--use-tis", "rollout log-probs")
+            if cfg.use_tis
+            else ("--use-decoupled-loss", "the behaviour policy's log-probs")
+        )
         if not bool(sampled[mask > 0].all()):
             raise ValueError(
-                "--use-tis needs rollout log-probs, but some trained tokens have none (a "
+                f"{flag} needs {needs}, but some trained tokens have none (a "
                 "re-tokenized history: --retokenize-chat-history with --sample-format concat)"
             )
-        is_weights, keep, tis_metrics = off_policy_weights(
-            x.old_log_probs,
-            x.rollout_log_probs,
-            mask,
-            x.seq_ids,
-            num_seqs,
-            cfg.tis_mode,
-            cfg.tis_clip_low,
-            cfg.tis_clip,
-        )
-        pg = pg * is_weights
-        weights = weights * keep
-        metrics.update({k: v * float(x.weights.sum()) for k, v in tis_metrics.items()})
-    if cfg.use_decoupled_loss:
-        if not bool(sampled[mask > 0].all()):
-            raise ValueError(
-                "--use-decoupled-loss needs the behaviour policy's log-probs, but some trained tokens have "
-                "none (a re-tokenized history: --retokenize-chat-history with --sample-format concat)"
+        if cfg.use_tis:
+            is_weights, keep, correction_metrics = off_policy_weights(
+                x.old_log_probs,
+                x.rollout_log_probs,
+                mask,
+                x.seq_ids,
+                num_seqs,
+                cfg.tis_mode,
+                cfg.tis_clip_low,
+                cfg.tis_clip,
             )
-        behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)
-        is_weights, keep, behav_metrics = decoupled_weights(
-            x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff
-        )
+        else:  # untrained tokens without a behaviour log-prob weigh 1 (not NaN)
+            behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)
+            is_weights, keep, correction_metrics = decoupled_weights(
+                x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff
+            )
         pg = pg * is_weights
         weights = weights * keep
-        metrics.update({k: v * float(x.weights.sum()) for k, v in behav_metrics.items()})
+        metrics.update({k: v * float(x.weights.sum()) for k, v in correction_metrics.items()})
     per_token = pg
     if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
         if x.ref_log_probs is None:

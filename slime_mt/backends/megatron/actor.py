@@ -480,7 +480,7 @@ class MegatronActor:
                 old = self.compute_logprobs(share.samples, everything)
             if self.keep_log_probs:
                 self.kept_log_probs = {share.indices[k]: old[k].tolist() for k in everything}
-            if m2po and not self.train_cfg.sft:
+            if m2po:
                 self.m2po_cutoff = self._m2po_cutoff(share, old)
         if self.reference is not None:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
@@ -624,7 +624,7 @@ class MegatronActor:
 
         values = []
         for k, sample in enumerate(share.samples):
-            if sample.rollout_log_probs is None or old[k] is None:
+            if sample.rollout_log_probs is None:  # the loss refuses it if it has trained tokens
                 continue
             log_w = old[k].to(torch.float64) - torch.as_tensor(
                 sample.rollout_log_probs, dtype=torch.float64, device=old[k].device
