@@ -176,6 +176,14 @@ class RolloutConfig:
         "fewer tokens than this (their contexts so far: prompt, generated and observation tokens), so a few "
         "long episodes keep the engines' KV cache to themselves instead of sharing it with new groups.",
     )
+    oldest_groups_first: bool = _opt(
+        False,
+        "--fully-async: every engine request carries its group's start version as a priority, and the engines "
+        "serve the oldest groups' turns first, so the long trajectories, started early and resumed across "
+        "updates, finish within --max-staleness instead of waiting behind new groups' first turns. Launched "
+        "engines get it (SGLang: --enable-priority-scheduling; vLLM: --scheduling-policy priority; the embedded "
+        "engine always schedules by priority); an --engine-url server must have been started with it.",
+    )
     max_env_retries_per_turn: int = _opt(2, "Retries of a failing env step within one turn.")
     max_invalid_actions_per_turn: int = _opt(
         2,

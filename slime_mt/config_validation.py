@@ -51,6 +51,8 @@ def _validate_async(r: RolloutConfig) -> None:
             f"counts the tokens of the trajectories in this process; --rollout-num-processes="
             f"{r.rollout_num_processes} runs them in others",
         )
+    if r.oldest_groups_first:
+        _require(r.fully_async, "oldest_groups_first", True, "orders the groups of --fully-async: add it")
     if r.mask_offpolicy_in_partial_rollout and not r.partial_rollout:
         raise ConfigError(
             "--mask-offpolicy-in-partial-rollout masks the old tokens of resumed turns: add --partial-rollout"
@@ -121,6 +123,16 @@ def _validate_vllm(cfg: Config) -> None:
         raise ConfigError(
             f"--weight-transport {cfg.engine.weight_transport} with --engine vllm: vLLM takes new weights from "
             "disk or from the weight group (use --weight-transport disk or distributed)"
+        )
+    extra = (cfg.engine.vllm_extra_args or "").split()
+    if cfg.rollout.oldest_groups_first and "--scheduling-policy" in extra:
+        policy = extra[extra.index("--scheduling-policy") + 1 :][:1]
+        _require(
+            policy == ["priority"],
+            "oldest_groups_first",
+            True,
+            f"--vllm-extra-args sets --scheduling-policy {' '.join(policy)}; vLLM takes request priorities only "
+            "with --scheduling-policy priority (drop it: the launch adds it)",
         )
     if cfg.engine.engine_cache_tokens:
         raise ConfigError(

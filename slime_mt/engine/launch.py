@@ -389,15 +389,28 @@ class EngineGroup:
 
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+SGLANG_PRIORITY_FLAG = "--enable-priority-scheduling"  # higher priority values first (SGLang's default)
+VLLM_PRIORITY_FLAGS = "--scheduling-policy priority"  # lower values first
 
 
-def engine_config_for(engine: EngineConfig, routed_experts: bool) -> EngineConfig:
+def engine_config_for(engine: EngineConfig, routed_experts: bool, oldest_first: bool = False) -> EngineConfig:
     """The engines' settings for a run: with ``--use-rollout-routing-replay`` SGLang servers are
-    launched with ``--enable-return-routed-experts`` (the embedded engine always records routes)."""
-    extra = engine.sglang_extra_args or ""
-    if not routed_experts or ROUTED_EXPERTS_FLAG in extra.split():
+    launched with ``--enable-return-routed-experts`` (the embedded engine always records routes); with
+    ``--oldest-groups-first`` SGLang with ``--enable-priority-scheduling`` and vLLM with
+    ``--scheduling-policy priority`` (the embedded engine always schedules by priority)."""
+    sglang = _with_flags(engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts)
+    sglang = _with_flags(sglang, [SGLANG_PRIORITY_FLAG] * oldest_first)
+    vllm = engine.vllm_extra_args
+    if oldest_first and "--scheduling-policy" not in (vllm or "").split():
+        vllm = f"{vllm or ''} {VLLM_PRIORITY_FLAGS}".strip()
+    if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
         return engine
-    return dataclasses.replace(engine, sglang_extra_args=f"{extra} {ROUTED_EXPERTS_FLAG}".strip())
+    return dataclasses.replace(engine, sglang_extra_args=sglang, vllm_extra_args=vllm)
+
+
+def _with_flags(extra: str | None, flags: list[str]) -> str | None:
+    missing = [f for f in flags if f not in (extra or "").split()]
+    return f"{extra or ''} {' '.join(missing)}".strip() if missing else extra
 
 
 def start_engines(

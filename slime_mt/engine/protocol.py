@@ -4,7 +4,9 @@ Request (``GenerateReqInput``): ``text`` or ``input_ids`` (one, or a batch -> th
 list), ``image_data`` (per request a list: data URI, raw base64, path or ``file://``),
 ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_text_in_logprobs``,
 ``return_prompt_token_ids``, ``return_routed_experts`` with ``routed_experts_start_len`` (MoE models:
-``slime_mt/routes.py``), ``rid`` (a batch's string rid is a prefix: ``rid_0``, ``rid_1``, ...).
+``slime_mt/routes.py``), ``priority`` (an integer; served as SGLang serves it with
+``--enable-priority-scheduling``: higher first), ``rid`` (a batch's string rid is a prefix: ``rid_0``,
+``rid_1``, ...).
 As in SGLang, null means the default for every field; numbers are range- and finiteness-checked as
 ``SamplingParams.verify`` does. Unknown top-level keys are ignored, but SGLang features this engine
 does not serve (streaming, top log-probs, LoRA, ...) are a 400 rather than silently dropped; unknown
@@ -140,6 +142,7 @@ class GenerateRequest:
     return_prompt_token_ids: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0  # SGLang's: rows cover [start, prompt + output - 1)
+    priority: int = 0  # SGLang's (--enable-priority-scheduling): higher first, first come first among equals
 
 
 def _is_int(x: Any) -> bool:
@@ -311,6 +314,7 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
     prompt_token_ids = parse_bool(body.get("return_prompt_token_ids"), "return_prompt_token_ids")
     routed = _per_request(body.get("return_routed_experts"), n, is_batch, "return_routed_experts")
     routed_start = _per_request(body.get("routed_experts_start_len"), n, is_batch, "routed_experts_start_len")
+    priorities = _per_request(body.get("priority"), n, is_batch, "priority")
     requests = []
     for i in range(n):
         suffix = f"[{i}]" if is_batch else ""
@@ -322,6 +326,9 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
             raise ProtocolError(
                 f"routed_experts_start_len{suffix} must be an integer >= 0, got {show(routed_start[i])}"
             )
+        priority = 0 if priorities[i] is None else priorities[i]
+        if not _is_int(priority):
+            raise ProtocolError(f"priority{suffix} must be an integer, got {show(priorities[i])}")
         requests.append(
             GenerateRequest(
                 rid=rids[i],
@@ -335,6 +342,7 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
                 return_prompt_token_ids=prompt_token_ids,
                 return_routed_experts=parse_bool(routed[i], "return_routed_experts" + suffix),
                 routed_experts_start_len=route_start,
+                priority=priority,
             )
         )
     return requests, is_batch

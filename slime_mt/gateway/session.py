@@ -29,6 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from slime_mt.engine.clients.priority import group_version
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.errors import EncodingError, GatewayError
@@ -243,6 +244,8 @@ class Session:
                 call_index,
             )
         started = time.perf_counter()
+        if self.ctx.rollout.oldest_groups_first:  # this call's engine requests rank by the sample's group
+            group_version.set(self.sample.metadata.get("start_version"))
         results = await asyncio.gather(
             *(
                 generate_turn(

@@ -112,7 +112,7 @@ class RolloutRole(RolloutSteps):
             )
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
         engines = start_engines(
-            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay),
+            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, cfg.rollout.oldest_groups_first),
             served,
             run_dir / "logs",
             seed=cfg.train.seed,

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from slime_mt.engine.clients.priority import group_version
 from slime_mt.errors import RolloutError
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
@@ -138,6 +139,8 @@ async def run_group(
     async def one(sample: Sample) -> Sample:
         lane = ("eval " if evaluation else "") + sample_lane(sample)
         current_lane.set(lane)  # this task's engine calls and env steps land on its trajectory's lane
+        if ctx.rollout.oldest_groups_first:  # this task's engine requests rank by their group's age
+            group_version.set(sample.metadata.get("start_version"))
         async with semaphore:
             started = now_us()
             result = await _generate(ctx, generate, sample, sampling_params, evaluation if with_evaluation else None)

@@ -95,10 +95,11 @@ def test_fully_async_at_tp2_trains_within_the_bound(geo3k, tmp_path, launcher, r
     manager feeds both ranks, the weights reach the engine mid-generation (on Ray: broadcast to two
     engines on two other nodes, behind the router, while two rollout processes generate), every group
     is trained once. Under torchrun with TIS, no token is staler than S=1; on Ray with the decoupled
-    objective and M2PO, groups beyond the bound are trained, none dropped."""
+    objective, M2PO and --oldest-groups-first (in the rollout processes), groups beyond the bound are
+    trained, none dropped."""
     flags = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--sequence-parallel"]
     if launcher == "ray":
-        flags += ["--use-decoupled-loss", "--m2po-threshold", "0.04"]
+        flags += ["--use-decoupled-loss", "--m2po-threshold", "0.04", "--oldest-groups-first"]
     else:
         flags += ["--use-tis"]
     flags += ["--save-debug-rollout-data", dump_template(tmp_path)]

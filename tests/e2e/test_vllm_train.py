@@ -22,7 +22,8 @@ from slime_mt.inspection.dumps import dump_path, load_dump
 def test_trains_on_vllm(mode, tmp_path, request):
     """``slime-mt train --engine vllm`` on the demo's recipe (the tiny Qwen2 at head size 64): sync, the
     run launching its own vLLM server, two steps, the weights broadcast from rank 0 over the weight
-    group; ``--fully-async --partial-rollout`` with the decoupled objective and M2PO, on the shared
+    group; ``--fully-async --partial-rollout`` with the decoupled objective, M2PO and
+    ``--oldest-groups-first`` (vLLM refuses a request priority it does not schedule by), on the shared
     server by ``--engine-url``, three steps, no group dropped, the weights from disk; ``--ray`` on three loopback
     nodes, the vLLM server started by its engine actor on a node of its own, two steps, the weights
     over the group (the default on Ray). The weights reach vLLM after every step (its version is the
@@ -54,7 +55,7 @@ def test_trains_on_vllm(mode, tmp_path, request):
     else:
         target = request.getfixturevalue("vllm_target")
         flags += ["--engine-url", target.url, "--fully-async", "--partial-rollout", "--max-staleness", "1"]
-        flags += ["--use-decoupled-loss", "--m2po-threshold", "0.04", "--num-rollout", "3"]
+        flags += ["--use-decoupled-loss", "--m2po-threshold", "0.04", "--num-rollout", "3", "--oldest-groups-first"]
         steps = 3
         (tmp_path / "v0").mkdir()
         save_file(load_file(str(model / "model.safetensors")), str(tmp_path / "v0" / "model.safetensors"))

@@ -11,8 +11,13 @@ REPO = Path(__file__).resolve().parents[2]
 # eager servers generate at the same speed, and compiling costs each start about 15 s of CPU. A KV
 # cache of 1 GiB (524k tokens, 128 requests of 4096): vLLM's CPU backend otherwise takes 90% of the
 # machine's memory for it (20 GiB here, 31 s to allocate and warm up at each start, and the page cache
-# of every other process evicted)
-VLLM_ARGS = "--dtype float32 --max-model-len 4096 --max-num-seqs 32 -O0 --kv-cache-memory-bytes 1073741824"
+# of every other process evicted). Scheduling by request priority (first come first served among equal
+# ones, and no request carries one unless --oldest-groups-first), so the shared server serves runs with
+# that flag too, as one started for them would.
+VLLM_ARGS = (
+    "--dtype float32 --max-model-len 4096 --max-num-seqs 32 -O0 --kv-cache-memory-bytes 1073741824 "
+    "--scheduling-policy priority"
+)
 
 
 def vllm_python() -> str:

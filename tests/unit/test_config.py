@@ -248,6 +248,17 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             ["--fully-async", "--max-tokens-in-flight", "100", "--rollout-num-processes", "2"],
             r"--max-tokens-in-flight=100: counts the tokens of the trajectories in this process",
         ),
+        (["--oldest-groups-first"], r"--oldest-groups-first=True: orders the groups of --fully-async: add it"),
+        (
+            [
+                "--fully-async",
+                "--oldest-groups-first",
+                "--engine",
+                "vllm",
+                "--vllm-extra-args=--scheduling-policy fcfs",
+            ],
+            r"--oldest-groups-first=True: --vllm-extra-args sets --scheduling-policy fcfs; vLLM takes request",
+        ),
         (["--offload"], r"--offload: the trainer leaves the device to colocated engines; it needs --colocate"),
         (["--env-worker-num-cpus", "0"], r"--env-worker-num-cpus=0.0: must be > 0"),
         (["--env-num-workers", "2"], r"--env-num-workers=2: runs the --rollout-interaction-env-path environments"),

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from slime_mt.engine.clients.priority import sglang_priority
 from slime_mt.engine.http import HTTPClient, Response, within
 from slime_mt.errors import ConnectError, ConnectionLost, EngineError, EngineRequestError, EngineTimeoutError, HTTPError
 from slime_mt.timeline import Timeline, default_lane, maybe_span
@@ -172,6 +173,9 @@ class EngineClient:
             body["text"] = text
         if image_data:
             body["image_data"] = image_data
+        priority = sglang_priority()
+        if priority is not None:
+            body["priority"] = priority
         body.update(extra)
         header = f"X-SMG-Routing-Key: {_header_value(route)}\r\n" if route else ""
         where = self.url

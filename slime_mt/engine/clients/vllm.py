@@ -64,6 +64,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from slime_mt.engine.clients.priority import vllm_priority
 from slime_mt.engine.clients.sglang import JOIN_SECONDS, EngineClient, weight_group_joins
 from slime_mt.engine.weights.checkpoint import check_compatible, check_tensor, tensor_headers
 from slime_mt.engine.weights.group import dtype_of
@@ -266,6 +267,9 @@ class VLLMClient(EngineClient):
             "sampling_params": vllm_sampling(sampling_params or {}, return_logprob),
             "output_mode": "text",
         }
+        priority = vllm_priority()
+        if priority is not None:
+            body["priority"] = priority
 
         def convert(answer: dict) -> dict:
             response = sglang_response(answer, rid)

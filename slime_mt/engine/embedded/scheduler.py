@@ -1,7 +1,8 @@
 """Continuous batching for the embedded engine: one thread owns the model and steps the batch.
 
 Each loop iteration admits waiting requests (prefill each alone, merge its KV cache into the
-running batch) up to ``max_batch_size``, then runs one decode step for the whole batch, samples,
+running batch) up to ``max_batch_size``, highest ``priority`` first and in arrival order among equals
+(SGLang's ``--enable-priority-scheduling``), then runs one decode step for the whole batch, samples,
 and finishes sequences that hit ``max_new_tokens`` or the context length, a stop token or a stop
 string (checked in SGLang's order). Aborts and pauses take effect between steps.
 
@@ -265,7 +266,7 @@ class Scheduler:
                         and not self._paused
                         and not self._updates_waiting
                     ):
-                        admitted.append(self._waiting.popleft())
+                        admitted.append(self._next_waiting())
                     dropped = [j for j in self._waiting if j.abort_reason()]
                     for job in dropped:
                         self._waiting.remove(job)
@@ -287,6 +288,14 @@ class Scheduler:
             self._running.clear()
         for job in leftover:
             self._settle(job, finish_abort("Engine shut down"))
+
+    def _next_waiting(self) -> Job:
+        """The waiting request admitted next: the highest priority, the earliest among equals (SGLang's
+        ``--enable-priority-scheduling`` order; a request without one has priority 0, so without
+        priorities this is first come, first served)."""
+        job = max(self._waiting, key=lambda j: j.request.priority)  # max keeps the first of equals
+        self._waiting.remove(job)
+        return job
 
     def _any_aborted(self) -> bool:
         return any(j.abort_reason() for j in self._running.values()) or any(j.abort_reason() for j in self._waiting)

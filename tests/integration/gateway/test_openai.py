@@ -146,3 +146,32 @@ def test_an_edited_answer_is_rendered_by_the_template(harness, sent, qwen_tokeni
     assert ANSWER in sent[1]  # not the model's words: tokenized as the template renders them
     assert session.sample.turns[1].context_ids == sent[1]
     assert session.metrics["rewritten_calls"] == 1
+
+
+def test_with_oldest_groups_first_an_agents_calls_carry_its_groups_start_version(scripted_path, scripted_engine):
+    """--oldest-groups-first: the gateway answers a call in a task of its own, outside the trajectory's,
+    and still asks the engine for the priority of the sample's group (minus its start version)."""
+    from gateway_helpers import Harness
+
+    flags = ["--rollout-max-response-len", "64", "--fully-async", "--oldest-groups-first"]
+    harness = Harness(scripted_path, scripted_engine.url, flags)
+    seen = []
+    submit = scripted_engine.scheduler.submit
+
+    def recording(request):
+        seen.append(request.priority)
+        return submit(request)
+
+    scripted_engine.scheduler.submit = recording
+    try:
+        session, base_url = harness.open()
+        session.sample.metadata["start_version"] = 4
+        answer = _client(base_url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=TOOLS
+        )
+        harness.close(session)
+    finally:
+        del scripted_engine.scheduler.submit
+        harness.stop()
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert seen == [-4]

@@ -6,6 +6,7 @@ tokens masked, or (the decoupled loss) trained whole; the throttle holds; no gro
 twice; a checkpoint's data state draws the untrained groups again."""
 
 import asyncio
+import contextlib
 import json
 import textwrap
 
@@ -99,6 +100,36 @@ def run_steps(engine, tmp_path, steps, train_stale=False, **rollout):
     return batches, manager, data, ctx
 
 
+@contextlib.contextmanager
+def requests_seen(engine):
+    """Every request the engine's scheduler takes, as (input ids, priority) (the scheduler itself
+    serves them as before)."""
+    seen = []
+    submit = engine.scheduler.submit
+
+    def recording(request):
+        seen.append((request.input_ids, request.priority))
+        return submit(request)
+
+    engine.scheduler.submit = recording
+    try:
+        yield seen
+    finally:
+        del engine.scheduler.submit
+
+
+def priorities_by_group(seen, batches) -> list[tuple[int, set[int]]]:
+    """Each request that continues a trained sample's context -> (its priority, the priorities the
+    groups it may belong to should give it: minus their start versions)."""
+    trained = [s for _, b in batches for g in b.groups for s in g]
+    out = []
+    for ids, priority in seen:
+        owners = {-s.metadata["start_version"] for s in trained if s.tokens[: len(ids)] == ids}
+        if owners:
+            out.append((priority, owners))
+    return out
+
+
 async def _holds_group_0(manager):
     return any(g[0].group_index == 0 for g in manager.buffer + list(manager.running.values()))
 
@@ -109,8 +140,10 @@ async def _admitted_within(manager):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_no_trained_token_is_staler_than_the_bound_and_the_slow_group_is_dropped(engine, tmp_path, staleness):
-    batches, manager, data, ctx = run_steps(engine, tmp_path, 5, max_staleness=staleness)
+    with requests_seen(engine) as seen:
+        batches, manager, data, ctx = run_steps(engine, tmp_path, 5, max_staleness=staleness)
     try:
+        assert seen and all(priority == 0 for _, priority in seen)  # without --oldest-groups-first: none
         trained = [g[0].group_index for _, b in batches for g in b.groups]
         assert len(trained) == len(set(trained)) == 2 * len(batches)  # each step took two groups, none twice
         for step, batch in batches:
@@ -156,11 +189,20 @@ def test_with_masking_the_slow_group_trains_without_its_stale_tokens(engine, tmp
 def test_with_the_decoupled_loss_the_slow_group_is_trained_whole(engine, tmp_path):
     """--use-decoupled-loss: the slow group, beyond the bound when it finishes, is trained with every
     token it generated (nothing dropped, nothing masked), each token keeping its own version; the
-    throttle still bounds what starts, and the step's waste metrics say nothing was lost."""
+    throttle still bounds what starts, and the step's waste metrics say nothing was lost. With
+    --oldest-groups-first each engine request carries its group's start version as its priority."""
     from slime_mt.rollout.staleness import waste_metrics
 
-    batches, manager, _, ctx = run_steps(engine, tmp_path, 5, train_stale=True, max_staleness=1, partial_rollout=True)
+    with requests_seen(engine) as seen:
+        batches, manager, _, ctx = run_steps(
+            engine, tmp_path, 5, train_stale=True, max_staleness=1, partial_rollout=True, oldest_groups_first=True
+        )
     try:
+        # --oldest-groups-first: every turn of a group, resumed ones too, asks for its group's start version
+        ranked = priorities_by_group(seen, batches)
+        assert all(priority in owners for priority, owners in ranked)
+        first = batches[0][0]  # the version the manager started from (the module's engine has moved on)
+        assert {priority for priority, _ in ranked} >= {-first, -first - 1, -first - 2}
         trained = [g[0].group_index for _, b in batches for g in b.groups]
         assert 0 in trained and len(trained) == len(set(trained)) == 2 * len(batches)
         assert sum(b.dropped_groups for _, b in batches) == 0

@@ -37,6 +37,18 @@ def test_batch_request_spreads_fields():
     assert reqs[0].rid != reqs[1].rid
 
 
+def test_priority_is_per_request_and_zero_by_default():
+    """SGLang's ``priority`` (--enable-priority-scheduling): one value, one per prompt, or none (0)."""
+    [req], _ = parse_generate({"input_ids": [1], "priority": -3}, vocab_size=10)
+    assert req.priority == -3
+    reqs, _ = parse_generate({"input_ids": [[1], [2]], "priority": [2, None]}, vocab_size=10)
+    assert [r.priority for r in reqs] == [2, 0]
+    reqs, _ = parse_generate({"input_ids": [[1], [2]], "priority": 4}, vocab_size=10)
+    assert [r.priority for r in reqs] == [4, 4]
+    [req], _ = parse_generate({"input_ids": [1]}, vocab_size=10)
+    assert req.priority == 0
+
+
 @pytest.mark.parametrize(
     "body,message",
     [
@@ -94,6 +106,10 @@ def test_batch_request_spreads_fields():
         ({"input_ids": [1], "rid": 5}, "rid must be a string"),
         ({"input_ids": [1], "return_logprob": "maybe"}, "return_logprob must be true or false"),
         ({"input_ids": [[1], [2]], "return_logprob": [True, "maybe"]}, r"return_logprob\[1\] must be true or false"),
+        ({"input_ids": [1], "priority": 1.5}, "priority must be an integer, got 1.5"),
+        ({"input_ids": [1], "priority": True}, "priority must be an integer, got True"),
+        ({"input_ids": [[1], [2]], "priority": [0, "high"]}, r"priority\[1\] must be an integer"),
+        ({"input_ids": [[1], [2]], "priority": [0]}, "priority has 1 entries for a batch of 2"),
     ],
 )
 def test_malformed_requests(body, message):

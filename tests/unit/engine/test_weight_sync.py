@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_mt.engine.launch import sglang_command
+from slime_mt.config import EngineConfig
+from slime_mt.engine.launch import engine_config_for, sglang_command, vllm_command
 from slime_mt.engine.weights.sync import WeightFolders
 
 TENSORS = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]
@@ -55,3 +56,22 @@ def test_sglang_is_launched_with_the_runs_starting_weight_version():
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[-2:] == ["--dp-size", "2"]
     default = sglang_command("/models/m", 30000)
     assert default[default.index("--weight-version") + 1] == "0"
+
+
+@pytest.mark.parametrize("oldest_first", [False, True])
+@pytest.mark.parametrize("routed", [False, True])
+def test_launched_engines_get_the_flags_the_run_needs_once(routed, oldest_first):
+    """--use-rollout-routing-replay: SGLang returns routed experts; --oldest-groups-first: SGLang and vLLM
+    schedule by request priority. A flag the user already passed is not added twice; neither: unchanged."""
+    engine = EngineConfig(sglang_extra_args="--dp-size 2", vllm_extra_args="--max-num-seqs 8")
+    got = engine_config_for(engine, routed, oldest_first)
+    sglang = sglang_command("/m", 1, extra_args=got.sglang_extra_args)
+    vllm = vllm_command("python", "/m", 1, extra_args=got.vllm_extra_args)
+    assert ("--enable-return-routed-experts" in sglang) == routed
+    assert ("--enable-priority-scheduling" in sglang) == oldest_first
+    assert (vllm[-2:] == ["--scheduling-policy", "priority"]) == oldest_first
+    assert sglang.count("--dp-size") == 1 and "--max-num-seqs" in vllm
+    if not (routed or oldest_first):
+        assert got is engine
+    again = engine_config_for(got, routed, oldest_first)
+    assert again.sglang_extra_args == got.sglang_extra_args and again.vllm_extra_args == got.vllm_extra_args
