@@ -388,6 +388,14 @@ class AlgoConfig:
         "largest (log pi_prox / pi_behav)^2 get no loss until the mean of the rest is at most this (0.04 in "
         "the paper); none: off.",
     )
+    prox_logp_method: str = _opt(
+        "recompute",
+        "--use-decoupled-loss: how the proximal policy's log-probs are had (AReaL's prox_logp_method): recompute "
+        "(a forward pass of the step's weights before training) or loglinear (no pass: log pi_prox = log pi_behav "
+        "+ a (log pi_theta - log pi_behav), a = (v_prox - v_behav) / (v_prox + 1 - v_behav) from each token's "
+        "version; a fresh token's proximal is its behaviour policy).",
+        choices=["recompute", "loglinear"],
+    )
     loss_reduction: str = _opt(
         "token_mean",
         "How token losses are averaged over the global batch.",

@@ -564,7 +564,18 @@ def validate(cfg: Config) -> None:
 def _validate_decoupled_loss(a) -> None:
     if not a.use_decoupled_loss:
         _require(a.m2po_threshold is None, "m2po_threshold", a.m2po_threshold, "needs --use-decoupled-loss")
+        _require(
+            a.prox_logp_method == "recompute", "prox_logp_method", a.prox_logp_method, "needs --use-decoupled-loss"
+        )
         return
+    if a.prox_logp_method == "loglinear":
+        _require(
+            a.m2po_threshold is None,
+            "m2po_threshold",
+            a.m2po_threshold,
+            "M2PO's cutoff is found before training from the recomputed proximal log-probs, which "
+            "--prox-logp-method loglinear does not compute (use recompute)",
+        )
     _require(
         not a.use_tis,
         "use_tis",

@@ -11,13 +11,14 @@ Terms: PPO clipped surrogate with asymmetric clip (``eps_clip``, ``eps_clip_high
 KL to a reference (k1, k2, k3, low_var_kl = k3 clamped to [-10, 10], as slime has them); entropy
 bonus; off-policy correction against the rollout log-probs (token TIS, sequence TIS, token mask
 outside a band, geometric-mean sequence mask); AReaL's decoupled objective for stale tokens (the
-clip against the proximal policy, the weight pi_prox / pi_behav capped by masking, M2PO's
-second-moment filter). Where this differs from slime on purpose, the README's "Where the math
-differs from slime" says how and which flag gives slime's numbers.
+clip against the proximal policy, recomputed or interpolated by version, the weight pi_prox /
+pi_behav capped by masking, M2PO's second-moment filter). Where this differs from slime on purpose,
+the README's "Where the math differs from slime" says how and which flag gives slime's numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ class LossInputs:
     ref_log_probs: torch.Tensor | None = None  # [T] reference policy, for the KL term
     entropy: torch.Tensor | None = None  # [T] policy entropy per position
     m2po_cutoff: float | None = None  # --m2po-threshold: the step's bound on (log pi_prox / pi_behav)^2
+    token_versions: torch.Tensor | None = None  # [T] the weight version that generated each token (-1: none)
+    proximal_version: int | None = None  # the version of the weights the step starts from (loglinear)
 
 
 def segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -184,6 +187,27 @@ def add_metric(totals: dict[str, float], key: str, value: float, divisor: int = 
         totals[key] += value / divisor
 
 
+def loglinear_proximal(x: LossInputs) -> torch.Tensor:
+    """AReaL's ``prox_logp_method: loglinear``: the proximal policy's log-probs without a forward pass,
+    interpolated in log space between the behaviour policy and the current one by each token's version:
+    ``log pi_prox = log pi_behav + a (log pi_theta - log pi_behav)``, ``a = (v_prox - v_behav) /
+    (v_theta - v_behav)`` clamped to [0, 1], with v_theta = v_prox + 1 (the weights this step makes). A
+    token the step's own weights generated (a = 0) and one without a version (AReaL's a = 0 there) take
+    their behaviour log-prob; one without a behaviour log-prob (never sampled, never trained) the current
+    one. Detached: the proximal policy is a constant of the objective."""
+    if x.token_versions is None or x.proximal_version is None:
+        raise ValueError(
+            "--prox-logp-method loglinear needs the weight version of every token (recorded by the rollout) and "
+            "the step's version"
+        )
+    current = x.log_probs.detach()
+    behav = x.rollout_log_probs
+    versions = x.token_versions.to(current.dtype)
+    alpha = ((x.proximal_version - versions) / (x.proximal_version + 1 - versions)).clamp(0.0, 1.0)
+    alpha = torch.where(x.token_versions >= 0, alpha, torch.zeros_like(alpha))
+    return torch.where(torch.isnan(behav), current, behav + alpha * (current - behav))
+
+
 def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """-> (scalar loss = sum over tokens of per-token loss x weights, metric sums over tokens).
 
@@ -191,6 +215,8 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     the global-batch mean under the configured reduction."""
     mask = (x.weights > 0).to(x.log_probs.dtype)  # [T]
     num_seqs = int(x.seq_ids.max()) + 1 if x.seq_ids.numel() else 0
+    if cfg.use_decoupled_loss and cfg.prox_logp_method == "loglinear":
+        x = dataclasses.replace(x, old_log_probs=loglinear_proximal(x))
     log_ratio = x.log_probs - x.old_log_probs  # [T]
     if cfg.advantage_estimator == "gspo":
         counts = segment_sum(mask, x.seq_ids, num_seqs).clamp_min(1)

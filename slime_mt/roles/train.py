@@ -62,7 +62,7 @@ class TrainRole:
             with maybe_span(
                 self.timeline, "train step", "train", lane="train", step=step, layout=self.actor.layout_name
             ):
-                metrics = self.actor.train(share, on_policy=self.on_policy)
+                metrics = self.actor.train(share, on_policy=self.on_policy, version=step)
         else:
             logger.warning("step %d: no trainable token in the batch; the step is skipped", step)
             metrics = {"train/seconds": 0.0, "train/skipped_steps": 1.0}

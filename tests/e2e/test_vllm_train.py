@@ -22,7 +22,8 @@ from slime_mt.inspection.dumps import dump_path, load_dump
 def test_trains_on_vllm(mode, tmp_path, request):
     """``slime-mt train --engine vllm`` on the demo's recipe (the tiny Qwen2 at head size 64): sync, the
     run launching its own vLLM server, two steps, the weights broadcast from rank 0 over the weight
-    group; ``--fully-async --partial-rollout`` with the decoupled objective, M2PO and
+    group; ``--fully-async --partial-rollout`` with the decoupled objective, its proximal log-probs
+    interpolated by version (``--prox-logp-method loglinear``: no forward pass for them) and
     ``--oldest-groups-first`` (vLLM refuses a request priority it does not schedule by), on the shared
     server by ``--engine-url``, three steps, no group dropped, the weights from disk; ``--ray`` on three loopback
     nodes, the vLLM server started by its engine actor on a node of its own, two steps, the weights
@@ -55,7 +56,8 @@ def test_trains_on_vllm(mode, tmp_path, request):
     else:
         target = request.getfixturevalue("vllm_target")
         flags += ["--engine-url", target.url, "--fully-async", "--partial-rollout", "--max-staleness", "1"]
-        flags += ["--use-decoupled-loss", "--m2po-threshold", "0.04", "--num-rollout", "3", "--oldest-groups-first"]
+        flags += ["--use-decoupled-loss", "--prox-logp-method", "loglinear", "--num-rollout", "3"]
+        flags += ["--oldest-groups-first"]
         steps = 3
         (tmp_path / "v0").mkdir()
         save_file(load_file(str(model / "model.safetensors")), str(tmp_path / "v0" / "model.safetensors"))
@@ -82,12 +84,14 @@ def test_trains_on_vllm(mode, tmp_path, request):
         trained = [g for r in rows for g in r["trained_groups"]]
         assert len(trained) == len(set(trained)) == steps
         assert all(r["async/dropped_groups"] == 0 and r["async/trained_token_share"] == 1.0 for r in rows)
-        assert all(0.0 <= r["train/m2po_masked_fraction"] < 1.0 for r in rows)
         assert all(r["train/behav_weight_mean"] > 0 for r in rows)
     # the dumps and the trace of a vLLM run: every turn an engine call to the vLLM server (the client
     # picks it: no router), nested in its trajectory's span
     events = json.loads((tmp_path / "run" / "trace.json").read_text())
     assert_nested(events)
+    if mode == "fully-async":  # loglinear: the trainer ran no forward pass for the proximal log-probs
+        steps_traced = [e for e in events if e.get("name") == "train step"]
+        assert len(steps_traced) == steps and not [e for e in events if e.get("name") == "old log-probs"]
     lanes = lanes_by_name(events)
     for k in range(steps):
         dumped = load_dump(dump_path(dump_template(tmp_path / "run"), k))

@@ -242,6 +242,11 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
         (["--use-decoupled-loss", "--behav-imp-weight-cap", "1"], r"--behav-imp-weight-cap=1.0: must be > 1"),
         (["--use-decoupled-loss", "--m2po-threshold", "0"], r"--m2po-threshold=0.0: must be > 0"),
         (["--m2po-threshold", "0.04"], r"--m2po-threshold=0.04: needs --use-decoupled-loss"),
+        (["--prox-logp-method", "loglinear"], r"--prox-logp-method='loglinear': needs --use-decoupled-loss"),
+        (
+            ["--use-decoupled-loss", "--prox-logp-method", "loglinear", "--m2po-threshold", "0.04"],
+            r"--m2po-threshold=0.04: M2PO's cutoff is found before training from the recomputed proximal",
+        ),
         (["--max-tokens-in-flight", "100"], r"--max-tokens-in-flight=100: throttles --fully-async: add it"),
         (["--fully-async", "--max-tokens-in-flight", "0"], r"--max-tokens-in-flight=0: must be > 0"),
         (

@@ -181,6 +181,7 @@ class MegatronActor:
         self.keep_log_probs = False
         self.kept_log_probs: dict[int, list[float]] = {}
         self.m2po_cutoff: float | None = None  # --m2po-threshold: this step's bound, the same on every rank
+        self.proximal_version: int | None = None  # the version of the weights the step starts from
 
     def _check_pipeline(self, train: TrainConfig, info: ParallelInfo) -> None:
         """What pipeline parallelism does not run with yet, refused by name."""
@@ -465,12 +466,16 @@ class MegatronActor:
         """This rank's share of a whole batch, as the trainer sends it."""
         return self.split(samples, advantages, prompts_per_step)[self.info.dp_rank]
 
-    def train(self, share: RankShare, on_policy: bool = True) -> dict[str, float]:
+    def train(self, share: RankShare, on_policy: bool = True, version: int | None = None) -> dict[str, float]:
         """One pass over this rank's ``share`` of the step, one optimizer step per mini-batch (all DP
-        ranks together)."""
+        ranks together); ``version``: that of the weights the step starts from (the engines' name for
+        them), which ``--prox-logp-method loglinear`` interpolates by."""
         started = time.perf_counter()
         m2po = self.algo.use_decoupled_loss and self.algo.m2po_threshold is not None
-        need_old = not self.train_cfg.sft and (not on_policy or share.mini_batches > 1 or m2po)
+        # loglinear: the decoupled loss interpolates the proximal log-probs (losses.loglinear_proximal)
+        loglinear = self.algo.use_decoupled_loss and self.algo.prox_logp_method == "loglinear"
+        self.proximal_version = version
+        need_old = not self.train_cfg.sft and not loglinear and (not on_policy or share.mini_batches > 1 or m2po)
         old = ref = None
         self.kept_log_probs = {}
         self.m2po_cutoff = None
@@ -599,6 +604,8 @@ class MegatronActor:
             entropy=entropy,
             ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
             m2po_cutoff=self.m2po_cutoff,
+            token_versions=self._versions(samples, row.sample_index),
+            proximal_version=self.proximal_version,
         )
         loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
         sampled = ~torch.isnan(inputs.rollout_log_probs)
@@ -666,6 +673,15 @@ class MegatronActor:
         """The trainer's state back on its device, bit for bit (gradients zeroed)."""
         offloaded, self._offloaded = getattr(self, "_offloaded", None), None
         onload(offloaded or [])
+
+    def _versions(self, samples, indices) -> torch.Tensor | None:
+        """The weight version of each packed response token (-1: none), or None where one sample has none
+        recorded."""
+        if any(not samples[i].token_versions for i in indices):
+            return None
+        return torch.cat(
+            [torch.as_tensor(samples[i].token_versions, dtype=torch.long, device=self.device) for i in indices]
+        )
 
     def _cat(self, values) -> torch.Tensor:
         """Per-sample lists or tensors -> one float32 tensor on the trainer's device."""

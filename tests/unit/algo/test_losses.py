@@ -295,3 +295,37 @@ def test_with_the_decoupled_loss_off_the_new_inputs_change_nothing(tis):
     loss_a.backward()
     loss_b.backward()
     assert plain.log_probs.grad.tolist() == extra.log_probs.grad.tolist()
+
+
+def test_loglinear_proximal_log_probs_and_the_loss_by_hand():
+    """--prox-logp-method loglinear (AReaL's): no recomputed proximal log-probs; trained at version 2,
+    a = (2 - v) / (3 - v) is 0, 1/2 and 2/3 for versions 2, 1 and 0 and log pi_prox = log pi_behav +
+    a (log pi_theta - log pi_behav); the decoupled loss and its gradient then as by hand with those
+    (the proximal is a constant: the gradient does not flow through it). A token without a version
+    keeps its behaviour log-prob; the flag without versions is refused by name."""
+    from slime_mt.algo.losses import loglinear_proximal
+
+    lp, _, behav, versions, adv = zip(*DECOUPLED)
+    alphas = {2: 0.0, 1: 0.5, 0: 2 / 3}
+    prox = [b + alphas[v] * (c - b) for c, b, v in zip(lp, behav, versions)]
+    x = inputs(list(lp), [0.0] * len(lp), list(adv), rollout=list(behav), seq=[0, 0, 0, 1, 1, 1])
+    x = dataclasses.replace(x, token_versions=torch.tensor(versions), proximal_version=2)
+    assert loglinear_proximal(x).tolist() == pytest.approx(prox, rel=1e-6)
+    cfg = AlgoConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0, prox_logp_method="loglinear")
+    loss, m = policy_loss(x, cfg)
+    n, expected, grad = len(lp), 0.0, []
+    for c, p, b, a in zip(lp, prox, behav, adv):
+        r, w = math.exp(c - p), math.exp(p - b)
+        clipped = min(max(r, 0.8), 1.2)
+        kept = w <= 5.0
+        expected += w * max(-a * r, -a * clipped) / n if kept else 0.0
+        grad.append(-a * r * w / n if kept and -a * r >= -a * clipped else 0.0)
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert x.log_probs.grad.tolist() == pytest.approx(grad, rel=1e-6, abs=1e-9)
+    # token 4's proximal lies two thirds of the way to the current policy: w = e^1.2 = 3.32, under the cap
+    assert m["behav_capped_fraction"] == 0.0
+    unversioned = dataclasses.replace(x, token_versions=torch.tensor([-1] * n))
+    assert loglinear_proximal(unversioned).tolist() == pytest.approx(list(behav))
+    with pytest.raises(ValueError, match="--prox-logp-method loglinear needs the weight version"):
+        policy_loss(dataclasses.replace(x, token_versions=None), cfg)
