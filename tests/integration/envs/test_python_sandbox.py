@@ -360,10 +360,12 @@ def test_a_daemon_holding_stdout_open_does_not_fail_the_caller(monkeypatch):
         "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)\n"
         "time.sleep(30)"
     )
-    limits = SandboxLimits(wall_seconds=2, allow_unisolated=True)
-    result, took = run(code, limits)
+    for wall in (2, 6, 18):  # sandboxed code runs SCHED_IDLE: on a busy machine it may get no CPU in 2 s
+        result, took = run(code, SandboxLimits(wall_seconds=wall, allow_unisolated=True))
+        if result.stdout:  # it ran, so it forked before the wall time
+            break
     assert result.timed_out and result.escaped and result.stdout == "before\n", result
-    assert "kept running" in result.describe() and took < 10
+    assert "kept running" in result.describe() and took < wall + 8
     assert not sandbox_processes()  # the daemon, found by its working folder, was killed too
 
 
