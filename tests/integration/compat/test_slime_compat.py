@@ -3,10 +3,9 @@ Search-R1, geo3k VLM multi-turn and custom-rollout examples) train through ``sli
 names, ``append_response_tokens``, turns rebuilt from loss-mask runs, the drift of text sent to the
 engine, and the built-in graders of ``--rm-type``."""
 
-import json
-import threading
 from argparse import Namespace
-from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from http_helpers import json_server
 
 from slime_mt.compat import install
 from slime_mt.rollout.rewards import rule_based_rm
@@ -26,27 +25,10 @@ def rm(args, sample):
 
 
 def test_remote_rm_posts_the_sample_to_rm_url():
-    seen = []
+    def grade(path, body):
+        return {"score": float(body["response"] == body["label"])}
 
-    class Grader(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            answer = json.dumps({"score": float(body["response"] == body["label"])}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Grader)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        args = Namespace(rm_type="remote_rm", rm_url=f"http://127.0.0.1:{server.server_port}/grade")
+    with json_server(grade) as (url, seen):
+        args = Namespace(rm_type="remote_rm", rm_url=f"{url}/grade")
         assert rm(args, slime_sample([1], prompt="q", response="4", label="4")) == {"score": 1.0}
         assert seen == [{"prompt": "q", "response": "4", "label": "4"}]
-    finally:
-        server.shutdown()

@@ -8,12 +8,10 @@ scheduler's alone. On the wire, a server on 127.0.0.1 records the bodies: the SG
 
 import asyncio
 import contextvars
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from engine_helpers import run
+from http_helpers import json_server
 
 from slime_mt.engine.clients.priority import group_version
 from slime_mt.engine.clients.sglang import EngineClient
@@ -90,26 +88,8 @@ ANSWERS = {
 
 @pytest.fixture(scope="module")
 def recorder():
-    bodies = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            answer = json.dumps(ANSWERS[self.path]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}", bodies
-    server.shutdown()
-    server.server_close()
+    with json_server(lambda path, body: ANSWERS[path]) as served:
+        yield served
 
 
 @pytest.mark.parametrize(("client_class", "sign"), [(EngineClient, -1), (VLLMClient, 1)])
