@@ -402,6 +402,12 @@ class AlgoConfig:
         choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "trajectory_mean"],
     )
 
+    @property
+    def interpolates_proximal(self) -> bool:
+        """The decoupled loss with ``--prox-logp-method loglinear``: the proximal log-probs interpolated by
+        version in the loss (``losses.loglinear_proximal``), never recomputed by the trainer."""
+        return self.use_decoupled_loss and self.prox_logp_method == "loglinear"
+
 
 @dataclass
 class TrainConfig:

@@ -215,7 +215,7 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     the global-batch mean under the configured reduction."""
     mask = (x.weights > 0).to(x.log_probs.dtype)  # [T]
     num_seqs = int(x.seq_ids.max()) + 1 if x.seq_ids.numel() else 0
-    if cfg.use_decoupled_loss and cfg.prox_logp_method == "loglinear":
+    if cfg.interpolates_proximal:
         x = dataclasses.replace(x, old_log_probs=loglinear_proximal(x))
     log_ratio = x.log_probs - x.old_log_probs  # [T]
     if cfg.advantage_estimator == "gspo":

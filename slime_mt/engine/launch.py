@@ -398,18 +398,20 @@ def engine_config_for(engine: EngineConfig, routed_experts: bool, oldest_first: 
     launched with ``--enable-return-routed-experts`` (the embedded engine always records routes); with
     ``--oldest-groups-first`` SGLang with ``--enable-priority-scheduling`` and vLLM with
     ``--scheduling-policy priority`` (the embedded engine always schedules by priority)."""
-    sglang = _with_flags(engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts)
-    sglang = _with_flags(sglang, [SGLANG_PRIORITY_FLAG] * oldest_first)
-    vllm = engine.vllm_extra_args
-    if oldest_first and "--scheduling-policy" not in (vllm or "").split():
-        vllm = f"{vllm or ''} {VLLM_PRIORITY_FLAGS}".strip()
+    sglang = _with_flags(
+        engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * oldest_first
+    )
+    vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * oldest_first)
     if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
         return engine
     return dataclasses.replace(engine, sglang_extra_args=sglang, vllm_extra_args=vllm)
 
 
 def _with_flags(extra: str | None, flags: list[str]) -> str | None:
-    missing = [f for f in flags if f not in (extra or "").split()]
+    """``extra`` with each of ``flags`` (``--name`` or ``--name value``) appended unless ``--name`` is in it
+    already (a value the user gave for it stands)."""
+    given = (extra or "").split()
+    missing = [f for f in flags if f.split()[0] not in given]
     return f"{extra or ''} {' '.join(missing)}".strip() if missing else extra
 
 

@@ -472,10 +472,12 @@ class MegatronActor:
         them), which ``--prox-logp-method loglinear`` interpolates by."""
         started = time.perf_counter()
         m2po = self.algo.use_decoupled_loss and self.algo.m2po_threshold is not None
-        # loglinear: the decoupled loss interpolates the proximal log-probs (losses.loglinear_proximal)
-        loglinear = self.algo.use_decoupled_loss and self.algo.prox_logp_method == "loglinear"
         self.proximal_version = version
-        need_old = not self.train_cfg.sft and not loglinear and (not on_policy or share.mini_batches > 1 or m2po)
+        need_old = (
+            not self.train_cfg.sft
+            and not self.algo.interpolates_proximal
+            and (not on_policy or share.mini_batches > 1 or m2po)
+        )
         old = ref = None
         self.kept_log_probs = {}
         self.m2po_cutoff = None
@@ -604,7 +606,7 @@ class MegatronActor:
             entropy=entropy,
             ref_log_probs=self._cat([ref[i] for i in row.sample_index]) if ref else None,
             m2po_cutoff=self.m2po_cutoff,
-            token_versions=self._versions(samples, row.sample_index),
+            token_versions=self._versions(samples, row.sample_index) if self.algo.interpolates_proximal else None,
             proximal_version=self.proximal_version,
         )
         loss, metrics = sft_loss(inputs) if self.train_cfg.sft else policy_loss(inputs, self.algo)
