@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -688,6 +689,19 @@ def flag_name(key: str) -> str:
     if key in FIELDS and "flag" in FIELDS[key][1].metadata:
         return FIELDS[key][1].metadata["flag"]
     return "--" + key.replace("_", "-")
+
+
+def extra_arg(extra: str | None, name: str) -> str | None:
+    """What ``extra`` (an engine's extra launch arguments, one string) gives ``name``: the value of
+    ``name value`` or ``name=value``, "" for ``name`` alone; None where ``name`` is not in it."""
+    args = shlex.split(extra or "")
+    for i, arg in enumerate(args):
+        if arg == name:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            return "" if value.startswith("-") else value
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1 :]
+    return None
 
 
 ALIASES = {alias: name for name, (_, f) in FIELDS.items() for alias in f.metadata.get("aliases", [])}

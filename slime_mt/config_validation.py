@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_mt.config import Config, RolloutConfig, flag_name
+from slime_mt.config import Config, RolloutConfig, extra_arg, flag_name
 from slime_mt.errors import ConfigError, ContextPolicyError, DumpError, RewardError, TurnRecordsError
 from slime_mt.inspection.turn_records import parse_setting
 from slime_mt.rollout.context_policy import rewrites_history
@@ -124,14 +124,13 @@ def _validate_vllm(cfg: Config) -> None:
             f"--weight-transport {cfg.engine.weight_transport} with --engine vllm: vLLM takes new weights from "
             "disk or from the weight group (use --weight-transport disk or distributed)"
         )
-    extra = (cfg.engine.vllm_extra_args or "").split()
-    if cfg.rollout.oldest_groups_first and "--scheduling-policy" in extra:
-        policy = extra[extra.index("--scheduling-policy") + 1 :][:1]
+    policy = extra_arg(cfg.engine.vllm_extra_args, "--scheduling-policy")
+    if cfg.rollout.oldest_groups_first and policy is not None:
         _require(
-            policy == ["priority"],
+            policy == "priority",
             "oldest_groups_first",
             True,
-            f"--vllm-extra-args sets --scheduling-policy {' '.join(policy)}; vLLM takes request priorities only "
+            f"--vllm-extra-args sets --scheduling-policy {policy}; vLLM takes request priorities only "
             "with --scheduling-policy priority (drop it: the launch adds it)",
         )
     if cfg.engine.engine_cache_tokens:

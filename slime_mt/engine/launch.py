@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from slime_mt.config import EngineConfig
+from slime_mt.config import EngineConfig, extra_arg
 from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
 from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.errors import LaunchError
@@ -410,8 +410,7 @@ def engine_config_for(engine: EngineConfig, routed_experts: bool, oldest_first: 
 def _with_flags(extra: str | None, flags: list[str]) -> str | None:
     """``extra`` with each of ``flags`` (``--name`` or ``--name value``) appended unless ``--name`` is in it
     already (a value the user gave for it stands)."""
-    given = (extra or "").split()
-    missing = [f for f in flags if f.split()[0] not in given]
+    missing = [f for f in flags if extra_arg(extra, f.split()[0]) is None]
     return f"{extra or ''} {' '.join(missing)}".strip() if missing else extra
 
 

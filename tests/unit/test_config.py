@@ -264,6 +264,16 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
             ],
             r"--oldest-groups-first=True: --vllm-extra-args sets --scheduling-policy fcfs; vLLM takes request",
         ),
+        (
+            [
+                "--fully-async",
+                "--oldest-groups-first",
+                "--engine",
+                "vllm",
+                "--vllm-extra-args=--scheduling-policy=fcfs",
+            ],
+            r"--oldest-groups-first=True: --vllm-extra-args sets --scheduling-policy fcfs; vLLM takes request",
+        ),
         (["--offload"], r"--offload: the trainer leaves the device to colocated engines; it needs --colocate"),
         (["--env-worker-num-cpus", "0"], r"--env-worker-num-cpus=0.0: must be > 0"),
         (["--env-num-workers", "2"], r"--env-num-workers=2: runs the --rollout-interaction-env-path environments"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_mt.config import EngineConfig
+from slime_mt.config import EngineConfig, extra_arg
 from slime_mt.engine.launch import engine_config_for, sglang_command, vllm_command
 from slime_mt.engine.weights.sync import WeightFolders
 
@@ -75,3 +75,14 @@ def test_launched_engines_get_the_flags_the_run_needs_once(routed, oldest_first)
         assert got is engine
     again = engine_config_for(got, routed, oldest_first)
     assert again.sglang_extra_args == got.sglang_extra_args and again.vllm_extra_args == got.vllm_extra_args
+
+
+def test_a_flag_the_user_gave_with_an_equals_sign_is_not_added_again():
+    engine = EngineConfig(
+        sglang_extra_args="--enable-priority-scheduling", vllm_extra_args="--scheduling-policy=priority"
+    )
+    got = engine_config_for(engine, False, True)
+    assert got.sglang_extra_args == "--enable-priority-scheduling"
+    assert got.vllm_extra_args == "--scheduling-policy=priority"
+    assert extra_arg("--a 1 --b=x --c --d", "--b") == "x" and extra_arg("--a 1 --c --d", "--c") == ""
+    assert extra_arg("--a 1", "--a") == "1" and extra_arg("--ab 1", "--a") is None and extra_arg(None, "--a") is None
