@@ -249,10 +249,11 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
                 f"{flag} needs {needs}, but some trained tokens have none (a "
                 "re-tokenized history: --retokenize-chat-history with --sample-format concat)"
             )
+        behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)  # untrained tokens without one weigh 1
         if cfg.use_tis:
             is_weights, keep, correction_metrics = off_policy_weights(
                 x.old_log_probs,
-                x.rollout_log_probs,
+                behav,
                 mask,
                 x.seq_ids,
                 num_seqs,
@@ -260,8 +261,7 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
                 cfg.tis_clip_low,
                 cfg.tis_clip,
             )
-        else:  # untrained tokens without a behaviour log-prob weigh 1 (not NaN)
-            behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)
+        else:
             is_weights, keep, correction_metrics = decoupled_weights(
                 x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff
             )

@@ -154,6 +154,22 @@ def test_tis_multiplies_the_policy_gradient():
     assert m["train_rollout_logprob_abs_diff_max"] == 1.0  # the largest gap, unweighted
 
 
+@pytest.mark.parametrize("mode", ["token", "sequence", "token_mask", "geo_mean_mask"])
+def test_tis_over_an_untrained_token_without_a_rollout_log_prob_is_the_loss_without_it(mode):
+    """A sample none of whose tokens is trained may come without rollout log-probs (NaN): TIS weighs its
+    tokens 1 and the loss is what it is with any value there (it was NaN: NaN * 0 is NaN)."""
+    cfg = AlgoConfig(use_tis=True, tis_mode=mode, tis_clip_low=0.5, tis_clip=2.0)
+    kw = dict(weights=[0.5, 0.5, 0.0], seq=[0, 0, 1])
+    loss, m = policy_loss(
+        inputs([-0.2, -0.1, -0.3], [0.0, 0.0, -0.3], [1.0, 1.0, 1.0], rollout=[-0.5, 0.0, math.nan], **kw), cfg
+    )
+    same, m_same = policy_loss(
+        inputs([-0.2, -0.1, -0.3], [0.0, 0.0, -0.3], [1.0, 1.0, 1.0], rollout=[-0.5, 0.0, 4.0], **kw), cfg
+    )
+    assert math.isfinite(float(loss)) and float(loss) == float(same)
+    assert {k: v for k, v in m.items() if "rollout" not in k} == {k: v for k, v in m_same.items() if "rollout" not in k}
+
+
 def test_sft_loss_is_weighted_nll():
     x = inputs([-1.0, -3.0], [0.0, 0.0], [0.0, 0.0], weights=[0.5, 0.5])
     loss, _ = sft_loss(x)
