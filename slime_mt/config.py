@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -691,10 +690,16 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def engine_args(extra: str | None) -> list[str]:
+    """An engine's extra launch arguments (``--sglang-extra-args``, ``--vllm-extra-args``: one string) as
+    the launched command gets them: split at whitespace."""
+    return extra.split() if extra else []
+
+
 def extra_arg(extra: str | None, name: str) -> str | None:
     """What ``extra`` (an engine's extra launch arguments, one string) gives ``name``: the value of
     ``name value`` or ``name=value``, "" for ``name`` alone; None where ``name`` is not in it."""
-    args = shlex.split(extra or "")
+    args = engine_args(extra)
     for i, arg in enumerate(args):
         if arg == name:
             value = args[i + 1] if i + 1 < len(args) else ""

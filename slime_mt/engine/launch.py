@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from slime_mt.config import EngineConfig, extra_arg
+from slime_mt.config import EngineConfig, engine_args, extra_arg
 from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
 from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.errors import LaunchError
@@ -205,7 +205,7 @@ def sglang_command(
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host]
     cmd += ["--port", str(port), "--tp-size", str(tp_size), "--mem-fraction-static", str(mem_fraction_static)]
     cmd += ["--base-gpu-id", str(base_gpu_id), "--weight-version", weight_version, "--skip-server-warmup"]
-    return cmd + (extra_args.split() if extra_args else [])
+    return cmd + engine_args(extra_args)
 
 
 class _ServerProcess:
@@ -324,7 +324,7 @@ def vllm_command(
         "--weight-transfer-config",
         f'{{"backend": "{WEIGHT_BACKEND}"}}',
     ]
-    return cmd + (extra_args.split() if extra_args else [])
+    return cmd + engine_args(extra_args)
 
 
 class VLLMServer(_ServerProcess):
