@@ -1,7 +1,9 @@
 """Peak memory of the attention of one long packed row (one sequence), forward and backward, on one CP
 rank (launched by torchrun over gloo at CP > 1, or plain python for CP=1, where it is the fused
 attention's causal SDPA): the rise of this process's peak resident memory over what it held with the
-inputs allocated. Writes {"cp", "tokens", "peak_rise_bytes"} (the largest over the ranks).
+inputs allocated (the kernel's high-water mark reset there: what set it before, imports and the inputs'
+gather, would otherwise hide the attention's rise). Writes {"cp", "tokens", "peak_rise_bytes"} (the
+largest over the ranks).
 
     python cp_memory_worker.py OUT.json TOKENS            # CP=1
     python -m torch.distributed.run --standalone --nproc-per-node 2 cp_memory_worker.py OUT.json TOKENS
@@ -9,8 +11,9 @@ inputs allocated. Writes {"cp", "tokens", "peak_rise_bytes"} (the largest over t
 
 import json
 import os
-import resource
+import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,8 +24,19 @@ from slime_mt.backends.megatron.context_parallel import ContextParallelSegments,
 HEADS, DIM = 2, 16
 
 
-def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+STATUS = Path("/proc/self/status")
+
+
+def resident_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", STATUS.read_text()).group(1)) * 1024
+
+
+def reset_peak() -> int:
+    """The high-water mark set back to the resident memory now (Linux >= 4.0: ``5`` to ``clear_refs``)
+    -> the bytes resident now."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return resident_bytes("VmRSS")
 
 
 def main():
@@ -36,7 +50,7 @@ def main():
         layout = ContextParallelSegments.of([tokens], tokens, cp, dist.get_rank(), group)
         q, k, v = (torch.randn(1, HEADS, tokens // cp, DIM, generator=g).requires_grad_() for _ in range(3))
         gathered = [gather_sequence(x.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3) for x in (k, v)]
-        before = peak_bytes()
+        before = reset_peak()
         out = segment_attention(
             q,
             *gathered,
@@ -48,10 +62,10 @@ def main():
         )
     else:
         q, k, v = (torch.randn(1, HEADS, tokens, DIM, generator=g).requires_grad_() for _ in range(3))
-        before = peak_bytes()
+        before = reset_peak()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=DIM**-0.5)
     out.sum().backward()
-    rise = torch.tensor([peak_bytes() - before], dtype=torch.float64)
+    rise = torch.tensor([resident_bytes("VmHWM") - before], dtype=torch.float64)
     if cp > 1:
         dist.all_reduce(rise, op=dist.ReduceOp.MAX)
     if cp == 1 or dist.get_rank() == 0:
