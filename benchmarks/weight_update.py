@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 
 from slime_mt.assets import qwen_tokenizer_dir, sized_model_dir
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.clients.control import EngineControl
 from slime_mt.engine.embedded.server import wait_healthy
 from slime_mt.engine.launch import free_port
 from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, quantize_stream, quantized
 from slime_mt.engine.weights.sync import DistributedWeights, EngineWeights, UpdatePlan
+from slime_mt.safetensors_files import load_hf_state
 
 REPO = Path(__file__).resolve().parents[1]
 BUFFER = 512 * 1024**2  # --update-weight-buffer-size's default

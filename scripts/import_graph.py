@@ -13,7 +13,8 @@ modules directly under ``slime_mt/`` one each, a folder under ``slime_mt/`` one 
 The rules (``--check``):
   * no circle of modules, and no circle of rooms (so no arrow runs back up a floor);
   * ``slime_mt/config.py`` imports nothing of the project; ``slime_mt`` imports nothing of ``envs`` or
-    ``rollouts`` (user-facing packages built on it);
+    ``rollouts`` (user-facing packages built on it); the engines (``slime_mt/engine``) import nothing of the
+    trainer (``slime_mt/backends``): what both use lies below both;
   * an import inside a function has a why: it defers a costly package (``COSTLY``) that its module does
     not load already, or its target reaches back to its module through module-level imports (it dodges a
     loop; at most ``MAX_LOOP_DODGES`` of those).
@@ -236,6 +237,11 @@ def analyse(root: Path = ROOT) -> Report:
         f"{i.source}:{i.line} imports {i.target}: slime_mt does not import envs or rollouts"
         for i in found
         if i.source.startswith("slime_mt") and i.target.split(".")[0] in ("envs", "rollouts")
+    ]
+    broken += [
+        f"{i.source}:{i.line} imports {i.target}: the engines import nothing of the trainer"
+        for i in found
+        if i.source.startswith("slime_mt.engine") and i.target.startswith("slime_mt.backends")
     ]
     broken += [f"{i.source}:{i.line} imports {i.target} inside a function for no reason: import it at the top"
                for i, why in nested if not why]  # fmt: skip

@@ -8,7 +8,6 @@ import inspect
 import os
 from pathlib import Path
 
-from slime_mt.backends.megatron.convert import CheckpointReader
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
@@ -22,6 +21,7 @@ from slime_mt.inspection.dumps import dump_path
 from slime_mt.inspection.replay import checked_dump
 from slime_mt.plugins import judge_parser_prototype, load_function, load_module
 from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
+from slime_mt.safetensors_files import CheckpointReader
 
 
 def preflight(cfg: Config) -> None:

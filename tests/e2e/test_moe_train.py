@@ -24,7 +24,7 @@ from train_helpers import (
 )
 
 from slime_mt.assets import tiny_model_dir
-from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.safetensors_files import load_hf_state
 
 R3 = ["--use-rollout-routing-replay", "--log-routing-replay-gap"]
 

@@ -26,7 +26,7 @@ from train_helpers import (
 )
 
 from slime_mt.assets import tiny_model_dir
-from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.safetensors_files import load_hf_state
 
 FLAGS = [*TWO_SMALL_STEPS, *DETERMINISTIC, "--micro-batch-size", "2", "--lr", "1e-4"]
 

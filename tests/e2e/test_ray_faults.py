@@ -314,7 +314,7 @@ class RankZero:
         return ray.get_runtime_context().get_node_id()
 
     def push(self, folder: str, version: int) -> None:
-        from slime_mt.backends.megatron.convert import load_hf_state
+        from slime_mt.safetensors_files import load_hf_state
 
         self.weights.push(iter(load_hf_state(folder).items()), version, contextlib.nullcontext)
 

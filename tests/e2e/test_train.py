@@ -145,8 +145,8 @@ def test_an_engine_by_url_serves_the_runs_starting_weights_and_its_folders_are_b
     step 0's tokens are version 0's; each step's weights reach it through a folder, and after 5
     steps only the one it serves and --keep-weight-versions (1) older one are left on disk."""
     from slime_mt.assets import tiny_model_dir
-    from slime_mt.backends.megatron.convert import load_hf_state
     from slime_mt.engine.embedded.server import LocalEngine
+    from slime_mt.safetensors_files import load_hf_state
 
     path = tiny_model_dir("qwen2.5-vl")
     earlier = {k: v * 1.5 if v.dim() == 2 else v for k, v in load_hf_state(path).items()}

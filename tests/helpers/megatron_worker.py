@@ -24,10 +24,10 @@ from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.checkpoint import _inner_optimizers
-from slime_mt.backends.megatron.convert import CheckpointReader, load_hf_state
 from slime_mt.backends.megatron.memory_plan import rank_parameters, vision_parameters
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.safetensors_files import CheckpointReader, load_hf_state
 from slime_mt.types import TrainingSample
 
 SELECTED = FAMILIES  # the families this launch's checks run (--families)

@@ -186,7 +186,7 @@ def kill_after_two_steps(cmd, run_dir: Path) -> None:
 
 def final_weights(run_dir: Path) -> dict:
     """The last checkpoint's weights (an HF-layout folder)."""
-    from slime_mt.backends.megatron.convert import load_hf_state
+    from slime_mt.safetensors_files import load_hf_state
 
     ckpt = run_dir / "ckpt"
     return load_hf_state(ckpt / (ckpt / "latest").read_text())
@@ -195,7 +195,7 @@ def final_weights(run_dir: Path) -> dict:
 def initial_decoder(name: str):
     """The tiny Qwen2.5-VL's starting weight ``name`` (a tensor)."""
     from slime_mt.assets import tiny_model_dir
-    from slime_mt.backends.megatron.convert import load_hf_state
+    from slime_mt.safetensors_files import load_hf_state
 
     return load_hf_state(tiny_model_dir("qwen2.5-vl"))[name]
 

@@ -35,7 +35,6 @@ from slime_mt.algo.losses import LossInputs, add_metric, m2po_cutoff, policy_los
 from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.context_parallel import gather_owned
 from slime_mt.backends.megatron.convert import (
-    CheckpointReader,
     ExpertGather,
     ExpertLayout,
     TPGather,
@@ -75,6 +74,7 @@ from slime_mt.backends.megatron.vlm import build_vlm, check_deepstack_stage
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.errors import ModelConfigError
 from slime_mt.routes import replay_targets
+from slime_mt.safetensors_files import CheckpointReader
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
 

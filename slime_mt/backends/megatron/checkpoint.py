@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.backends.megatron.convert import CheckpointReader, ShardWriter
 from slime_mt.errors import CheckpointError
+from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 
 
 def _inner_optimizers(optimizer) -> list:

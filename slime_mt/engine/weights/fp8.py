@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from slime_mt.backends.megatron.convert import ShardWriter
 from slime_mt.engine.weights.checkpoint import checkpoint_files
 from slime_mt.errors import ConfigError, WeightUpdateError
+from slime_mt.safetensors_files import ShardWriter
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0

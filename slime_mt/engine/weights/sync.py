@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slime_mt.backends.megatron.convert import ShardWriter
 from slime_mt.engine.weights import group as weight_group
 from slime_mt.engine.weights import tensor_payload
 from slime_mt.engine.weights.fp8 import BlockFp8, quantize_stream
 from slime_mt.errors import ConfigError, EngineError
+from slime_mt.safetensors_files import ShardWriter
 
 logger = logging.getLogger(__name__)
 

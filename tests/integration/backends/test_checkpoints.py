@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.safetensors_files import load_hf_state
 
 
 def assert_same_checkpoint_files(a, b) -> None:

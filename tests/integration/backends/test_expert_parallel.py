@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron_worlds import MOE_FAMILIES
 
-from slime_mt.backends.megatron.convert import load_hf_state
+from slime_mt.safetensors_files import load_hf_state
 
 # One float32 ulp at |log p| of 8-16 is 9.5e-7: an expert's GEMM over another set of rows (the tokens
 # every data-parallel rank sends it under EP) may round its last bit differently on the CPU.

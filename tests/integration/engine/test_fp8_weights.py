@@ -14,11 +14,11 @@ from engine_helpers import LoopSide, engine_process
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, quantize_stream
 from slime_mt.engine.weights.sync import DistributedWeights, FolderWeights, TensorWeights, WeightFolders
 from slime_mt.errors import WeightUpdateError
+from slime_mt.safetensors_files import load_hf_state
 
 PROMPT = [9707, 1879, 11, 1128, 525, 498, 30]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

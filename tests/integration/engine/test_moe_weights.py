@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.embedded.server import LocalEngine
+from slime_mt.safetensors_files import load_hf_state
 
 PROMPT = [9707, 1879, 11, 1128, 525, 498, 30]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

@@ -13,11 +13,11 @@ import asyncio
 import pytest
 import torch
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.clients.sglang import UPDATE_ABORT, EngineClient
 from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.errors import EngineRequestError
+from slime_mt.safetensors_files import load_hf_state
 
 PROMPT = [9707, 11, 1246, 525, 498, 30, 358, 1079]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -11,9 +11,9 @@ import pytest
 import torch
 from engine_helpers import LoopSide, engine_process
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.engine.weights.sync import DistributedWeights, FolderWeights, TensorWeights
+from slime_mt.safetensors_files import load_hf_state
 
 PROMPT = [3, 17, 29, 101, 7, 64]
 

@@ -13,7 +13,6 @@ import torch
 from rollout_helpers import make_ctx, picture
 
 from slime_mt.algo.losses import off_policy_weights
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.clients.sglang import UPDATE_ABORT, EngineClient
 from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.engine.embedded.server import LocalEngine
@@ -21,6 +20,7 @@ from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.multi_turn import run_episode
 from slime_mt.rollout.staleness import route_staleness_metrics, route_versions
 from slime_mt.routes import RouteLayout
+from slime_mt.safetensors_files import load_hf_state
 from slime_mt.types import Sample
 
 BUDGET = 160

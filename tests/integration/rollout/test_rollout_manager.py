@@ -13,7 +13,6 @@ import textwrap
 import pytest
 from rollout_helpers import make_ctx
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.config import DataConfig
 from slime_mt.data import PromptDataset, load_rows
 from slime_mt.engine.clients.update_gate import UpdateGate
@@ -21,6 +20,7 @@ from slime_mt.engine.embedded.server import LocalEngine
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.manager import RolloutManager
 from slime_mt.rollout.staleness import mask_stale, oldest_version, staleness_metrics
+from slime_mt.safetensors_files import load_hf_state
 
 STOPS = list(range(3, 151643, 4)) + [151645]
 DATA_CFG = DataConfig(input_key="prompt", apply_chat_template=True, metadata_key="metadata")

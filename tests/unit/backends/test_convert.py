@@ -1,23 +1,13 @@
 """HF <-> Megatron conversion as data: per-rank slices read from disk, the Transformer Engine names
-(tested without TE: the names are data), sharded writing, and the packing figures."""
-
-import json
+(tested without TE: the names are data), and the packing figures."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from slime_mt.backends.megatron.convert import (
-    CheckpointReader,
-    ShardWriter,
-    TPGather,
-    decoder_names,
-    iter_hf_to_megatron,
-    iter_megatron_to_hf,
-    load_hf_state,
-)
+from slime_mt.backends.megatron.convert import TPGather, decoder_names, iter_hf_to_megatron, iter_megatron_to_hf
 from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
 from slime_mt.backends.megatron.packing import useful_attention_fraction
+from slime_mt.safetensors_files import CheckpointReader, load_hf_state
 
 
 class _Shards(TPGather):
@@ -79,17 +69,6 @@ def test_te_names_are_megatron_own_local_to_te_map(tiny_paths):
     assert decoder_names(3, te=True)["input_norm"] == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
 
 
-def test_reader_reads_only_the_requested_slices(tmp_path):
-    full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
-    save_file({"w": full, "v": torch.ones(3)}, str(tmp_path / "model.safetensors"))
-    reader = CheckpointReader(tmp_path)
-    assert torch.equal(reader.rows("w", 2, 4), full[2:4])
-    assert torch.equal(reader.cols("w", 3, 7), full[:, 3:7])
-    assert reader.shape("w") == [6, 8] and reader.names() == {"w", "v"}
-    memory = CheckpointReader(tensors={"w": full})
-    assert torch.equal(memory.cols("w", 1, 2), full[:, 1:2])
-
-
 def test_vocabulary_rows_are_padded_per_rank(tiny_paths):
     """Qwen's 151,936 rows split over 3 ranks pad to 151,938: the last rank's last rows are zeros."""
     from slime_mt.backends.megatron.convert import _vocab_shard
@@ -100,26 +79,6 @@ def test_vocabulary_rows_are_padded_per_rank(tiny_paths):
     assert [s.shape[0] for s in shards] == [50646] * 3
     assert torch.equal(torch.cat(shards)[: spec.vocab_size], reader.get("model.embed_tokens.weight"))
     assert torch.count_nonzero(shards[-1][-2:]) == 0
-
-
-def test_shard_writer_splits_and_indexes(tmp_path):
-    tensors = {f"t{i}": torch.full((256,), float(i)) for i in range(5)}  # 1 KiB each
-    writer = ShardWriter(tmp_path, "model", max_bytes=2048)
-    for name, t in tensors.items():
-        writer.add(name, t)
-    files = writer.close()
-    assert [f.name for f in files] == [
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-    ]
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(tensors)
-    back = load_hf_state(tmp_path)
-    assert all(torch.equal(back[k], v) for k, v in tensors.items())
-    single = ShardWriter(tmp_path / "one", "model")
-    single.add("a", torch.ones(2))
-    assert [f.name for f in single.close()] == ["model.safetensors"]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import pytest
 from train_helpers import REPO
 
 from slime_mt.assets import SIZED_MODELS
-from slime_mt.backends.megatron.convert import CheckpointReader
 from slime_mt.backends.megatron.memory_plan import (
     GIB,
     fitting_layout,
@@ -25,6 +24,7 @@ from slime_mt.config_parsing import parse_config
 from slime_mt.errors import ConfigError
 from slime_mt.plugins import load_module
 from slime_mt.preflight import DEVICE_RESERVE_BYTES, memory_plan
+from slime_mt.safetensors_files import CheckpointReader
 
 
 def sized_spec(name: str, model_type: str):

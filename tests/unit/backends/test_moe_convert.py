@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from slime_mt.backends.megatron.convert import (
-    CheckpointReader,
     ExpertGather,
     ExpertLayout,
     HFExperts,
@@ -15,10 +14,10 @@ from slime_mt.backends.megatron.convert import (
     expert_names,
     iter_hf_to_megatron,
     iter_megatron_to_hf,
-    load_hf_state,
 )
 from slime_mt.backends.megatron.models import MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.errors import ModelConfigError
+from slime_mt.safetensors_files import CheckpointReader, load_hf_state
 
 
 def _text(**moe) -> dict:

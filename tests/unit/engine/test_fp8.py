@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
-from slime_mt.backends.megatron.convert import load_hf_state
 from slime_mt.engine.weights.fp8 import BlockFp8, convert_folder, dequantize_named, folder_format, quantize_stream
 from slime_mt.errors import ConfigError, WeightUpdateError
+from slime_mt.safetensors_files import load_hf_state
 
 KINDS = ["qwen3", "qwen3-moe", "qwen2.5-vl"]
 SMALL_BLOCK = BlockFp8((16, 24))
