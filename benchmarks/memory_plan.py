@@ -148,8 +148,8 @@ def main():
         args.cp, args.tokens, args.tp = int(args.cp), int(args.tokens), int(args.tp)
         child(args)
         return
+    from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
     from slime_mt.backends.megatron.memory_plan import GIB, plan_rank
-    from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
 
     spec = decoder_spec(read_hf_config(model_dir()))
     print("Llama 8 x 256, vocabulary 32,768, fp32; measured: peak RSS - the RSS before the model, most of any rank")

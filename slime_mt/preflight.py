@@ -8,8 +8,8 @@ import inspect
 import os
 from pathlib import Path
 
+from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
-from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
 from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install

@@ -339,7 +339,7 @@ def check_recompute(args, info, out):
     and grad norm, whether the step's metrics match, and the bytes each forward kept for its backward
     (fewer with recompute). MoE replays random routes (R3): the recomputed layers must replay them
     too, or the gradients move."""
-    from slime_mt.backends.megatron.models import have_transformer_engine
+    from slime_mt.backends.megatron.families import have_transformer_engine
     from slime_mt.backends.megatron.recompute import in_backward
     from slime_mt.errors import ModelConfigError
 
@@ -1603,8 +1603,8 @@ def _pipeline_family(kind: str, info) -> dict:
     from megatron.core import parallel_state
 
     from slime_mt.backends.megatron.convert import iter_hf_to_megatron, load_into
+    from slime_mt.backends.megatron.families import TextPolicy, build_gpt, decoder_spec, read_hf_config, stage_of
     from slime_mt.backends.megatron.logprobs import hidden_logprobs
-    from slime_mt.backends.megatron.models import TextPolicy, build_gpt, decoder_spec, read_hf_config, stage_of
     from slime_mt.backends.megatron.packing import pack_row
     from slime_mt.backends.megatron.parallel import PipelineSplit
     from slime_mt.backends.megatron.pipeline import run_pipeline

@@ -43,8 +43,7 @@ from slime_mt.backends.megatron.convert import (
     load_into,
     text_prefix,
 )
-from slime_mt.backends.megatron.logprobs import hidden_logprobs
-from slime_mt.backends.megatron.models import (
+from slime_mt.backends.megatron.families import (
     MoeOptions,
     Recompute,
     TextPolicy,
@@ -55,6 +54,7 @@ from slime_mt.backends.megatron.models import (
     read_hf_config,
     stage_of,
 )
+from slime_mt.backends.megatron.logprobs import hidden_logprobs
 from slime_mt.backends.megatron.moe import (
     count_routes,
     moe_layers,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_mt.backends.megatron.models import DecoderSpec, padded_vocab
+from slime_mt.backends.megatron.families import DecoderSpec, padded_vocab
 from slime_mt.backends.megatron.parallel import Stage
 from slime_mt.safetensors_files import CheckpointReader
 

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from slime_mt.backends.megatron.actor import LOGIT_CHUNK_BYTES
-from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, padded_vocab
+from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, padded_vocab
 from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
 

@@ -22,7 +22,7 @@ import torch
 
 from slime_mt.backends.megatron.context_parallel import ContextParallelSegments
 from slime_mt.backends.megatron.convert import ExpertLayout, iter_hf_to_megatron, load_into
-from slime_mt.backends.megatron.models import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt, stage_of
+from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, Recompute, TextPolicy, build_gpt, stage_of
 from slime_mt.backends.megatron.parallel import PipelineSplit
 from slime_mt.backends.megatron.sequence_parallel import sequence_slice
 from slime_mt.errors import ModelConfigError

@@ -8,8 +8,8 @@ import pytest
 from megatron_worlds import FAMILIES, MOE_FAMILIES
 from train_helpers import REPO
 
+from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
 from slime_mt.backends.megatron.memory_plan import plan_rank
-from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
 from slime_mt.plugins import load_module
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from slime_mt.backends.megatron.convert import TPGather, decoder_names, iter_hf_to_megatron, iter_megatron_to_hf
-from slime_mt.backends.megatron.models import decoder_spec, read_hf_config
+from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
 from slime_mt.backends.megatron.packing import useful_attention_fraction
 from slime_mt.safetensors_files import CheckpointReader, load_hf_state
 

@@ -9,6 +9,7 @@ import pytest
 from train_helpers import REPO
 
 from slime_mt.assets import SIZED_MODELS
+from slime_mt.backends.megatron.families import MoeOptions, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.memory_plan import (
     GIB,
     fitting_layout,
@@ -17,7 +18,6 @@ from slime_mt.backends.megatron.memory_plan import (
     rank_parameters,
     vision_parameters,
 )
-from slime_mt.backends.megatron.models import MoeOptions, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.config import TrainConfig
 from slime_mt.config_parsing import parse_config

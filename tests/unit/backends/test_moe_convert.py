@@ -15,7 +15,7 @@ from slime_mt.backends.megatron.convert import (
     iter_hf_to_megatron,
     iter_megatron_to_hf,
 )
-from slime_mt.backends.megatron.models import MoeOptions, check_tp, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.families import MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.errors import ModelConfigError
 from slime_mt.safetensors_files import CheckpointReader, load_hf_state
 

@@ -1,4 +1,4 @@
-"""Megatron-core models built from a Hugging Face checkpoint folder's config.
+"""The model families: Megatron-core decoders built from a Hugging Face checkpoint folder's config.
 
 Text families: Llama (SmolLM2), Qwen2/Qwen2.5 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE ->
 ``GPTModel`` with the local layer spec on CPU (the Transformer Engine spec when ``transformer_engine``
