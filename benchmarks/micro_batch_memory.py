@@ -100,6 +100,7 @@ def child(args) -> dict:
         step = lambda: hf_step(model, optimizer, samples, advantages, device)  # noqa: E731
         forwarded = args.tokens
     else:
+        from slime_mt.backends.megatron import scoring
         from slime_mt.backends.megatron.actor import MegatronActor
         from slime_mt.config import AlgoConfig, TrainConfig
 
@@ -112,10 +113,10 @@ def child(args) -> dict:
         )
         actor = MegatronActor(str(path), train, AlgoConfig(), info)
         everything = list(range(len(samples)))
-        rows = actor._rows(samples, everything)
+        rows = scoring.micro_batches(actor.policy, samples, everything)
         if len(rows) != 1:
             raise RuntimeError(f"{args.tokens} tokens packed into {len(rows)} micro-batches, expected one")
-        forwarded = actor.pack(samples, rows[0]).num_real_tokens
+        forwarded = scoring.pack(actor.policy, samples, rows[0]).num_real_tokens
         groups = len({s.group_id for s in samples})
         step = lambda: actor.train(actor.share_of(samples, advantages, groups))  # noqa: E731
     if cuda:

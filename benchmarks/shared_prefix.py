@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from slime_mt.backends.megatron import scoring
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.parallel import init_parallel
 from slime_mt.config import AlgoConfig, TrainConfig
@@ -74,8 +75,8 @@ def measure(path, samples, tree: bool, budget: int, steps: int, info) -> dict:
         info,
     )
     everything = list(range(len(samples)))
-    rows = actor._rows(samples, everything)
-    forwarded = sum(actor.pack(samples, r).num_real_tokens for r in rows)
+    rows = scoring.micro_batches(actor.policy, samples, everything)
+    forwarded = sum(scoring.pack(actor.policy, samples, r).num_real_tokens for r in rows)
     advantages = [1.0 if i % 2 else -1.0 for i in everything]
     times = []
     for _ in range(1 + steps if steps else 1):

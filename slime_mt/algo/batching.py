@@ -34,14 +34,16 @@ def mini_batches_by_groups(samples: list[TrainingSample], prompts_per_step: int)
 class RankShare:
     """What one data-parallel rank trains on in a step (its TP peers train on the same): its prompt
     groups of each mini-batch, with what only the whole batch knows. ``indices``: the samples' places
-    in the step's batch (kept log-probs are reported by them); ``weights``: each token's reduction
-    weight, computed from its whole mini-batch; ``mini_batch``: the optimizer step of each sample, of
-    ``mini_batches`` steps every rank takes; ``trainable``: whether the step trains at all (a batch with
-    no trainable token is skipped by every rank)."""
+    in the step's batch (kept log-probs are reported by them); ``advantages``: each sample's, a scalar
+    from the rollout role's group estimator, or one per response token where an estimator on the train
+    ranks set them from model outputs (values, a teacher's log-probs) after scoring this share;
+    ``weights``: each token's reduction weight, computed from its whole mini-batch; ``mini_batch``: the
+    optimizer step of each sample, of ``mini_batches`` steps every rank takes; ``trainable``: whether the
+    step trains at all (a batch with no trainable token is skipped by every rank)."""
 
     indices: list[int]
     samples: list[TrainingSample]
-    advantages: list[float]
+    advantages: list[float | list[float]]
     weights: list[list[float]]
     mini_batch: list[int]
     mini_batches: int
@@ -50,6 +52,18 @@ class RankShare:
     def of_mini_batch(self, m: int) -> list[int]:
         """Positions in this share of mini-batch ``m``'s samples, in batch order."""
         return [k for k, b in enumerate(self.mini_batch) if b == m]
+
+    def token_advantages(self, k: int) -> list[float]:
+        """Sample ``k``'s advantage on each response token, 0 where its loss mask is (a scalar advantage
+        on every trained token)."""
+        advantage, mask = self.advantages[k], self.samples[k].loss_mask
+        if isinstance(advantage, list):
+            if len(advantage) != len(mask):
+                raise ValueError(
+                    f"sample {self.indices[k]}: {len(advantage)} per-token advantages for {len(mask)} response tokens"
+                )
+            return [a * m for a, m in zip(advantage, mask)]
+        return [advantage * m for m in mask]
 
 
 def split_by_dp(

@@ -21,6 +21,7 @@ summary prints them beside the time taken, and the share of the run the host too
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -214,14 +215,21 @@ class SetupClock:
     def pytest_fixture_setup(self, fixturedef, request):
         if fixturedef.scope == "function":
             return (yield)
+        with self.shared_set_up(f"fixture {fixturedef.argname} ({fixturedef.scope}, {fixturedef.baseid or 'tests'})"):
+            return (yield)
+
+    @contextlib.contextmanager
+    def shared_set_up(self, name: str):
+        """Time a set-up that several tests share as ``name``: a module or session fixture, or what a
+        session fixture makes when a test first asks for it (a Megatron world): counted as its own, not
+        as the test's that happened to ask first."""
         self.nested.append(0.0)
         started, stolen = time.perf_counter(), stolen_seconds()
         try:
-            return (yield)
+            yield
         finally:
             counted = time.perf_counter() - started - (stolen_seconds() - stolen)
             inner = self.nested.pop()
-            name = f"fixture {fixturedef.argname} ({fixturedef.scope}, {fixturedef.baseid or 'tests'})"
             self.fixtures[name] = max(self.fixtures.get(name, 0.0), counted - inner)
             if self.nested:
                 self.nested[-1] += counted

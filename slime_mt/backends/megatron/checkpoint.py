@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime_mt.backends.megatron.export import iter_hf_weights
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 
@@ -37,24 +38,24 @@ def _main(param: torch.nn.Parameter) -> torch.Tensor:
     return getattr(param, "main_param", param)
 
 
-def _split_names(actor) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
+def _split_names(model) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
     """(decoder params by megatron state name, vision params by HF name)."""
     decoder, vision = {}, {}
-    for name, param in actor.policy.named_parameters():
+    for name, param in model.module.named_parameters():
         if name.startswith("gpt."):
             decoder[name[len("gpt.") :]] = param
         elif name.startswith("visual."):
-            vision[actor.policy.vision_prefix + name[len("visual.") :]] = param
+            vision[model.module.vision_prefix + name[len("visual.") :]] = param
         else:
             raise CheckpointError(f"parameter {name} belongs to neither the decoder nor the vision tower")
     return decoder, vision
 
 
-def _sharding(actor) -> dict[torch.nn.Parameter, object]:
+def _sharding(model) -> dict[torch.nn.Parameter, object]:
     """param -> the distributed optimizer holding a shard of its main copy and state over its DP group
     (``--use-distributed-optimizer``); {} for the replicated optimizer."""
     owners = {}
-    for inner in _inner_optimizers(actor.optimizer):
+    for inner in _inner_optimizers(model.optimizer):
         if hasattr(inner, "model_param_gbuf_map"):  # every parameter of its buffers, held here or not
             for buffer in inner.buffers:
                 owners.update((param, inner) for param in buffer.params)
@@ -89,50 +90,50 @@ def _scatter(owner, param: torch.nn.Parameter, key: str, tensor: torch.Tensor, s
         entry.setdefault(scalar, torch.tensor(value, dtype=torch.float32))
 
 
-def _optimizer_state(actor) -> dict[int, dict]:
+def _optimizer_state(model) -> dict[int, dict]:
     """id(main tensor) -> its torch optimizer state."""
     states = {}
-    for inner in _inner_optimizers(actor.optimizer):
+    for inner in _inner_optimizers(model.optimizer):
         for main, state in inner.optimizer.state.items():
             states[id(main)] = state
     return states
 
 
-def _hf_tensors(actor, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
+def _hf_tensors(model, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
     """HF-named ``pick(param)`` for every parameter (None where pick returns None), full tensors on
     global rank 0 only; collective over the TP group of DP rank 0."""
-    decoder, vision = _split_names(actor)
+    decoder, vision = _split_names(model)
     picked = {name: pick(p) for name, p in decoder.items()}
     if all(t is not None for t in picked.values()):
-        yield from actor.iter_hf_weights(tensors=picked)
-    here = actor.info.rank == 0
+        yield from iter_hf_weights(model, tensors=picked)
+    here = model.info.rank == 0
     for name, param in vision.items():
         t = pick(param)
         if t is not None:
             yield name, t.detach().clone() if here else None
 
 
-def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
+def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
     root = Path(root)
-    name = f"iter_{actor.step:07d}"
+    name = f"iter_{model.step:07d}"
     tmp = root / f".tmp_{name}"
-    main = actor.info.rank == 0
+    main = model.info.rank == 0
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     writer = ShardWriter(tmp, "model") if main else None
-    sharded = _sharding(actor)
+    sharded = _sharding(model)
 
     def weight(param):
         return _gathered(sharded[param], param, "param") if param in sharded else _main(param).detach()
 
-    for hf_name, t in _hf_tensors(actor, weight):
+    for hf_name, t in _hf_tensors(model, weight):
         if writer:
             writer.add(hf_name, t.float())
     if writer:
         writer.close()
-    states = _optimizer_state(actor)
+    states = _optimizer_state(model)
     keys = sorted({k for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
 
     def state(param, key):
@@ -142,7 +143,7 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
 
     for key in keys:
         writer = ShardWriter(tmp / "optimizer" / key, "model") if main else None
-        for hf_name, t in _hf_tensors(actor, lambda p, k=key: state(p, k)):
+        for hf_name, t in _hf_tensors(model, lambda p, k=key: state(p, k)):
             if writer:
                 writer.add(hf_name, t.float())
         if writer:
@@ -152,7 +153,7 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
     rng = {"torch": torch.get_rng_state(), "tracker": mp_random.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng" / f"rank_{actor.info.rank:03d}.pt")
+    torch.save(rng, tmp / "rng" / f"rank_{model.info.rank:03d}.pt")
     dist.barrier()
     if main:
         scalars = {k: float(v) for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 0}
@@ -161,23 +162,23 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
                 {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
                 for g in inner.optimizer.param_groups
             ]
-            for inner in _inner_optimizers(actor.optimizer)
+            for inner in _inner_optimizers(model.optimizer)
         ]
         (tmp / "trainer_state.json").write_text(
             json.dumps(
                 {
-                    "step": actor.step,
-                    "scheduler": actor.scheduler.state_dict(),
+                    "step": model.step,
+                    "scheduler": model.scheduler.state_dict(),
                     "optimizer_keys": keys,
                     "optimizer_scalars": scalars,
                     "param_groups": groups,
-                    "layout": _layout(actor),
+                    "layout": _layout(model),
                     "extra": extra,
                 },
                 indent=1,
             )
         )
-        for file in Path(actor.hf_path).iterdir():  # config, tokenizer, processor: an HF model folder
+        for file in Path(model.hf_path).iterdir():  # config, tokenizer, processor: an HF model folder
             if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copy2(file, tmp / file.name)
         final = root / name
@@ -190,16 +191,16 @@ def save_checkpoint(actor, root: str | Path, extra: dict) -> Path:
     return root / name
 
 
-def _layout(actor) -> dict[str, int]:
+def _layout(model) -> dict[str, int]:
     """The saving layout (RNG states are restored only at the same one); EP, CP and PP only when above
     1, so checkpoints of dense runs keep their earlier layout record."""
-    layout = {"tp": actor.info.tp_size, "dp": actor.info.dp_size}
-    if actor.info.ep_size > 1 or actor.info.etp_size != actor.info.tp_size:
-        layout.update(ep=actor.info.ep_size, etp=actor.info.etp_size)
-    if actor.info.cp_size > 1:
-        layout.update(cp=actor.info.cp_size)
-    if actor.info.pp_size > 1:
-        layout.update(pp=actor.info.pp_size)
+    layout = {"tp": model.info.tp_size, "dp": model.info.dp_size}
+    if model.info.ep_size > 1 or model.info.etp_size != model.info.tp_size:
+        layout.update(ep=model.info.ep_size, etp=model.info.etp_size)
+    if model.info.cp_size > 1:
+        layout.update(cp=model.info.cp_size)
+    if model.info.pp_size > 1:
+        layout.update(pp=model.info.pp_size)
     return layout
 
 
@@ -215,13 +216,13 @@ def _read_latest(root: Path) -> Path:
     return root / name
 
 
-def _load_params(actor, reader: CheckpointReader, target) -> None:
+def _load_params(model, reader: CheckpointReader, target) -> None:
     """Copy this rank's slices of the checkpoint tensors into ``target(param)`` for every parameter."""
-    decoder, vision = _split_names(actor)
+    decoder, vision = _split_names(model)
     names = reader.names()
     seen = set()
     with torch.no_grad():
-        for name, tensor in actor.iter_megatron_tensors(reader):
+        for name, tensor in model.iter_megatron_tensors(reader):
             if name not in decoder:
                 raise CheckpointError(f"checkpoint tensor {name} has no parameter in this model")
             target(decoder[name], tensor)
@@ -233,7 +234,7 @@ def _load_params(actor, reader: CheckpointReader, target) -> None:
                 target(param, reader.get(hf_name))
 
 
-def load_checkpoint(actor, root: str | Path) -> dict:
+def load_checkpoint(model, root: str | Path) -> dict:
     """Restore weights, optimizer state, LR schedule, step (and RNG at the same layout) from
     ``root/latest`` or an ``iter_*`` folder -> the saved ``extra`` dict."""
     folder = _read_latest(Path(root))
@@ -242,7 +243,7 @@ def load_checkpoint(actor, root: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")
     saved = json.loads(state_file.read_text())
 
-    sharded = _sharding(actor)
+    sharded = _sharding(model)
 
     def set_weight(param, tensor):
         param.copy_(tensor)
@@ -251,9 +252,9 @@ def load_checkpoint(actor, root: str | Path) -> dict:
         elif _main(param) is not param:
             _main(param).copy_(tensor)
 
-    _load_params(actor, CheckpointReader(folder), set_weight)
+    _load_params(model, CheckpointReader(folder), set_weight)
     states = {}
-    for inner in _inner_optimizers(actor.optimizer):
+    for inner in _inner_optimizers(model.optimizer):
         for group in inner.optimizer.param_groups:
             for main in group["params"]:
                 states[id(main)] = (inner.optimizer, main)
@@ -269,14 +270,14 @@ def load_checkpoint(actor, root: str | Path) -> dict:
             for scalar, value in saved["optimizer_scalars"].items():
                 entry.setdefault(scalar, torch.tensor(value, dtype=torch.float32))
 
-        _load_params(actor, CheckpointReader(folder / "optimizer" / key), set_state)
-    for inner, groups in zip(_inner_optimizers(actor.optimizer), saved["param_groups"]):
+        _load_params(model, CheckpointReader(folder / "optimizer" / key), set_state)
+    for inner, groups in zip(_inner_optimizers(model.optimizer), saved["param_groups"]):
         for group, values in zip(inner.optimizer.param_groups, groups):
             group.update(values)
-    actor.scheduler.load_state_dict(saved["scheduler"])
-    actor.step = int(saved["step"])
-    rng_file = folder / "rng" / f"rank_{actor.info.rank:03d}.pt"
-    if saved["layout"] == _layout(actor) and rng_file.is_file():
+    model.scheduler.load_state_dict(saved["scheduler"])
+    model.step = int(saved["step"])
+    rng_file = folder / "rng" / f"rank_{model.info.rank:03d}.pt"
+    if saved["layout"] == _layout(model) and rng_file.is_file():
         from megatron.core.tensor_parallel import random as mp_random
 
         rng = torch.load(rng_file, weights_only=True)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 
+# fp32 logits [rows, V/tp] alive at once in the log-prob path (a model's chunk of rows: this many bytes)
+LOGIT_CHUNK_BYTES = 64 * 1024 * 1024
+
 
 def _tp_group_info():
     from megatron.core import parallel_state

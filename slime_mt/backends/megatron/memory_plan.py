@@ -42,8 +42,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from slime_mt.backends.megatron.actor import LOGIT_CHUNK_BYTES
 from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, padded_vocab
+from slime_mt.backends.megatron.logprobs import LOGIT_CHUNK_BYTES
 from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
 

@@ -13,8 +13,8 @@ import torch
 
 
 def state_storages(modules, optimizer, device: torch.device) -> list[tuple[torch.UntypedStorage, bool]]:
-    """Every storage on ``device`` that holds the state of ``modules`` and ``optimizer``, once ->
-    (storage, whether its content must survive an offload)."""
+    """Every storage on ``device`` that holds the state of ``modules`` and ``optimizer`` (None: a frozen
+    model has none), once -> (storage, whether its content must survive an offload)."""
     tensors: list[tuple[torch.Tensor, bool]] = []
     for module in modules:
         for param in module.parameters() if module is not None else []:
@@ -22,7 +22,7 @@ def state_storages(modules, optimizer, device: torch.device) -> list[tuple[torch
             for attr, keep in (("main_param", True), ("main_grad", False)):
                 if isinstance(getattr(param, attr, None), torch.Tensor):
                     tensors.append((getattr(param, attr), keep))
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
         inner = getattr(chained, "optimizer", chained)
         tensors += [(param, True) for group in inner.param_groups for param in group["params"]]
         tensors += [(v, True) for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]

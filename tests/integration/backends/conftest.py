@@ -1,10 +1,13 @@
-"""The Megatron worlds of the backend tests (``megatron_worlds.WORLDS``): each launched once per pytest
-session, when a test first reads it, and read by every module that needs it (megatron is imported once
-per launch, not per test or module). ``megatron_dir`` holds what the worlds write (results, the TP
-matrix, the DP runs, the resharded checkpoints). Each world is the session fixture ``megatron_NAME``."""
+"""The Megatron worlds of the backend tests (``megatron_worlds.WORLDS``), through one session fixture:
+``world(name)`` is the results of world ``name``, launched the first time a test asks for it in this
+session and read by every test after (megatron is imported once per launch, not per test or module);
+``world(name, kind)`` the launch of ``name`` whose checks ran family ``kind`` (the MoE families have their
+own). A launch's time is counted as a shared set-up (``world NAME``), not as the asking test's.
+``megatron_dir`` holds what the worlds write (results, the TP matrix, the DP runs, the resharded
+checkpoints)."""
 
 import pytest
-from megatron_worlds import WORLDS, launch_world, world_name
+from megatron_worlds import launch_world, world_name
 
 # a world that reads what another saved is launched after it: TP=2's reshard_load reads the checkpoint
 # TP=1 saved, DP=2's the one TP=2 saved again, EP=1's resume the one EP=2 saved, and the PP worlds TP=1's
@@ -16,21 +19,24 @@ def megatron_dir(session_dir):
     return session_dir("megatron")
 
 
-def _world(name: str):
-    def launched(request, megatron_dir):
-        if name in AFTER:
-            request.getfixturevalue(f"megatron_{AFTER[name]}")
-        return launch_world(name, megatron_dir)
+@pytest.fixture(scope="session")
+def world(request, megatron_dir):
+    """``world(name[, kind])`` -> that world's results (a launch that failed fails every test asking)."""
+    clock = request.config._setup_clock
+    launched: dict[str, dict | Exception] = {}
 
-    launched.__doc__ = f"The results of the {name!r} world (megatron_worlds.WORLDS)."
-    return pytest.fixture(scope="session", name=f"megatron_{name}")(launched)
+    def results(name: str, kind: str | None = None) -> dict:
+        name = world_name(name, kind) if kind else name
+        if name not in launched:
+            if name in AFTER:
+                results(AFTER[name])
+            with clock.shared_set_up(f"world {name} (session, tests/integration/backends)"):
+                try:
+                    launched[name] = launch_world(name, megatron_dir)
+                except Exception as e:  # noqa: BLE001 - kept, and raised to every test that asks
+                    launched[name] = e
+        if isinstance(launched[name], Exception):
+            raise launched[name]
+        return launched[name]
 
-
-for _name in WORLDS:
-    globals()[f"_megatron_{_name}"] = _world(_name)
-
-
-@pytest.fixture
-def world_of(request):
-    """``world_of(name, kind)``: the results of the launch whose ``name`` checks ran family ``kind``."""
-    return lambda name, kind: request.getfixturevalue(f"megatron_{world_name(name, kind)}")
+    return results

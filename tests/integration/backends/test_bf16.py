@@ -6,8 +6,8 @@ from megatron_worlds import FAMILIES
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_bf16_trains_with_fp32_main_params_and_grads(world_of, kind):
-    r = world_of("tp1_models", kind)["bf16"][kind]
+def test_bf16_trains_with_fp32_main_params_and_grads(world, kind):
+    r = world("tp1_models", kind)["bf16"][kind]
     assert r["param_dtypes"] == ["torch.bfloat16"]
     assert r["main_param_dtypes"] == ["torch.float32"] and r["main_grad_dtypes"] == ["torch.float32"]
     assert r["logprob_dtype"] == "torch.float32"

@@ -62,9 +62,9 @@ CASES = [("cp2", "tp1_cp2", k, "") for k in FAMILIES] + [("cp2", "tp1_cp2", k, "
 CASES += [("tp2cp2sp", "tp2_cp2_sp", k, "") for k in DENSE_FAMILIES]  # with sequence parallelism
 
 
-@pytest.mark.parametrize("world,tag,kind,replay", CASES)  # replay "_r3": random routes replayed in every MoE layer
-def test_context_parallel_trains_as_one_rank_does(world_of, megatron_dir, world, tag, kind, replay):
-    world_of("tp1", kind), world_of(world, kind)
+@pytest.mark.parametrize("which,tag,kind,replay", CASES)  # replay "_r3": random routes replayed in every MoE layer
+def test_context_parallel_trains_as_one_rank_does(world, megatron_dir, which, tag, kind, replay):
+    world("tp1", kind), world(which, kind)
     one, split = (torch.load(megatron_dir / f"matrix_{t}_{kind}{replay}.pt", weights_only=True) for t in ("tp1", tag))
     assert split["replayed_routes"] == one["replayed_routes"] and (one["replayed_routes"] > 0) == bool(replay)
     for got, want in zip(split["logprobs"] + split["entropy"], one["logprobs"] + one["entropy"]):
@@ -79,12 +79,12 @@ def test_context_parallel_trains_as_one_rank_does(world_of, megatron_dir, world,
         assert float((split["weights"][name] - want).abs().max()) <= 1e-5, name
 
 
-@pytest.mark.parametrize("world,tag", [("tp2_moe", "tp2"), ("cp2_moe", "tp1_cp2")])
-def test_the_load_balancing_loss_splits_over_tp_and_cp_ranks_as_its_tokens_do(request, megatron_dir, world, tag):
+@pytest.mark.parametrize("which,tag", [("tp2_moe", "tp2"), ("cp2_moe", "tp1_cp2")])
+def test_the_load_balancing_loss_splits_over_tp_and_cp_ranks_as_its_tokens_do(world, megatron_dir, which, tag):
     """With the load-balancing loss on, TP=2 (the MoE layer's tokens sharded over TP) and CP=2 give the
     gradients and router metrics of one rank: the loss, its gradient and the logged value are each
     rank's share of the row's, summed."""
-    request.getfixturevalue("megatron_tp1_moe"), request.getfixturevalue(f"megatron_{world}")
+    world("tp1_moe"), world(which)
     one, split = (torch.load(megatron_dir / f"aux_{t}.pt", weights_only=True) for t in ("tp1", tag))
     assert one["metrics"]["moe/load_balancing_loss"] > 0
     assert split["metrics"].keys() == one["metrics"].keys()

@@ -11,9 +11,8 @@ from megatron_worlds import rel
 
 @pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "decoupled"])
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2_dp2"])
-def test_data_parallel_gives_the_same_update_as_one_rank(
-    megatron_dir, megatron_tp1, megatron_dp2, megatron_tp2dp2, reduction, layout
-):
+def test_data_parallel_gives_the_same_update_as_one_rank(world, megatron_dir, reduction, layout):
+    world("tp1"), world({"tp1_dp2": "dp2", "tp2_dp2": "tp2dp2"}[layout])  # write the runs
     d = megatron_dir
     one = torch.load(d / f"dp_{reduction}_tp1_dp1.pt", weights_only=True)
     many = torch.load(d / f"dp_{reduction}_{layout}.pt", weights_only=True)
@@ -31,9 +30,9 @@ def test_data_parallel_gives_the_same_update_as_one_rank(
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2_dp2"])
-def test_the_distributed_optimizer_takes_adams_steps_holding_half_its_state(layout, request):
-    world = {"tp1_dp2": "dp2", "tp2_dp2": "tp2dp2"}[layout]
-    results = request.getfixturevalue(f"megatron_{world}")[f"distributed_optimizer_{layout}"]
+def test_the_distributed_optimizer_takes_adams_steps_holding_half_its_state(world, layout):
+    which = {"tp1_dp2": "dp2", "tp2_dp2": "tp2dp2"}[layout]
+    results = world(which)[f"distributed_optimizer_{layout}"]
     assert sorted(results) == ["qwen3-moe_bf16", "qwen3-moe_fp32", "qwen3_bf16", "qwen3_fp32"]
     for case, r in results.items():
         (plain, sharded) = r["norms"]  # three steps, gradients clipped to norm 1

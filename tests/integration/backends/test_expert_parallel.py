@@ -26,10 +26,10 @@ def _runs(root, kind, tag, suffix=""):
 
 @pytest.mark.parametrize("replay", ["", "_r3"])  # the router's own routes; random routes replayed (R3)
 @pytest.mark.parametrize("kind", MOE_FAMILIES)
-@pytest.mark.parametrize("world,tag", [("ep2", "tp1_ep2"), ("tp2ep2sp", "tp2_ep2_sp"), ("tp2ep2_etp1", "tp2_ep2_etp1")])
-@pytest.mark.usefixtures("megatron_tp1_moe")  # writes the EP=1 matrix
-def test_expert_parallel_equals_ep1(request, megatron_dir, kind, world, tag, replay):
-    request.getfixturevalue(f"megatron_{world}")
+@pytest.mark.parametrize("which,tag", [("ep2", "tp1_ep2"), ("tp2ep2sp", "tp2_ep2_sp"), ("tp2ep2_etp1", "tp2_ep2_etp1")])
+def test_expert_parallel_equals_ep1(world, megatron_dir, kind, which, tag, replay):
+    world("tp1_moe")  # writes the EP=1 matrix
+    world(which)
     ep1, ep2 = _runs(megatron_dir, kind, tag, replay)
     assert ep2["replayed_routes"] == ep1["replayed_routes"] and (ep1["replayed_routes"] > 0) == bool(replay)
     for got, want in zip(ep2["logprobs"] + ep2["entropy"], ep1["logprobs"] + ep1["entropy"]):
@@ -46,13 +46,13 @@ def test_expert_parallel_equals_ep1(request, megatron_dir, kind, world, tag, rep
         assert float((ep2["weights"][name] - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), name
 
 
-@pytest.mark.parametrize("world", ["ep2", "tp2ep2sp"])
+@pytest.mark.parametrize("which", ["ep2", "tp2ep2sp"])
 @pytest.mark.parametrize("kind", MOE_FAMILIES)
-def test_the_allgather_dispatcher_equals_the_alltoall_one(request, world, kind):
+def test_the_allgather_dispatcher_equals_the_alltoall_one(world, which, kind):
     """With a load-balancing loss (coefficient 0.01): the same gradients, and the router metrics users
     watch (per-layer expert load, the load-balancing loss) the same from either dispatcher; under TP=2 x
     EP=2 with sequence parallelism the all-gather one pads each rank's slice to the group's longest."""
-    r = request.getfixturevalue(f"megatron_{world}")["dispatchers"][kind]
+    r = world(which)["dispatchers"][kind]
     assert r["logprobs"] <= LOGPROB_ULPS and r["entropy"] <= LOGPROB_ULPS and r["loss"] <= 1e-6, r
     assert r["grads"] <= 1e-6 * max(1.0, r["max_grad"]), r
     gathered, exchanged = r["router"]["allgather"], r["router"]["alltoall"]
@@ -70,14 +70,15 @@ def test_the_allgather_dispatcher_equals_the_alltoall_one(request, world, kind):
     assert abs(gathered["moe/load_balancing_loss"] - exchanged["moe/load_balancing_loss"]) <= 1e-6
 
 
-def test_experts_export_to_rank_zero_only(megatron_ep2):
+def test_experts_export_to_rank_zero_only(world):
     """Rank 1 lends its experts (4 of 8 in the sparse layer: 12 tensors) and holds no full tensor."""
-    full, lent = megatron_ep2["export_ranks"]
+    full, lent = world("ep2")["export_ranks"]
     assert full["none"] == 0 and full["full"] > 0
     assert lent == {"full": 0, "none": 12}
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_bit_for_bit(megatron_dir, megatron_ep1_resume):
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_bit_for_bit(world, megatron_dir):
+    resumed = world("ep1_resume")["moe_reshard_load"]  # saves b from the a that ep2 saved
     root = megatron_dir / "reshard_moe"
     a, b = (root / x / (root / x / "latest").read_text() for x in "ab")
     for sub in ("", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
@@ -87,7 +88,7 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_bit_for_bit(megatron_dir, mega
             assert torch.equal(saved[name], resaved[name]), (sub, name)
     layouts = [json.loads((x / "trainer_state.json").read_text())["layout"] for x in (a, b)]
     assert layouts == [{"tp": 1, "dp": 2, "ep": 2, "etp": 1}, {"tp": 1, "dp": 1}]
-    assert megatron_ep1_resume["moe_reshard_load"] == {"step": 3, "extra": {"layout": "tp1_ep2"}}  # 2 + the step
+    assert resumed == {"step": 3, "extra": {"layout": "tp1_ep2"}}  # 2 + the step
     ep2 = torch.load(megatron_dir / "reshard_moe_continued_tp1_ep2.pt", weights_only=True)
     ep1 = torch.load(megatron_dir / "reshard_moe_continued_tp1.pt", weights_only=True)
     assert ep1.keys() == ep2.keys()
@@ -95,12 +96,10 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_bit_for_bit(megatron_dir, mega
         assert torch.allclose(ep1[name], ep2[name], rtol=0, atol=1e-5), name
 
 
-def test_ranks_with_fewer_micro_batches_run_idle_passes_and_the_step_equals_ep1(
-    megatron_dir, megatron_ep2, megatron_ep1_resume
-):
+def test_ranks_with_fewer_micro_batches_run_idle_passes_and_the_step_equals_ep1(world, megatron_dir):
     """At EP=2 x DP=2 the ranks pack different numbers of rows; every MoE layer's exchange is
     collective, so the rank with fewer runs idle passes that train nothing: the step equals EP=1's."""
-    ep2, ep1 = megatron_ep2["ep_rows"], megatron_ep1_resume["ep_rows"]
+    ep2, ep1 = world("ep2")["ep_rows"], world("ep1_resume")["ep_rows"]
     assert len(set(ep2["rows"])) == 2, ep2["rows"]  # the ranks differ
     # the expert load counts every real token once, whichever rank routed it (idle passes do not count)
     load = "train/moe/load_max_over_mean/layer_0"

@@ -13,12 +13,12 @@ from slime_mt.backends.megatron.memory_plan import plan_rank
 from slime_mt.plugins import load_module
 
 
-@pytest.mark.parametrize("world", ["tp1", "tp2", "ep2", "tp2ep2_etp1", "cp2", "tp2sp"])
-def test_the_plan_counts_each_ranks_parameters_as_megatron_builds_them(world, world_of):
-    kinds = MOE_FAMILIES if world.startswith(("ep2", "tp2ep2")) else FAMILIES
+@pytest.mark.parametrize("which", ["tp1", "tp2", "ep2", "tp2ep2_etp1", "cp2", "tp2sp"])
+def test_the_plan_counts_each_ranks_parameters_as_megatron_builds_them(world, which):
+    kinds = MOE_FAMILIES if which.startswith(("ep2", "tp2ep2")) else FAMILIES
     for kind in kinds:
-        counts = world_of(world, kind)["parameters"][kind]
-        assert counts["built"] == counts["plan"], (world, kind, counts)
+        counts = world(which, kind)["parameters"][kind]
+        assert counts["built"] == counts["plan"], (which, kind, counts)
         assert counts["built"][1] > 0 if "vl" in kind else counts["built"][1] == 0  # the frozen vision tower
 
 

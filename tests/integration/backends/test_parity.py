@@ -7,13 +7,13 @@ from megatron_worlds import FAMILIES, REFUSED_ROPE, ROPE_CASES
 
 
 @pytest.mark.parametrize("kind", ["smollm2", *FAMILIES])
-def test_logits_match_transformers_and_export_round_trips(world_of, kind):
+def test_logits_match_transformers_and_export_round_trips(world, kind):
     """Against transformers' SDPA attention (the same fp32 arithmetic as the fused core attention)
     Megatron is exact to 1e-5; against an fp64 reference it is no further off than transformers' own
     fp32 results, eager and SDPA (which of the two is closer depends on the CPU's kernels: on one
     machine SDPA's error was 1.27x eager's). SmolLM2's residual stream reaches ~2.5e4, so any two fp32
     implementations are ~1e-4 apart on its logits: transformers' eager and SDPA differ by as much."""
-    r = world_of("tp1_models", kind)["families"][kind]
+    r = world("tp1_models", kind)["families"][kind]
     for seq in r["sequences"]:
         assert seq["vs_sdpa"] < 1e-5, seq
         assert seq["vs_fp64"] <= 1.05 * max(seq["hf_fp32_vs_fp64"], seq["hf_sdpa_fp32_vs_fp64"]) + 1e-6, seq
@@ -22,25 +22,25 @@ def test_logits_match_transformers_and_export_round_trips(world_of, kind):
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
-def test_rope_scaling_matches_transformers_past_the_original_context(megatron_tp1_models, case):
-    r = megatron_tp1_models["rope"][case]
+def test_rope_scaling_matches_transformers_past_the_original_context(world, case):
+    r = world("tp1_models")["rope"][case]
     assert r["max_abs_diff"] < 1e-4, r
     assert r["scaling_effect"] > 100 * max(r["max_abs_diff"], 1e-6), r  # ignoring the scaling would show
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED_ROPE))
-def test_unreproducible_rope_types_are_refused_naming_the_key(megatron_tp1_models, case):
-    error = megatron_tp1_models["rope"][case]["error"]
+def test_unreproducible_rope_types_are_refused_naming_the_key(world, case):
+    error = world("tp1_models")["rope"][case]["error"]
     kind = REFUSED_ROPE[case][1]["rope_type"]
     assert error is not None and f"rope_parameters.rope_type='{kind}' is not supported" in error
 
 
-def test_sft_loss_ignores_the_rollout_temperature(megatron_tp1_models):
-    r = megatron_tp1_models["sft"]
+def test_sft_loss_ignores_the_rollout_temperature(world):
+    r = world("tp1_models")["sft"]
     assert abs(r["loss"] - r["nll_t1"]) < 1e-5 * abs(r["nll_t1"])
     assert abs(r["nll_t1"] - r["nll_t05"]) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["smollm2", "qwen2.5-vl"])
-def test_engine_logprobs_match_megatron_recomputation(megatron_tp1_models, kind):
-    assert megatron_tp1_models["engine_fidelity"][kind]["mean_abs_diff"] < 1e-3
+def test_engine_logprobs_match_megatron_recomputation(world, kind):
+    assert world("tp1_models")["engine_fidelity"][kind]["mean_abs_diff"] < 1e-3

@@ -39,8 +39,8 @@ STAGES = {"llama-untied": [[0, 2], [2, 4]], "llama-untied-first1": [[0, 1], [1, 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_two_pipeline_stages_score_and_train_as_the_whole_decoder(megatron_pp2, kind):
-    result = megatron_pp2["pipeline"][kind]
+def test_two_pipeline_stages_score_and_train_as_the_whole_decoder(world, kind):
+    result = world("pp2")["pipeline"][kind]
     assert result["pp_size"] == 2
     assert result["stages"] == STAGES.get(kind, [[0, 1], [1, 2]])
     assert result["rows_scored_per_rank"] == [0, 2]  # forward only: the last stage scores both rows
@@ -62,35 +62,33 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("world", LAYOUTS)
+@pytest.mark.parametrize("which", LAYOUTS)
 @pytest.mark.parametrize("kind,replay", CASES)
-def test_the_actor_in_pipeline_stages_trains_as_one_stage(request, world_of, megatron_dir, world, kind, replay):
+def test_the_actor_in_pipeline_stages_trains_as_one_stage(world, megatron_dir, which, kind, replay):
     """PP=2 against PP=1 at the same TP (TP=1; TP=2 with sequence parallelism)."""
-    tag, layout, flat_world, flat_tag = LAYOUTS[world]
-    world_of(flat_world, kind)
-    results = request.getfixturevalue(f"megatron_{world}")
+    tag, layout, flat_world, flat_tag = LAYOUTS[which]
+    world(flat_world, kind)
+    results = world(which)
     _assert_trains_as_one_stage(megatron_dir, tag, flat_tag, layout, kind, replay)
     if not replay:  # each stage's parameters are what the memory plan counts for it
         counts = results["pp_parameters"][kind]
-        assert len(counts) == (2 if world == "pp2" else 4) and all(built == plan for built, plan in counts), counts
+        assert len(counts) == (2 if which == "pp2" else 4) and all(built == plan for built, plan in counts), counts
 
 
 @pytest.mark.parametrize("replay", ["", "_r3"])
-def test_experts_split_in_pipeline_stages_train_as_one_rank(world_of, megatron_ep2pp2, megatron_dir, replay):
+def test_experts_split_in_pipeline_stages_train_as_one_rank(world, megatron_dir, replay):
     """EP=2 x PP=2 on 4 ranks (each stage's experts split over its two DP ranks) against one rank."""
-    world_of("tp1", "qwen3-moe")
+    world("tp1", "qwen3-moe")
     _assert_trains_as_one_stage(megatron_dir, "tp1_ep2_pp2", "tp1", "TP=1 CP=1 EP=2 PP=2 DP=2", "qwen3-moe", replay)
-    counts = megatron_ep2pp2["pp_parameters"]["qwen3-moe"]
+    counts = world("ep2pp2")["pp_parameters"]["qwen3-moe"]
     assert len(counts) == 4 and all(built == plan for built, plan in counts), counts
 
 
-def test_ranks_of_a_stage_that_pack_fewer_rows_run_idle_micro_batches(
-    megatron_ep2pp2, megatron_ep1_resume, megatron_dir
-):
+def test_ranks_of_a_stage_that_pack_fewer_rows_run_idle_micro_batches(world, megatron_dir):
     """At EP=2 x PP=2 the DP ranks pack different numbers of rows; every MoE layer's exchange is
     collective over the stage's expert group, so the rank with fewer sends idle micro-batches through
     the schedule, which train nothing: the step equals one rank's."""
-    ranks, one = megatron_ep2pp2["ep_rows"], megatron_ep1_resume["ep_rows"]
+    ranks, one = world("ep2pp2")["ep_rows"], world("ep1_resume")["ep_rows"]
     assert len(set(ranks["rows"])) == 2, ranks["rows"]  # the DP ranks differ (both stages of each alike)
     load = "train/moe/load_max_over_mean/layer_0"  # idle micro-batches count in no expert's load
     assert (
@@ -104,13 +102,13 @@ def test_ranks_of_a_stage_that_pack_fewer_rows_run_idle_micro_batches(
         assert float((a[name] - b[name]).abs().max()) <= 1e-5 * max(1.0, float(b[name].abs().max())), name
 
 
-@pytest.mark.parametrize("world,tag", [("pp2", "tp1_pp2"), ("ep2pp2", "tp1_ep2_pp2")])
-def test_the_load_balancing_loss_in_pipeline_stages_is_one_stages(request, megatron_dir, world, tag):
+@pytest.mark.parametrize("which,tag", [("pp2", "tp1_pp2"), ("ep2pp2", "tp1_ep2_pp2")])
+def test_the_load_balancing_loss_in_pipeline_stages_is_one_stages(world, megatron_dir, which, tag):
     """With the load-balancing loss on, two stages (and EP=2 x PP=2) give the gradients and router
     metrics of one rank: each stage's MoE layers' loss is scaled as one rank scales it (Megatron's
     schedule sets its gradient scale to 1; the coefficient carries the scale), and the logged loss
     averages every stage's layers."""
-    request.getfixturevalue("megatron_tp1_moe"), request.getfixturevalue(f"megatron_{world}")
+    world("tp1_moe"), world(which)
     one, staged = (torch.load(megatron_dir / f"aux_{t}.pt", weights_only=True) for t in ("tp1", tag))
     assert one["metrics"]["moe/load_balancing_loss"] > 0
     assert staged["metrics"].keys() == one["metrics"].keys()
@@ -145,8 +143,8 @@ def _assert_trains_as_one_stage(megatron_dir, tag: str, flat_tag: str, layout: s
         assert "moe/load_max_over_mean" in pp["metric_keys"]
 
 
-def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused_by_name(megatron_pp2):
-    refused = megatron_pp2["pp_refusals"]
+def test_what_pipeline_parallelism_does_not_run_with_yet_is_refused_by_name(world):
+    refused = world("pp2")["pp_refusals"]
     flag = "ModelConfigError: --pipeline-model-parallel-size 2 with"
     assert refused == {
         "shared_prefix": f"{flag} --shared-prefix-training: not yet",

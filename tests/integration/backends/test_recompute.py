@@ -11,20 +11,20 @@ from megatron_worlds import MOE_FAMILIES
 RECOMPUTED = ("full_uniform", "full_block", "selective", "selective_mlp")
 
 
-@pytest.mark.parametrize("world", ["recompute", "tp2_recompute", "ep2_recompute"])
-def test_recompute_changes_no_number_and_keeps_fewer_activations(world, request):
-    world_results = request.getfixturevalue(f"megatron_{world}")
+@pytest.mark.parametrize("which", ["recompute", "tp2_recompute", "ep2_recompute"])
+def test_recompute_changes_no_number_and_keeps_fewer_activations(world, which):
+    world_results = world(which)
     results = world_results["recompute"]
     # without Transformer Engine (every CPU run), what Megatron recomputes through it is refused by name
     assert world_results["recompute_refused"] == "--recompute-modules layernorm: needs Transformer Engine (a GPU)"
-    kinds = ("qwen3-moe", "qwen3-vl-moe") if world.startswith("ep2") else ("qwen3", "qwen2.5-vl", *MOE_FAMILIES)
+    kinds = ("qwen3-moe", "qwen3-vl-moe") if which.startswith("ep2") else ("qwen3", "qwen2.5-vl", *MOE_FAMILIES)
     assert tuple(results) == kinds
     for kind, cases in results.items():
         moe = kind in MOE_FAMILIES
         assert set(cases) == {"none", *RECOMPUTED, *(["selective_moe"] if moe else [])}, kind
         none = cases["none"]
         for case, r in cases.items():
-            where = f"{world} {kind} {case}"
+            where = f"{which} {kind} {case}"
             assert r["logprobs"] == r["entropy"] == r["loss"] == r["grads"] == r["grad_norm"] == 0.0, (where, r)
             assert r["metrics_equal"], where  # the router's load and the replay counts too, not counted twice
             assert r["replayed_routes"] == none["replayed_routes"] and (r["replayed_routes"] > 0) == moe, where

@@ -17,8 +17,8 @@ CASES = [(k, "") for k in FAMILIES] + [(k, "_r3") for k in MOE_FAMILIES]
 
 
 @pytest.mark.parametrize("kind,replay", CASES)
-def test_sequence_parallel_trains_as_tp2_without_it(world_of, megatron_dir, kind, replay):
-    world_of("tp2", kind), world_of("tp2sp", kind)
+def test_sequence_parallel_trains_as_tp2_without_it(world, megatron_dir, kind, replay):
+    world("tp2", kind), world("tp2sp", kind)
     off, on = (torch.load(megatron_dir / f"matrix_{t}_{kind}{replay}.pt", weights_only=True) for t in ("tp2", "tp2_sp"))
     assert on["sequence_parallel"] and not off["sequence_parallel"]
     assert any(on["row_pads"]) and not any(off["row_pads"])  # an odd row was padded to split over TP
@@ -39,10 +39,10 @@ def test_sequence_parallel_trains_as_tp2_without_it(world_of, megatron_dir, kind
     assert abs(on["grad_norm_2"] - off["grad_norm_2"]) <= TOLERANCE * max(1.0, off["grad_norm_2"])
 
 
-def test_the_load_balancing_loss_under_sequence_parallelism_is_tp2s(request, megatron_dir):
+def test_the_load_balancing_loss_under_sequence_parallelism_is_tp2s(world, megatron_dir):
     """Qwen3-MoE with the load-balancing loss (coefficient 0.01): the routers see each TP rank's slice of
     the row, padding routed nowhere that counts; the gradients and the router metrics are TP=2's."""
-    request.getfixturevalue("megatron_tp2_moe"), request.getfixturevalue("megatron_tp2sp_moe")
+    world("tp2_moe"), world("tp2sp_moe")
     off, on = (torch.load(megatron_dir / f"aux_{t}.pt", weights_only=True) for t in ("tp2", "tp2_sp"))
     assert off["metrics"]["moe/load_balancing_loss"] > 0
     assert on["metrics"].keys() == off["metrics"].keys()

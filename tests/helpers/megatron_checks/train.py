@@ -1,0 +1,263 @@
+"""Training steps: the policy's loss and gradients against transformers', SFT's loss, activation recompute
+against none, the load-balancing loss, a step on samples a test saved, and a second trainable model (a
+toy value head) training beside the policy through the train role's seam."""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from megatron_worlds import MOE_FAMILIES
+
+from megatron_checks.common import (
+    ADVANTAGES,
+    ALGO,
+    LAUNCH,
+    TEMPERATURE,
+    hf_logits,
+    hf_model,
+    is_main,
+    layout_tag,
+    matrix_batch,
+    random_routes,
+)
+from slime_mt.algo.batching import reduction_weights
+from slime_mt.algo.losses import LossInputs, policy_loss
+from slime_mt.assets import tiny_model_dir
+from slime_mt.backends.megatron import export, scoring
+from slime_mt.backends.megatron.actor import MegatronActor
+from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.safetensors_files import load_hf_state
+
+
+def check_hf_reference(args, info, out):
+    """transformers on the matrix batch: the same loss (policy_loss on the same inputs), its
+    gradients and their norm (the frozen vision tower excluded, as in the actor)."""
+    for kind in LAUNCH.families:
+        path = tiny_model_dir(kind)
+        model = hf_model(path)
+        model.train()
+        if hasattr(model.model, "visual"):
+            for p in model.model.visual.parameters():
+                p.requires_grad_(False)
+        samples = matrix_batch(path, kind)
+        weights = reduction_weights(samples, "token_mean")
+        lps, ents = [], []
+        for s in samples:
+            logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1 : -1] / TEMPERATURE
+            logp = torch.log_softmax(logits, -1)
+            lps.append(logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
+            ents.append(-(logp.exp() * logp).sum(-1))
+        lp = torch.cat(lps)
+        cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
+        inputs = LossInputs(
+            lp,
+            lp.detach(),
+            cat([s.rollout_log_probs for s in samples]),
+            cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]),
+            cat(weights),
+            torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
+            entropy=torch.cat(ents),
+        )
+        loss, _ = policy_loss(inputs, ALGO)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        torch.save(
+            {
+                "logprobs": [x.tolist() for x in lps],
+                "entropy": [x.tolist() for x in ents],
+                "loss": float(loss.detach()),
+                "grads": _checkpoint_names(grads, path),
+                "grad_norm": norm,
+            },
+            Path(args.out) / f"matrix_hf_{kind}.pt",
+        )
+    out["hf_reference"] = "saved"
+
+
+def _checkpoint_names(named: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """transformers' module names -> the checkpoint's names (VLMs keep ``model.language_model.``), and
+    its in-memory fused experts (``[E, 2I, H]``, ``[E, H, I]``) -> the checkpoint's expert layout
+    (per-expert tensors, or the published fused ``[E, H, 2I]``, ``[E, I, H]``)."""
+    names = set(load_hf_state(path))
+    out = {}
+    for name, t in list(named.items()):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mlp, which = name.rsplit("experts.", 1)
+            mlp = next(
+                m
+                for m in (mlp, mlp.replace("model.language_model.", "model.", 1))
+                if f"{m}experts.0.down_proj.weight" in names or f"{m}experts.{which}" in names
+            )
+            if f"{mlp}experts.{which}" in names:  # fused in the checkpoint: the published layout
+                out[f"{mlp}experts.{which}"] = t.transpose(1, 2)
+            else:
+                for e, expert in enumerate(t.unbind(0)):
+                    if which == "down_proj":
+                        out[f"{mlp}experts.{e}.down_proj.weight"] = expert
+                    else:
+                        gate, up = expert.chunk(2, dim=0)
+                        out[f"{mlp}experts.{e}.gate_proj.weight"] = gate
+                        out[f"{mlp}experts.{e}.up_proj.weight"] = up
+            continue
+        candidates = [
+            name,
+            name.replace("model.language_model.", "model.", 1),
+            name.replace("model.", "model.language_model.", 1),
+        ]
+        out[next((c for c in candidates if c in names), name)] = t
+    return out
+
+
+def check_sft(args, info, out):
+    """The SFT loss is the NLL at temperature 1, whatever the rollout temperature."""
+    path = tiny_model_dir("qwen2")
+    samples = matrix_batch(path, "qwen2")
+    actor = MegatronActor(str(path), TrainConfig(lr=1e-5, sft=True), AlgoConfig(), info, temperature=0.5)
+    loss = actor.accumulate_gradients(actor.share_of(samples, [0.0] * len(samples), len(samples)))["loss"]
+    model = hf_model(path)
+    weights = reduction_weights(samples, "token_mean")
+    expected = {}
+    for temperature in (1.0, 0.5):
+        total = 0.0
+        for s, w in zip(samples, weights):
+            with torch.no_grad():
+                logp = torch.log_softmax(hf_logits(model, s)[len(s.prompt_ids) - 1 : -1] / temperature, -1)
+            total -= float((logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0] * torch.tensor(w)).sum())
+        expected[temperature] = total
+    out["sft"] = {"loss": loss, "nll_t1": expected[1.0], "nll_t05": expected[0.5]}
+
+
+# activation recompute cases (Megatron's flags), each against none: whole layers by chunk and by block,
+# the core attention (Megatron's selective default), the dense MLP, and the MoE layer (MoE families)
+RECOMPUTE_CASES = {
+    "none": {},
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+    "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "selective_moe": dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+}
+
+RECOMPUTE_KINDS = ("qwen3", "qwen2.5-vl", "qwen3-moe", "qwen3-vl-moe")  # a text and a VLM of each kind
+
+
+def check_recompute(args, info, out):
+    """Per family this launch runs (a text and a VLM of each kind): one step of every recompute case
+    against none, on fresh actors -> the largest differences of log-probs, entropies, loss, gradients
+    and grad norm, whether the step's metrics match, and the bytes each forward kept for its backward
+    (fewer with recompute). MoE replays random routes (R3): the recomputed layers must replay them
+    too, or the gradients move."""
+    from slime_mt.backends.megatron.families import have_transformer_engine
+    from slime_mt.backends.megatron.recompute import in_backward
+    from slime_mt.errors import ModelConfigError
+
+    results = {}
+    for kind in [k for k in RECOMPUTE_KINDS if k in (MOE_FAMILIES if info.ep_size > 1 else LAUNCH.families)]:
+        path, moe = tiny_model_dir(kind), kind in MOE_FAMILIES
+        samples = matrix_batch(path, kind)
+        samples = random_routes(path, samples) if moe else samples
+        runs = {}
+        for case, flags in RECOMPUTE_CASES.items():
+            if case == "selective_moe" and not moe:
+                continue
+            train = TrainConfig(
+                lr=1e-5,
+                micro_batch_size=2,
+                use_rollout_routing_replay=moe,
+                sequence_parallel=LAUNCH.sequence_parallel,
+                **flags,
+            )
+            actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+            with torch.no_grad():
+                rows = [
+                    scoring.row_outputs(
+                        actor.policy,
+                        scoring.pack(actor.policy, samples, [i]),
+                        scoring.LogProbs(TEMPERATURE, entropy=True),
+                    )
+                    for i in range(4)
+                ]
+            kept = [0]
+
+            def pack(t, kept=kept):
+                kept[0] += 0 if in_backward() else t.numel() * t.element_size()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+            grads = {n: p.main_grad.clone() for n, p in actor.policy.module.named_parameters() if p.requires_grad}
+            runs[case] = {
+                "lp": torch.cat([lp for lp, _ in rows]),
+                "ent": torch.cat([ent for _, ent in rows]),
+                "sums": sums,
+                "grads": grads,
+                "grad_norm": actor.apply_gradients()["train/grad_norm"],
+                "kept_bytes": kept[0],
+            }
+        base = runs["none"]
+        results[kind] = {
+            case: {
+                "logprobs": float((r["lp"] - base["lp"]).abs().max()),
+                "entropy": float((r["ent"] - base["ent"]).abs().max()),
+                "loss": abs(r["sums"]["loss"] - base["sums"]["loss"]),
+                "grads": max(float((g - base["grads"][n]).abs().max()) for n, g in r["grads"].items()),
+                "grad_norm": abs(r["grad_norm"] - base["grad_norm"]),
+                "metrics_equal": r["sums"] == base["sums"],
+                "kept_bytes": r["kept_bytes"],
+                "replayed_routes": r["sums"].get("routing_replay_routes", 0.0),
+            }
+            for case, r in runs.items()
+        }
+    out["recompute"] = results
+    if not have_transformer_engine():  # what Megatron recomputes through Transformer Engine only
+        try:
+            MegatronActor(
+                str(path), TrainConfig(recompute_granularity="selective", recompute_modules=["layernorm"]), ALGO, info
+            )
+        except ModelConfigError as e:
+            out["recompute_refused"] = str(e)
+
+
+def check_aux_loss(args, info, out):
+    """The load-balancing loss on (coefficient 0.01), the Qwen3-MoE batch: this layout's gradients (HF
+    layout) and router metrics, which every layout must give alike (a TP or CP rank's loss is its
+    tokens' share of the row's) -> ``aux_TAG.pt``."""
+    path = tiny_model_dir("qwen3-moe")
+    samples = matrix_batch(path, "qwen3-moe")
+    train = TrainConfig(lr=1e-5, micro_batch_size=2, moe_aux_loss_coef=0.01, sequence_parallel=LAUNCH.sequence_parallel)
+    actor = MegatronActor(str(path), train, ALGO, info, temperature=TEMPERATURE)
+    sums = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+    decoder = {n[len("gpt.") :]: p for n, p in actor.policy.module.named_parameters() if n.startswith("gpt.")}
+    grads = dict(export.iter_hf_weights(actor.policy, tensors={n: p.main_grad for n, p in decoder.items()}))
+    if is_main(info):
+        metrics = {k: v for k, v in sums.items() if k.startswith("moe/")}
+        torch.save({"grads": grads, "metrics": metrics}, Path(args.out) / f"aux_{layout_tag(info)}.pt")
+    out["aux_loss"] = "saved"
+
+
+def check_train_file(args, info, out):
+    """One train step on samples a test saved (``--samples``: {"path", "samples", "advantages"}, and
+    optionally "algo" (AlgoConfig fields over ALGO's) and "prompts_per_step" (default: all groups))."""
+    saved = torch.load(args.samples, weights_only=False)
+    samples = saved["samples"]
+    algo = dataclasses.replace(ALGO, **saved.get("algo", {}))
+    actor = MegatronActor(saved["path"], TrainConfig(lr=1e-4, micro_batch_size=2), algo, info)
+    prompts_per_step = saved.get("prompts_per_step", len({s.group_id for s in samples}))
+    metrics = actor.train(actor.share_of(samples, saved["advantages"], prompts_per_step))
+    out["train_file"] = {
+        "sequences": len(samples),
+        "grad_norm": metrics["train/grad_norm"],
+        "optimizer_steps": metrics["train/optimizer_steps"],
+        "metrics": sorted(metrics),
+        "finite": all(torch.isfinite(torch.tensor(v)) for v in metrics.values()),
+    }
+
+
+CHECKS = {
+    "hf_reference": check_hf_reference,
+    "sft": check_sft,
+    "recompute": check_recompute,
+    "aux_loss": check_aux_loss,
+    "train_file": check_train_file,
+}
