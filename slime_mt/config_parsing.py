@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-from slime_mt.config import ALIASES, FIELDS, GROUPS, Config, flag_name
-from slime_mt.config_validation import validate
+from slime_mt.config import ALIASES, FIELDS, GROUPS, Config, flag_name, validate
 from slime_mt.errors import ConfigError
 
 logger = logging.getLogger(__name__)

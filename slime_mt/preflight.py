@@ -14,10 +14,10 @@ from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
 from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig
+from slime_mt.config.checkpoint import dump_path
 from slime_mt.data import PromptDataset, load_rows
 from slime_mt.engine.weights.fp8 import check_rollout_checkpoint
 from slime_mt.errors import ConfigError, TrainSetupError
-from slime_mt.inspection.dumps import dump_path
 from slime_mt.inspection.replay import checked_dump
 from slime_mt.plugins import judge_parser_prototype, load_function, load_module
 from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins

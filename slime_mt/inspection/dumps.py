@@ -65,16 +65,6 @@ SETTINGS = (
 )
 
 
-def dump_path(template: str, rollout_id: int) -> Path:
-    """The dump of step ``rollout_id`` (``{rollout_id}`` in the template, slime's placeholder)."""
-    try:
-        return Path(template.format(rollout_id=rollout_id))
-    except (KeyError, IndexError, ValueError) as e:
-        raise DumpError(
-            f"--save/--load-debug-rollout-data {template}: only '{{rollout_id}}' may appear in braces ({e})"
-        ) from None
-
-
 def images_dir(path: Path) -> Path:
     return path.with_name(path.stem + ".images")
 

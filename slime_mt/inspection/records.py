@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slime_mt.inspection.dumps import add_train_log_probs, dump_path, save_dump, settings_of
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import add_train_log_probs, save_dump, settings_of
 from slime_mt.inspection.turn_records import TurnRecords
 from slime_mt.timeline import TraceWriter
 

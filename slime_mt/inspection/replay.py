@@ -3,8 +3,9 @@ replays it (``roles/replay.py`` is the rollout role of such a run)."""
 
 from __future__ import annotations
 
+from slime_mt.config.checkpoint import dump_path
 from slime_mt.errors import DumpError
-from slime_mt.inspection.dumps import dump_path, load_dump, settings_of
+from slime_mt.inspection.dumps import load_dump, settings_of
 
 
 def checked_dump(cfg, step: int) -> dict:

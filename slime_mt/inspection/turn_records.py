@@ -16,20 +16,9 @@ import json
 import random
 from pathlib import Path
 
-from slime_mt.errors import TurnRecordsError
+from slime_mt.config.checkpoint import parse_turn_records
 
 TURNS_FILE = "turns.jsonl"
-
-
-def parse_setting(value: str) -> int | None:
-    """``--turn-records`` -> the samples a step to record (None: all; 0: off)."""
-    if value == "all":
-        return None
-    if value == "off":
-        return 0
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    raise TurnRecordsError(f"--turn-records {value!r}: use all, off, or a number of samples per step (> 0)")
 
 
 def turn_lines(step: int, sample) -> list[dict]:
@@ -81,7 +70,7 @@ class TurnRecords:
 
     def __init__(self, run_dir: Path, setting: str, seed: int) -> None:
         self.path = Path(run_dir) / TURNS_FILE
-        self.limit = parse_setting(setting)
+        self.limit = parse_turn_records(setting)
         self.seed = seed
 
     def write(self, step: int, groups: list[list]) -> None:

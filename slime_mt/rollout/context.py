@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
+from slime_mt.config.rollout import rewrites_history
 from slime_mt.engine.clients import client_for
 from slime_mt.engine.clients.sglang import EngineClient, output_of
 from slime_mt.errors import ConfigError, EngineError, PluginError
 from slime_mt.plugins import load_module
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
-from slime_mt.rollout.context_policy import ContextPolicy, load_policy, rewrites_history
+from slime_mt.rollout.context_policy import ContextPolicy, load_policy
 from slime_mt.rollout.env_workers import EnvWorkerPool
 from slime_mt.rollout.template_check import path_of, warn_if_inexact
 from slime_mt.routes import RouteLayout

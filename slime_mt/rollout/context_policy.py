@@ -27,6 +27,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from slime_mt.config.rollout import CONTEXT_POLICIES, parse_context_policy
 from slime_mt.errors import ContextPolicyError
 from slime_mt.plugins import load_function
 
@@ -83,44 +84,21 @@ def window(args, sample, prompt: list[dict], turns: list[list[dict]], n: int) ->
     return list(prompt) + [m for turn in (turns[-n:] if n else []) for m in turn]
 
 
-_BUILTINS: dict[str, tuple[Callable, str | None]] = {
-    "append": (append, None),
-    "strip_thinking": (strip_thinking, None),
-    "keep_last_images": (keep_last_images, "k"),
-    "window": (window, "n"),
+_BUILTINS: dict[str, Callable] = {  # config.rollout.CONTEXT_POLICIES names them and their counts' keywords
+    "append": append,
+    "strip_thinking": strip_thinking,
+    "keep_last_images": keep_last_images,
+    "window": window,
 }
-
-
-def parse_policy(spec: str) -> tuple[str, int | None]:
-    """``"window:3"`` -> ("window", 3); raises ContextPolicyError naming the flag."""
-    name, _, value = spec.partition(":")
-    if name not in _BUILTINS:
-        raise ContextPolicyError(
-            f"--context-policy {spec!r}: unknown policy; choose from append, strip_thinking, "
-            f"keep_last_images:K, window:N, or pass --context-policy-path module.fn"
-        )
-    needs = _BUILTINS[name][1]
-    if needs is None:
-        if value:
-            raise ContextPolicyError(f"--context-policy {spec!r}: {name} takes no argument")
-        return name, None
-    if not value.isdigit():
-        raise ContextPolicyError(f"--context-policy {spec!r}: {name} needs a count >= 0, e.g. {name}:2")
-    return name, int(value)
 
 
 def load_policy(spec: str = "append", path: str | None = None) -> ContextPolicy:
     """The policy of ``--context-policy-path`` (a user function) or of ``--context-policy``."""
     if path:
         return load_function(path, append, "--context-policy-path")
-    name, value = parse_policy(spec)
-    fn, keyword = _BUILTINS[name]
-    return functools.partial(fn, **{keyword: value}) if keyword else fn
-
-
-def rewrites_history(spec: str = "append", path: str | None = None) -> bool:
-    """Whether the configured policy may show the model something other than the append-only context."""
-    return bool(path) or parse_policy(spec)[0] != "append"
+    name, value = parse_context_policy(spec)
+    keyword = CONTEXT_POLICIES[name]
+    return functools.partial(_BUILTINS[name], **{keyword: value}) if keyword else _BUILTINS[name]
 
 
 def kept_outputs(messages: list[dict], turns: list[list[dict]], outputs: list[list[int]]) -> dict[int, list[int]]:

@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 
+from slime_mt.config.rollout import BOXED_PREFIX, check_rm_type
 from slime_mt.errors import RewardError
 
 GRADE_SECONDS = 10.0
 REMOTE_RM_RETRIES = 5
-BOXED_PREFIX = "boxed_"
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" on every call: ours applies
 
@@ -166,6 +166,7 @@ def random_reward(response: str, label: Any, metadata: dict) -> float:
     return float(random.Random(metadata.get("random_seed")).randint(0, 1))
 
 
+# the graders of --rm-type (config.rollout.RM_TYPES names them, and remote_rm)
 GRADERS: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "math": math_reward,
     "deepscaler": deepscaler_reward,
@@ -174,15 +175,6 @@ GRADERS: dict[str, Callable[[str, Any, dict], float | dict]] = {
     "gpqa": gpqa_reward,
     "random": random_reward,
 }
-RM_TYPES = (*GRADERS, "remote_rm")
-
-
-def check_rm_type(name: str, where: str = "--rm-type") -> None:
-    """Raise RewardError unless ``name`` is a grader (optionally ``boxed_``-prefixed) or remote_rm."""
-    base = name.removeprefix(BOXED_PREFIX)
-    if base not in RM_TYPES:
-        names = ", ".join(RM_TYPES)
-        raise RewardError(f"{where} {name!r}: not a built-in grader; one of {names} (each also as boxed_<name>)")
 
 
 async def rule_based_rm(args, sample) -> float | dict:

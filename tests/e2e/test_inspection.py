@@ -28,7 +28,8 @@ from inspection_helpers import (
 )
 from train_helpers import PLUGINS, REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
 
-from slime_mt.inspection.dumps import dump_path, load_dump, samples_of, train_batch_of
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import load_dump, samples_of, train_batch_of
 from slime_mt.inspection.report import write_report
 from slime_mt.timeline import load_trace
 from slime_mt.types import Status

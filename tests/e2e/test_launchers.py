@@ -31,7 +31,8 @@ from train_helpers import (
     run,
 )
 
-from slime_mt.inspection.dumps import dump_path, load_dump
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import load_dump
 
 
 def test_ray_run_on_three_nodes_equals_the_torchrun_run(ray_tp2, torchrun_tp2):

@@ -17,7 +17,8 @@ from inspection_helpers import (
 )
 from train_helpers import PLUGINS, REPO, demo_train_cmd, metrics, repo_env, run
 
-from slime_mt.inspection.dumps import dump_path, load_dump
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import load_dump
 
 
 def test_cpu_recipe_runs(tmp_path):

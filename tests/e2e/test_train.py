@@ -22,8 +22,9 @@ from train_helpers import (
     run,
 )
 
+from slime_mt.config.checkpoint import dump_path
 from slime_mt.engine.launch import free_port
-from slime_mt.inspection.dumps import dump_path, load_dump
+from slime_mt.inspection.dumps import load_dump
 
 REQUIRED = [
     "rollout/reward_mean",

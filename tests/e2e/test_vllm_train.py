@@ -15,7 +15,8 @@ from inspection_helpers import (
 )
 from train_helpers import PLUGINS, REPO, TWO_SMALL_STEPS, demo_train_cmd, metrics, placement_lines, run
 
-from slime_mt.inspection.dumps import dump_path, load_dump
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import load_dump
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully-async", "ray"])

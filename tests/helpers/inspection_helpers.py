@@ -82,7 +82,8 @@ def assert_dumped_train_log_probs(run_dir: Path, reduction: str) -> list[list[li
 
     import pytest
 
-    from slime_mt.inspection.dumps import dump_path, load_dump
+    from slime_mt.config.checkpoint import dump_path
+    from slime_mt.inspection.dumps import load_dump
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kept = []

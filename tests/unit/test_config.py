@@ -520,3 +520,17 @@ def test_preflight_refuses_what_the_model_cannot_take(tiny_paths):
     deepstack = r"enter the first 2 decoder layers, which must be on the first pipeline stage: it holds 1"
     with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size=2: the model .*: the vision .*" + deepstack):
         preflight(parse_config(vlm))
+
+
+def test_the_groups_are_the_configs_attributes_and_the_rm_types_the_graders():
+    """Each option group's module registers it (``config.fields.group``): GROUPS holds them in the order of
+    Config's attributes, every field once; --rm-type's names are rollout/rewards.py's graders and remote_rm."""
+    import dataclasses
+
+    from slime_mt.config import FIELDS, GROUPS
+    from slime_mt.config.rollout import RM_TYPES
+    from slime_mt.rollout.rewards import GRADERS
+
+    assert list(GROUPS) == [f.name for f in dataclasses.fields(Config) if f.name != "custom"]
+    assert len(FIELDS) == sum(len(dataclasses.fields(cls)) for cls in GROUPS.values())
+    assert RM_TYPES == (*GRADERS, "remote_rm")

@@ -12,7 +12,8 @@ import pytest
 from inspection_helpers import open_page
 from train_helpers import REPO
 
-from slime_mt.inspection.dumps import add_train_log_probs, dump_path, save_dump
+from slime_mt.config.checkpoint import dump_path
+from slime_mt.inspection.dumps import add_train_log_probs, save_dump
 from slime_mt.inspection.report import write_report
 from slime_mt.plugins import load_module
 

@@ -11,10 +11,11 @@ import json
 import pytest
 import torch
 
+from slime_mt.config.checkpoint import parse_turn_records
 from slime_mt.errors import TurnRecordsError
 from slime_mt.inspection.dumps import load_dump, save_dump, train_batch_of
 from slime_mt.inspection.report import text_summary, token_classes, trained_flags, write_report
-from slime_mt.inspection.turn_records import chosen_groups, parse_setting
+from slime_mt.inspection.turn_records import chosen_groups
 from slime_mt.rollout.finalize import finalize
 from slime_mt.timeline import TraceWriter, load_trace
 from slime_mt.types import Sample, Status
@@ -55,10 +56,10 @@ def test_turn_record_sampling_takes_whole_groups():
     assert len(chosen) == 2 and all(len(g) == 2 for g in chosen)
     assert chosen == chosen_groups(groups, 4, seed=7, step=3)  # repeatable
     assert chosen_groups(groups, None, 7, 3) == groups
-    assert [parse_setting(v) for v in ("all", "off", "12")] == [None, 0, 12]
+    assert [parse_turn_records(v) for v in ("all", "off", "12")] == [None, 0, 12]
     for bad in ("0", "-3", "some"):
         with pytest.raises(TurnRecordsError, match="--turn-records"):
-            parse_setting(bad)
+            parse_turn_records(bad)
 
 
 def test_a_trace_reads_while_streaming_and_a_resumed_run_continues_it(tmp_path):

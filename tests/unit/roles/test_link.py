@@ -12,8 +12,9 @@ import pytest
 from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.parallel import ParallelInfo
 from slime_mt.config import Config, DebugConfig, RolloutConfig, TrainConfig
+from slime_mt.config.checkpoint import dump_path
 from slime_mt.errors import RolloutRoleFailed
-from slime_mt.inspection.dumps import dump_path, save_dump, settings_of
+from slime_mt.inspection.dumps import save_dump, settings_of
 from slime_mt.metrics import read_metrics
 from slime_mt.roles.link import RolloutHost
 from slime_mt.roles.replay import ReplayRole

@@ -23,9 +23,10 @@ from rollout_helpers import (
 from transformers import AutoTokenizer
 
 from slime_mt.assets import qwen3_reference_tokenizer_dir
+from slime_mt.config.rollout import parse_context_policy
 from slime_mt.config_parsing import build_config
 from slime_mt.errors import ConfigError, ContextPolicyError
-from slime_mt.rollout.context_policy import load_policy, parse_policy
+from slime_mt.rollout.context_policy import load_policy
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_the_tokens_of_the_chain_model(reference):
 )
 def test_bad_policy_specs_name_the_flag(spec, message):
     with pytest.raises(ContextPolicyError, match=message):
-        parse_policy(spec)
+        parse_context_policy(spec)
     with pytest.raises(ConfigError, match="--context-policy"):
         build_config({"context_policy": spec, "sample_format": "step_wise"})
 

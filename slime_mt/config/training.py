@@ -1,0 +1,242 @@
+"""The training options (``TrainConfig``: the Megatron model's checkpoint, parallelism, batch sizes,
+optimizer, recompute) and their rules: the layouts that run together, Megatron's recompute rules, and
+batch sizes that split the rollout's samples into whole prompt groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slime_mt.config.fields import group, option, positive, require
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act")  # Megatron's, for these families
+
+
+@group("train")
+@dataclass
+class TrainConfig:
+    """The Megatron policy: checkpoint, parallelism, batch sizes, optimizer."""
+
+    hf_checkpoint: str | None = option(None, "Hugging Face model folder (weights, config, tokenizer).")
+    tensor_model_parallel_size: int = option(1, "Tensor parallel size.")
+    expert_model_parallel_size: int = option(
+        1, "MoE: expert parallel size (experts split over this many data-parallel ranks)."
+    )
+    expert_tensor_parallel_size: int | None = option(
+        None, "MoE: tensor parallel size inside each expert (default: --tensor-model-parallel-size)."
+    )
+    moe_token_dispatcher_type: str = option(
+        "alltoall", "MoE: how tokens reach their experts' ranks.", choices=["alltoall", "allgather"]
+    )
+    moe_aux_loss_coef: float = option(0.0, "MoE: coefficient of the router's load-balancing loss (0: none).")
+    moe_router_load_balancing_type: str = option(
+        "aux_loss",
+        "MoE: the load-balancing loss (aux_loss per micro-batch, seq_aux_loss per sequence, none).",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+    )
+    use_rollout_routing_replay: bool = option(
+        False,
+        "MoE (R3): the engines return the experts they routed every token to, and training replays those "
+        "routes in every MoE layer (slime's flag).",
+    )
+    log_routing_replay_gap: bool = option(False, "R3: also log the log-prob gap without replay (one more forward).")
+    context_parallel_size: int = option(1, "Ranks each packed row is split over (zigzag; the fused attention).")
+    pipeline_model_parallel_size: int = option(
+        1,
+        "Pipeline stages the decoder's layers are split over (Megatron's split and 1F1B schedule; a VLM's "
+        "vision tower on the first; not yet with CP or shared-prefix training).",
+    )
+    decoder_first_pipeline_num_layers: int | None = option(
+        None,
+        "Pipeline parallelism: layers on the first stage (it also holds the embedding); the others split "
+        "evenly over the stages between (Megatron's uneven split).",
+    )
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "Pipeline parallelism: layers on the last stage (it also holds the output layer and the loss)."
+    )
+    sequence_parallel: bool = option(
+        False,
+        "Megatron's sequence parallelism: under TP, norms and the residual stream hold 1/TP of the row's "
+        "tokens on each TP rank (off at TP=1, as Megatron's).",
+    )
+    recompute_granularity: str | None = option(None, "Activation recompute.", choices=["full", "selective"])
+    recompute_method: str | None = option(None, "Full recompute: which layers.", choices=["uniform", "block"])
+    recompute_num_layers: int | None = option(None, "Full recompute: layers per chunk (uniform) or recomputed (block).")
+    recompute_modules: list[str] | None = option(None, "Selective recompute: what (default core_attn).", nargs="+")
+    global_batch_size: int = option(256, "Samples per optimizer step (whole prompt groups).")
+    micro_batch_size: int = option(1, "Samples per forward/backward pass.")
+    max_tokens_per_micro_batch: int | None = option(None, "Token budget of a packed micro-batch.")
+    gpu_memory_gb: float | None = option(None, "Memory of one device: refuse a run whose memory plan cannot fit it.")
+    use_distributed_optimizer: bool = option(
+        False, "Shard the optimizer state and fp32 main weights over the data-parallel (x CP) ranks (ZeRO-1)."
+    )
+    lr: float = option(1e-6, "Learning rate.")
+    min_lr: float = option(0.0, "Final learning rate of the decay schedule.")
+    lr_warmup_steps: int = option(0, "Linear warm-up steps.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    clip_grad: float = option(1.0, "Gradient norm clip.")
+    seed: int = option(1234, "Seed of model init, dropout and Megatron RNG.")
+    freeze_vision_tower: bool = option(True, "VLMs: keep the vision tower frozen.")
+    sft: bool = option(False, "Train with the supervised loss on loss-masked tokens.")
+    bf16: bool = option(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
+    shared_prefix_training: bool = option(
+        False,
+        "Pack each micro-batch as a prefix tree: tokens shared by its sequences (a GRPO group's prompt, "
+        "step-wise histories) are computed once (text models, --local-attention fused, no Transformer Engine).",
+    )
+    transformer_impl: str = option(
+        "transformer_engine",
+        "Megatron's layers: Transformer Engine's when it imports (GPU), or local (needed for CP on a TE machine).",
+        choices=["transformer_engine", "local"],
+    )
+    local_attention: str = option(
+        "fused",
+        "Core attention without Transformer Engine: PyTorch's fused kernels per packed sequence, or "
+        "Megatron's DotProductAttention (materialises [L, L] scores; the reference).",
+        choices=["fused", "megatron"],
+    )
+
+    @property
+    def recomputes_moe(self) -> bool:
+        """Whether the backward recomputes MoE layers' forward (full recompute, or selective of ``moe``)."""
+        selective = self.recompute_granularity == "selective" and "moe" in (self.recompute_modules or [])
+        return self.recompute_granularity == "full" or selective
+
+
+def validate_training(cfg) -> None:
+    """The parallel layout, recompute, routing replay, the optimizer and the batch sizes."""
+    t, r = cfg.train, cfg.rollout
+    _validate_routing_replay(cfg)
+    _validate_recompute(t)
+    _validate_context_parallel(t)
+    _validate_pipeline_parallel(t)
+    _validate_sequence_parallel(t)
+    parallel = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size")
+    positive(t, (*parallel, "expert_model_parallel_size", "global_batch_size", "micro_batch_size"))
+    positive(t, ("max_tokens_per_micro_batch", "expert_tensor_parallel_size"), optional=True)
+    require(t.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", t.moe_aux_loss_coef, "must be >= 0")
+    require(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "gpu_memory_gb", t.gpu_memory_gb, "must be > 0")
+    require(t.lr > 0, "lr", t.lr, "must be > 0")
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    require(
+        samples % t.global_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must divide --rollout-batch-size x --n-samples-per-prompt = {samples}",
+    )
+    require(
+        t.global_batch_size % r.n_samples_per_prompt == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --n-samples-per-prompt={r.n_samples_per_prompt} "
+        "(optimizer steps take whole prompt groups)",
+    )
+    require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        "global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of --micro-batch-size={t.micro_batch_size}",
+    )
+
+
+def _validate_routing_replay(cfg) -> None:
+    """``--use-rollout-routing-replay`` needs engines that return routes and contexts whose tokens are
+    the trajectory's own (routes are kept per trajectory token)."""
+    if not cfg.train.use_rollout_routing_replay:
+        require(
+            not cfg.train.log_routing_replay_gap,
+            "log_routing_replay_gap",
+            True,
+            "compares training with and without replay: it needs --use-rollout-routing-replay",
+        )
+        return
+    r, flag = cfg.rollout, "use_rollout_routing_replay"
+    require(cfg.engine.engine != "vllm", flag, True, "needs an engine that returns routed experts; vLLM's does not")
+    require(
+        r.context_policy == "append" and not r.context_policy_path and not r.retokenize_chat_history,
+        flag,
+        True,
+        "keeps routes per trajectory token: a context policy or --retokenize-chat-history rewrites what the "
+        "model saw; use the append-only context",
+    )
+    require(
+        not cfg.train.shared_prefix_training,
+        flag,
+        True,
+        "does not replay into a prefix tree yet: leave out --shared-prefix-training",
+    )
+
+
+def _validate_context_parallel(t) -> None:
+    """Context parallelism runs in the fused local attention, on flat packed rows."""
+    if t.context_parallel_size <= 1:
+        return
+    flag, cp = "context_parallel_size", t.context_parallel_size
+    require(t.local_attention == "fused", flag, cp, "needs --local-attention fused (Megatron's attention has no CP)")
+    require(
+        not t.shared_prefix_training, flag, cp, "does not split prefix trees yet: leave out --shared-prefix-training"
+    )
+
+
+def _validate_pipeline_parallel(t) -> None:
+    """Pipeline parallelism runs the text decoder's stages on flat packed rows (the actor refuses a
+    vision-language model, which this check cannot see)."""
+    pp = t.pipeline_model_parallel_size
+    for key in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        value = getattr(t, key)
+        if value is not None:
+            require(pp > 1, key, value, "splits pipeline stages: needs --pipeline-model-parallel-size above 1")
+            require(value >= 1, key, value, "every pipeline stage holds at least one layer")
+    if pp <= 1:
+        return
+    flag = "pipeline_model_parallel_size"
+    require(t.context_parallel_size == 1, flag, pp, "does not run with --context-parallel-size above 1 yet")
+    require(not t.shared_prefix_training, flag, pp, "does not run prefix trees yet: no --shared-prefix-training")
+    require(
+        not (t.moe_aux_loss_coef > 0 and t.recomputes_moe),
+        flag,
+        pp,
+        "does not run the load-balancing loss (--moe-aux-loss-coef) in recomputed MoE layers yet",
+    )
+    require(
+        not (t.use_rollout_routing_replay and t.recomputes_moe),
+        flag,
+        pp,
+        "does not replay routes (--use-rollout-routing-replay) in recomputed MoE layers yet",
+    )
+
+
+def _validate_sequence_parallel(t) -> None:
+    """Sequence parallelism splits flat packed rows over the TP ranks."""
+    if t.sequence_parallel and t.tensor_model_parallel_size > 1:
+        require(
+            not t.shared_prefix_training,
+            "sequence_parallel",
+            True,
+            "does not split prefix trees yet: leave out --shared-prefix-training",
+        )
+
+
+def _validate_recompute(t) -> None:
+    """Megatron's rules for activation recompute, by flag name: full needs a method and a layer count,
+    selective takes modules only."""
+    if t.recompute_granularity is None:
+        for key in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+            require(getattr(t, key) is None, key, getattr(t, key), "needs --recompute-granularity full|selective")
+        return
+    if t.recompute_granularity == "full":
+        require(t.recompute_method is not None, "recompute_method", None, "full recompute needs uniform or block")
+        n = t.recompute_num_layers
+        require(n is not None and n > 0, "recompute_num_layers", n, "full recompute needs a positive layer count")
+        require(t.recompute_modules is None, "recompute_modules", t.recompute_modules, "is for selective recompute")
+        return
+    for key in ("recompute_method", "recompute_num_layers"):
+        require(
+            getattr(t, key) is None, key, getattr(t, key), "is for full recompute; selective takes --recompute-modules"
+        )
+    for module in t.recompute_modules or []:
+        require(
+            module in RECOMPUTE_MODULES,
+            "recompute_modules",
+            t.recompute_modules,
+            f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}",
+        )
