@@ -54,7 +54,7 @@ WORLDS = {
     "tp1_moe": (1, 1, "attention,tree,matrix,hf_reference,aux_loss", MOE),
     "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16", DENSE),
     "tp1_models_moe": (1, 1, "families,bf16", MOE),
-    "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload", DENSE),
+    "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload,value_head", DENSE),
     "tp2_moe": (2, 2, "attention,tree,matrix,aux_loss", MOE),
     "dp2": (1, 2, "dp,reshard_load,distopt_reshard", []),
     "tp2dp2": (2, 4, "dp", []),

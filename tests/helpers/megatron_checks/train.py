@@ -25,7 +25,9 @@ from slime_mt.algo.losses import LossInputs, policy_loss
 from slime_mt.assets import tiny_model_dir
 from slime_mt.backends.megatron import export, scoring
 from slime_mt.backends.megatron.actor import MegatronActor
+from slime_mt.backends.megatron.model import MegatronModel
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.roles.train import TrainRole
 from slime_mt.safetensors_files import load_hf_state
 
 
@@ -254,7 +256,86 @@ def check_train_file(args, info, out):
     }
 
 
+def _value_head(spec, dtype, device) -> torch.nn.Module:
+    """A linear value head on the last hidden states, zeroed (the same on every rank that holds it)."""
+    head = torch.nn.Linear(spec.hidden_size, 1, dtype=dtype, device=device)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head
+
+
+class ToyValueHead:
+    """An estimator of the train role (``roles/train.Estimator``) with a model of its own: the policy's
+    family with a value head (``MegatronModel(head=...)``, scored with ``scoring.Values``), trained in
+    the policy's step to each token's return (its sample's reward) by squared error under the share's
+    reduction weights; its advantages are return - value, per token. A toy (PPO's critic is its own role,
+    with GAE over the turns): it shows that such a role is a new file on ``MegatronModel`` and
+    ``scoring``, with no line of the actor."""
+
+    def __init__(self, path, info, sequence_parallel: bool):
+        train = TrainConfig(lr=1e-3, clip_grad=1.0, micro_batch_size=2, sequence_parallel=sequence_parallel)
+        self.model = MegatronModel(str(path), train, info, trainable=True, head=_value_head)
+        self.given: list[list[list[float]]] = []  # the per-token advantages of each step
+
+    def advantages(self, share):
+        values = scoring.score(self.model, share.samples, None, scoring.Values())
+        given = [[s.reward - float(v) for v in out[0]] for s, out in zip(share.samples, values)]
+        self.given.append(given)
+        return dataclasses.replace(share, advantages=given)
+
+    def train(self, share) -> dict[str, float]:
+        model, sums = self.model, {"value_loss": 0.0}
+        device = model.device
+
+        def loss(row, outputs):
+            returns = torch.cat(
+                [torch.full((len(share.samples[i].response_ids),), share.samples[i].reward) for i in row.sample_index]
+            )
+            weights = torch.cat([torch.tensor(share.weights[i]) for i in row.sample_index])
+            value_loss = ((outputs[0] - returns.to(device)).square() * weights.to(device)).sum()
+            sums["value_loss"] += float(value_loss.detach())
+            return value_loss * model.info.dp_size * model.info.cp_size  # DDP averages over DP x CP
+
+        model.zero_grad()
+        scoring.forward_backward(model, share.samples, list(range(len(share.samples))), scoring.Values(), loss)
+        model.finalize_grads()
+        totals = model.sum_over_dp(sums)
+        step = model.optimizer_step()
+        return {"critic/value_loss": totals["value_loss"], "critic/grad_norm": step["grad_norm"]}
+
+
+def check_value_head(args, info, out):
+    """The seam of a role beside the policy: the policy and a toy value head (a second trainable model on
+    the same ranks) in the train role, three steps on the matrix batch of Qwen3 with every scalar
+    advantage 0 (the policy without an entropy term: its gradient comes only from the advantages the
+    estimator sets) -> each step's value loss and grad norms, the advantages set, the policy's and the
+    head's weights moved."""
+    path = tiny_model_dir("qwen3")
+    samples = matrix_batch(path, "qwen3")
+    train = TrainConfig(lr=1e-5, clip_grad=1.0, micro_batch_size=2, sequence_parallel=LAUNCH.sequence_parallel)
+    algo = dataclasses.replace(ALGO, entropy_coef=0.0)
+    actor = MegatronActor(str(path), train, algo, info, temperature=TEMPERATURE)
+    critic = ToyValueHead(path, info, LAUNCH.sequence_parallel)
+    role = TrainRole(actor, on_policy=False, estimators=[critic])
+    before = actor.export_hf()
+    head = getattr(critic.model.module, "head", None)
+    steps = [role.train(step, actor.share_of(samples, [0.0] * len(samples), 2))[0] for step in range(3)]
+    after = actor.export_hf()
+    out["value_head"] = {
+        "value_loss": [m["critic/value_loss"] for m in steps],
+        "critic_grad_norm": [m["critic/grad_norm"] for m in steps],
+        "policy_grad_norm": [m["train/grad_norm"] for m in steps],
+        "advantage_lengths": [[len(a) for a in given] for given in critic.given],
+        "response_lengths": [len(s.response_ids) for s in actor.share_of(samples, [0.0] * 4, 2).samples],
+        "advantages_vary": all(len(set(a)) > 1 for given in critic.given[1:] for a in given),
+        "policy_moved": sum(not torch.equal(before[n], after[n]) for n in before) if is_main(info) else None,
+        "head_weight_norm": None if head is None else float(head.weight.detach().norm()),
+        "head_trainable": None if head is None else all(p.requires_grad for p in head.parameters()),
+    }
+
+
 CHECKS = {
+    "value_head": check_value_head,
     "hf_reference": check_hf_reference,
     "sft": check_sft,
     "recompute": check_recompute,

@@ -3,6 +3,7 @@ prompt groups each, dealt round robin per mini-batch, with every token's weight 
 mini-batch, so DP ranks that train their shares sum to the step a single rank trains. Unit tier,
 about 1 s (hypothesis, 60 examples)."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,3 +45,20 @@ def test_the_shares_partition_the_batch_by_whole_groups_with_the_mini_batchs_wei
         assert share.trainable == any(s.num_trainable for s in samples)
     if dp == 1:
         assert sorted(shares[0].indices) == list(range(len(samples)))
+
+
+def test_token_advantages_broadcast_a_scalar_and_keep_a_train_side_estimators_per_token_ones():
+    """A group estimator's scalar on every trained token; an estimator on the train ranks sets one per
+    response token (values, a teacher's log-probs), kept where the loss mask is 1; a length that does not
+    fit names the sample."""
+    samples = [
+        TrainingSample([1, 2], [3, 4, 5], [1, 0, 1], [-1.0] * 3, 1.0, "0/0", 0, True),
+        TrainingSample([1, 2], [6, 7], [1, 1], [-1.0] * 2, 0.0, "0/1", 0, True),
+    ]
+    share = split_by_dp(samples, [0.5, -0.5], 1, dp_size=1, loss_reduction="token_mean")[0]
+    assert [share.token_advantages(k) for k in range(2)] == [[0.5, 0.0, 0.5], [-0.5, -0.5]]
+    share.advantages = [[0.25, 9.0, -0.75], [1.0, 2.0]]
+    assert [share.token_advantages(k) for k in range(2)] == [[0.25, 0.0, -0.75], [1.0, 2.0]]
+    share.advantages[1] = [1.0]
+    with pytest.raises(ValueError, match="sample 1: 1 per-token advantages for 2 response tokens"):
+        share.token_advantages(1)
