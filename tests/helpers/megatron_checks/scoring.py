@@ -20,6 +20,7 @@ from megatron_checks.common import (
 from slime_mt.assets import smollm2_dir, tiny_model_dir
 from slime_mt.backends.megatron import scoring
 from slime_mt.backends.megatron.actor import MegatronActor
+from slime_mt.backends.megatron.model import MegatronModel
 from slime_mt.config import AlgoConfig, TrainConfig
 from slime_mt.types import TrainingSample
 
@@ -154,12 +155,16 @@ def check_tree(args, info, out):
     # a token budget counts tree tokens: 40 + 12 k <= 100 puts five responses in a row (flat: one)
     group = tree_batches(1000)["grpo"]
     budget = {
-        tree: MegatronActor(
-            str(tiny_model_dir("qwen3")),
-            TrainConfig(shared_prefix_training=tree, max_tokens_per_micro_batch=100),
-            ALGO,
-            info,
-        )._rows(group, list(range(8)))
+        tree: scoring.micro_batches(
+            MegatronModel(
+                tiny_model_dir("qwen3"),
+                TrainConfig(shared_prefix_training=tree, max_tokens_per_micro_batch=100),
+                info,
+                trainable=False,
+            ),
+            group,
+            list(range(8)),
+        )
         for tree in (True, False)
     }
     out["tree_rows"] = {"tree": [len(r) for r in budget[True]], "flat": [len(r) for r in budget[False]]}
