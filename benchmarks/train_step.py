@@ -115,7 +115,8 @@ def main():
         for _ in actor.iter_hf_weights():  # what the trainer streams to the engines
             pass
         exported = peak_rss_mb()
-        steps = {"megatron": functools.partial(actor.train, samples, advantages, prompts_per_step=len(samples))}
+        share = actor.share_of(samples, advantages, len(samples))
+        steps = {"megatron": functools.partial(actor.train, share)}
         if hf is not None:
             steps["transformers"] = hf
         seconds = {name: [] for name in steps}

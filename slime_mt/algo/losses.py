@@ -218,15 +218,7 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     if cfg.interpolates_proximal:
         x = dataclasses.replace(x, old_log_probs=loglinear_proximal(x))
     log_ratio = x.log_probs - x.old_log_probs  # [T]
-    if cfg.advantage_estimator == "gspo":
-        counts = segment_sum(mask, x.seq_ids, num_seqs).clamp_min(1)
-        if cfg.gspo_gradient == "sequence":  # slime's: exp(mean log-ratio), the gradient through the mean
-            ratio = torch.exp(segment_sum(log_ratio * mask, x.seq_ids, num_seqs) / counts)[x.seq_ids]
-        else:  # GSPO-token: sg[s_i] * pi/sg[pi], the value is the sequence ratio, the gradient per token
-            seq_log_ratio = segment_sum(log_ratio.detach() * mask, x.seq_ids, num_seqs) / counts  # [S]
-            ratio = torch.exp(seq_log_ratio[x.seq_ids] + x.log_probs - x.log_probs.detach())
-    else:
-        ratio = torch.exp(log_ratio)
+    ratio = _ratio(x, cfg, log_ratio, mask, num_seqs)
     low, high = cfg.eps_clip, cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip
     surrogate = -x.advantages * ratio
     clipped = -x.advantages * ratio.clamp(1 - low, 1 + high)
@@ -238,33 +230,8 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     weights = x.weights
     metrics: dict[str, float] = {}
     sampled = ~torch.isnan(x.rollout_log_probs)  # [T] False on re-tokenized history (no rollout log-probs)
-    if cfg.use_tis or cfg.use_decoupled_loss:  # one or the other (config_validation refuses both)
-        flag, needs = (
-            ("--use-tis", "rollout log-probs")
-            if cfg.use_tis
-            else ("--use-decoupled-loss", "the behaviour policy's log-probs")
-        )
-        if not bool(sampled[mask > 0].all()):
-            raise ValueError(
-                f"{flag} needs {needs}, but some trained tokens have none (a "
-                "re-tokenized history: --retokenize-chat-history with --sample-format concat)"
-            )
-        behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)  # untrained tokens without one weigh 1
-        if cfg.use_tis:
-            is_weights, keep, correction_metrics = off_policy_weights(
-                x.old_log_probs,
-                behav,
-                mask,
-                x.seq_ids,
-                num_seqs,
-                cfg.tis_mode,
-                cfg.tis_clip_low,
-                cfg.tis_clip,
-            )
-        else:
-            is_weights, keep, correction_metrics = decoupled_weights(
-                x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff
-            )
+    if cfg.use_tis or cfg.use_decoupled_loss:  # one or the other (the config refuses both)
+        is_weights, keep, correction_metrics = _off_policy(x, cfg, mask, num_seqs, sampled)
         pg = pg * is_weights
         weights = weights * keep
         metrics.update({k: v * float(x.weights.sum()) for k, v in correction_metrics.items()})
@@ -296,6 +263,41 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
     if x.entropy is not None:
         metrics["entropy"] = float((x.entropy.detach() * w).sum())
     return loss, metrics
+
+
+def _ratio(x: LossInputs, cfg: AlgoConfig, log_ratio: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The importance ratio of each token ``[T]``: per token, or GSPO's per sequence."""
+    if cfg.advantage_estimator != "gspo":
+        return torch.exp(log_ratio)
+    counts = segment_sum(mask, x.seq_ids, num_seqs).clamp_min(1)
+    if cfg.gspo_gradient == "sequence":  # slime's: exp(mean log-ratio), the gradient through the mean
+        return torch.exp(segment_sum(log_ratio * mask, x.seq_ids, num_seqs) / counts)[x.seq_ids]
+    # GSPO-token: sg[s_i] * pi/sg[pi], the value is the sequence ratio, the gradient per token
+    seq_log_ratio = segment_sum(log_ratio.detach() * mask, x.seq_ids, num_seqs) / counts  # [S]
+    return torch.exp(seq_log_ratio[x.seq_ids] + x.log_probs - x.log_probs.detach())
+
+
+def _off_policy(
+    x: LossInputs, cfg: AlgoConfig, mask: torch.Tensor, num_seqs: int, sampled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """TIS's or the decoupled objective's (weight ``[T]``, kept ``[T]``, metrics) against the behaviour
+    policy: the rollout log-probs; a trained token without one is refused, naming the flag."""
+    flag, needs = (
+        ("--use-tis", "rollout log-probs")
+        if cfg.use_tis
+        else ("--use-decoupled-loss", "the behaviour policy's log-probs")
+    )
+    if not bool(sampled[mask > 0].all()):
+        raise ValueError(
+            f"{flag} needs {needs}, but some trained tokens have none (a "
+            "re-tokenized history: --retokenize-chat-history with --sample-format concat)"
+        )
+    behav = torch.where(sampled, x.rollout_log_probs, x.old_log_probs)  # untrained tokens without one weigh 1
+    if cfg.use_tis:
+        return off_policy_weights(
+            x.old_log_probs, behav, mask, x.seq_ids, num_seqs, cfg.tis_mode, cfg.tis_clip_low, cfg.tis_clip
+        )
+    return decoupled_weights(x.old_log_probs, behav, mask, cfg.behav_imp_weight_cap, x.m2po_cutoff)
 
 
 def sft_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:

@@ -223,7 +223,7 @@ def _build_tiny(out: Path, kind: str) -> None:
     import torch
     import transformers
 
-    from slime_mt.processing import QwenVLProcessor, image_processor_class
+    from slime_mt.processing import QwenVLProcessor
 
     if kind == "llama":
         return _build_tiny_llama(out)
@@ -234,65 +234,8 @@ def _build_tiny(out: Path, kind: str) -> None:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         variant = "qwen3" if kind.startswith("qwen3") else "qwen2.5"
     else:
-        text = dict(_tiny_text_config(kind), head_dim=16, rope_theta=1000000.0)
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        )
-        ids = dict(
-            image_token_id=IMAGE_PAD_ID,
-            video_token_id=VIDEO_PAD_ID,
-            vision_start_token_id=VISION_START,
-            vision_end_token_id=VISION_END,
-        )
-        if kind == "qwen2.5-vl":
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
-            vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
-            config = transformers.Qwen2_5_VLConfig(
-                text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
-            )
-            model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-            patch, mean_std = 14, None
-        else:
-            text["rope_parameters"] = {
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            }
-            vision.update(
-                patch_size=16,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[0, 1],
-                hidden_act="gelu_pytorch_tanh",
-            )
-            if kind == "qwen3-vl-moe":
-                config = transformers.Qwen3VLMoeConfig(
-                    text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
-                )
-                model = transformers.Qwen3VLMoeForConditionalGeneration(config)
-            else:
-                config = transformers.Qwen3VLConfig(
-                    text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
-                )
-                model = transformers.Qwen3VLForConditionalGeneration(config)
-            patch, mean_std = 16, [0.5, 0.5, 0.5]
-        model = model.to(torch.float32)
+        model, image_processor = _tiny_vlm(kind)
         variant = "qwen3-vl" if kind == "qwen3-vl-moe" else kind
-        extra = {"image_mean": mean_std, "image_std": mean_std} if mean_std else {}
-        image_processor = image_processor_class()(
-            patch_size=patch,
-            merge_size=2,
-            temporal_patch_size=2,
-            min_pixels=4 * (patch * 2) ** 2,
-            max_pixels=256 * (patch * 2) ** 2,
-            **extra,
-        )
     _save_model(model, out)
     if kind == "qwen3-vl-moe":
         _publish_fused_experts(out)
@@ -305,6 +248,70 @@ def _build_tiny(out: Path, kind: str) -> None:
     else:
         _save_tokenizer(QwenVLProcessor(tokenizer, image_processor), out)
     (out / "slime_mt_asset.json").write_text(json.dumps({"kind": kind, "random_weights": True, "seed": 0}))
+
+
+def _tiny_vlm(kind: str):
+    """(a random-weight Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE of the tiny text config and a two-layer vision
+    tower, fp32; its image processor)."""
+    import torch
+    import transformers
+
+    from slime_mt.processing import image_processor_class
+
+    text = dict(_tiny_text_config(kind), head_dim=16, rope_theta=1000000.0)
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    ids = dict(
+        image_token_id=IMAGE_PAD_ID,
+        video_token_id=VIDEO_PAD_ID,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+    if kind == "qwen2.5-vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+        patch, mean_std = 14, None
+    else:
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        }
+        vision.update(
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+            hidden_act="gelu_pytorch_tanh",
+        )
+        if kind == "qwen3-vl-moe":
+            config = transformers.Qwen3VLMoeConfig(
+                text_config=text, vision_config=vision, tie_word_embeddings=True, **ids
+            )
+            model = transformers.Qwen3VLMoeForConditionalGeneration(config)
+        else:
+            config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+            model = transformers.Qwen3VLForConditionalGeneration(config)
+        patch, mean_std = 16, [0.5, 0.5, 0.5]
+    extra = {"image_mean": mean_std, "image_std": mean_std} if mean_std else {}
+    image_processor = image_processor_class()(
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=4 * (patch * 2) ** 2,
+        max_pixels=256 * (patch * 2) ** 2,
+        **extra,
+    )
+    return model.to(torch.float32), image_processor
 
 
 _TEXT_KINDS = ("qwen2", "qwen2-h64", "qwen3", "qwen3-moe")

@@ -118,41 +118,31 @@ class RolloutRole(RolloutSteps):
             seed=cfg.train.seed,
             tp_size=cfg.train.tensor_model_parallel_size,
         )
-        try:
+        ctx = None
+        try:  # whatever fails from here stops the engines (and closes the context) before it is raised
             ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
-        except BaseException:
-            engines.stop()
-            raise
-        ctx.client.gate = UpdateGate()
-        try:
+            ctx.client.gate = UpdateGate()
             for dataset, path in ((data, cfg.data.prompt_data), (eval_data, cfg.data.eval_prompt_data)):
                 if dataset is not None:
                     drop_long_prompts(dataset, ctx, path)
-        except BaseException:
-            engines.stop()
-            raise
-        if cfg.rollout.rollout_num_processes > 1:
-            try:
+            if cfg.rollout.rollout_num_processes > 1:
                 ctx.rollout_workers = RolloutWorkerPool(cfg, engines.url, engines.worker_urls, ctx.env_workers)
-            except BaseException:
-                ctx.close()
-                engines.stop()
-                raise
-            ctx.client.gate.followers = ctx.rollout_workers
-            ctx.rollout_workers.timeline = ctx.timeline
-        for pool in (ctx.env_workers, ctx.rollout_workers):
-            for line in pool.describe() if pool is not None else []:
-                print(f"placement: {line}", flush=True)
-        if cfg.rollout.slime_compat:
-            compat = SlimeCompat.activate(ctx)
-            for dataset in (data, eval_data):
-                if dataset is not None:
-                    compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
-        rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
-        metrics = MetricsLogger(run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project)
-        weights = None
-        if sends_weights:
-            try:
+                ctx.client.gate.followers = ctx.rollout_workers
+                ctx.rollout_workers.timeline = ctx.timeline
+            for pool in (ctx.env_workers, ctx.rollout_workers):
+                for line in pool.describe() if pool is not None else []:
+                    print(f"placement: {line}", flush=True)
+            if cfg.rollout.slime_compat:
+                compat = SlimeCompat.activate(ctx)
+                for dataset in (data, eval_data):
+                    if dataset is not None:
+                        compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
+            rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
+            metrics = MetricsLogger(
+                run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project
+            )
+            weights = None
+            if sends_weights:
                 weights = EngineWeights(
                     lambda urls: transport_for(
                         cfg.engine, cfg.cluster.ray, cfg.cluster.colocate, engines.local_engines, ctx, run_dir
@@ -160,29 +150,15 @@ class RolloutRole(RolloutSteps):
                     ctx.client.worker_urls,
                     quantization,
                 )
-            except BaseException:
+        except BaseException:
+            if ctx is not None:
                 ctx.close()
-                engines.stop()
-                raise
+            engines.stop()
+            raise
         side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
         side.records = RunRecords(cfg, run_dir)
         if engine_actors:
-            from slime_mt.engine.launch import add_worker, remove_worker
-
-            def lost(url: str) -> None:
-                if cfg.engine.engine == "vllm":  # no router: the client's own rotation
-                    ctx.run_sync(_call(ctx.client.leave, url))
-                else:
-                    remove_worker(engines.url, url)
-                ctx.run_sync(_set_workers(ctx.client, [u for u in ctx.client.worker_urls if u != url]))
-
-            def admitted(url: str) -> None:
-                if cfg.engine.engine == "vllm":
-                    ctx.run_sync(_call(ctx.client.enter, url))
-                else:
-                    add_worker(engines.url, url)
-
-            side.supervisor = EngineSupervisor(engine_actors, engines.worker_urls, lost, admitted)
+            side.supervisor = _supervisor(cfg, engines, ctx, engine_actors)
         return side
 
     def resume(self, step: int, data_state: dict) -> None:
@@ -439,3 +415,24 @@ def start_role(cfg: Config, run_dir: Path, engine_actors: list | None = None, se
     if cfg.debug.train_only:
         return ReplayRole(cfg, run_dir)
     return RolloutRole.start(cfg, run_dir, engine_actors, sends_weights)
+
+
+def _supervisor(cfg: Config, engines, ctx, engine_actors: list) -> EngineSupervisor:
+    """Under ``--ray``: what starts an engine again when it dies, and takes it out of (and back into) the
+    rotation: the router's, or for vLLM (no router) the client's own."""
+    from slime_mt.engine.launch import add_worker, remove_worker
+
+    def lost(url: str) -> None:
+        if cfg.engine.engine == "vllm":  # no router: the client's own rotation
+            ctx.run_sync(_call(ctx.client.leave, url))
+        else:
+            remove_worker(engines.url, url)
+        ctx.run_sync(_set_workers(ctx.client, [u for u in ctx.client.worker_urls if u != url]))
+
+    def admitted(url: str) -> None:
+        if cfg.engine.engine == "vllm":
+            ctx.run_sync(_call(ctx.client.enter, url))
+        else:
+            add_worker(engines.url, url)
+
+    return EngineSupervisor(engine_actors, engines.worker_urls, lost, admitted)

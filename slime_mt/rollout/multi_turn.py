@@ -274,22 +274,36 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
                 sample.status = Status.PENDING
                 open_with(episode.first_observation)
                 traj = begin()
-    except EnvStepFailed as e:
-        fail(sample, e.cause, str(e), e.__cause__ or e)
-        sample.metadata["error_turn"] = max(len(sample.turns) - 1, 0)  # the turn whose output the env was given
-        if sample.turns:
-            sample.turns[-1].env_retries = e.retries
-    except EngineError as e:
-        cause = "engine aborted the turn" if isinstance(e, EngineAbortedTurn) else "engine error"
-        fail(sample, cause, f"engine: {e}", e)
-    except Exception as e:  # env construction/reset errors are infra failures of this sample only
-        fail(sample, f"{stage} raised {type(e).__name__}", f"{stage} raised {type(e).__name__}: {e}", e)
+    except Exception as e:  # every fault is this sample's: an env step, the engine, the env's build or reset
+        _failed(sample, e, stage)
     finally:
         if env is not None:
             try:
                 await call_env(ctx, env.close)
             except Exception:
                 logger.exception("env.close failed for sample %s", sample.index)
+    _finish(sample, traj, encoder, r)
+    return sample
+
+
+def _failed(sample: Sample, e: Exception, stage: str) -> None:
+    """The sample FAILED with ``e``'s cause: an env step that failed past its retries, an engine error, or
+    what ``stage`` (the env's build or reset, the rollout) raised; infra failures of this sample only."""
+    if isinstance(e, EnvStepFailed):
+        fail(sample, e.cause, str(e), e.__cause__ or e)
+        sample.metadata["error_turn"] = max(len(sample.turns) - 1, 0)  # the turn whose output the env was given
+        if sample.turns:
+            sample.turns[-1].env_retries = e.retries
+    elif isinstance(e, EngineError):
+        cause = "engine aborted the turn" if isinstance(e, EngineAbortedTurn) else "engine error"
+        fail(sample, cause, f"engine: {e}", e)
+    else:
+        fail(sample, f"{stage} raised {type(e).__name__}", f"{stage} raised {type(e).__name__}: {e}", e)
+
+
+def _finish(sample: Sample, traj: Trajectory, encoder, r) -> None:
+    """A finished episode's images (concatenated once), weight versions, and with
+    --retokenize-chat-history its final render (a concat sample that cannot be re-rendered FAILS)."""
     sample.multimodal_train_inputs = traj.buffer.finalize()
     if traj.buffer.num_images:
         sample.multimodal_inputs = {**(sample.multimodal_inputs or {}), "image_data": traj.buffer.image_data}
@@ -302,7 +316,6 @@ async def run_episode(ctx: RolloutContext, sample: Sample, sampling_params: dict
             if r.sample_format == "concat":  # nothing exact to train: the sample keeps no trainable token
                 message = f"re-rendering the history: {type(e).__name__}: {e}"
                 fail(sample, "re-rendering the history failed", message, e)
-    return sample
 
 
 def resumed_output(
@@ -435,19 +448,8 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         if counted >= r.max_turns:
             return
         engine_ids, image_data, context_ids, image_indices = await traj.context(policy, r.retokenize_chat_history)
-        room = r.rollout_max_context_len - (len(sample.tokens) if context_ids is None else len(context_ids))
-        if room <= 0 and not sample.turns:  # the prompt alone fills the context: the model never saw it
-            used = len(sample.tokens) if context_ids is None else len(context_ids)
-            fail(
-                sample,
-                "prompt longer than the context",
-                f"the prompt is {used} tokens and --rollout-max-context-len is {r.rollout_max_context_len}: it never "
-                "reached the model (such rows are left out at load; --rollout-max-prompt-len leaves out more)",
-            )
-            return
+        room = _context_room(sample, context_ids, r)
         if room <= 0:
-            sample.status = Status.TRUNCATED
-            sample.metadata["termination"] = "context_exhausted"
             return
         params = dict(sampling_params, max_new_tokens=min(r.rollout_max_response_len, room))
         if "sampling_seed" not in params and "rollout_id" in sample.metadata:
@@ -484,11 +486,7 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
         started = time.perf_counter()
         observation, done, info, retries = await env.step(text)
         turn.env_seconds, turn.env_retries = time.perf_counter() - started, retries
-        turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
-        if "reward" in info:
-            sample.metadata["env_reward"] = info["reward"]
-            if isinstance(info["reward"], (int, float)):
-                turn.reward = float(info["reward"])
+        _keep_env_info(sample, turn, info)
         invalid = bool(info.get("invalid_action"))
         invalid_in_a_row = invalid_in_a_row + 1 if invalid else 0
         counted += not invalid
@@ -501,19 +499,53 @@ async def _turn_loop(ctx, traj: Trajectory, encoder, env, sampling_params: dict,
             sample.status = Status.COMPLETED
             sample.metadata["termination"] = "env_done" if done else "max_turns"
             return
-        model_ended_turn = bool(ids) and ids[-1] == encoder.eot_id
-        formatted = env.format_observation(observation)
-        if r.conversation_multi_turn:
-            encoded = encoder.encode_observation(formatted, model_ended_turn)
-        else:  # one assistant message: the model's end-of-turn goes, the observation follows as raw text
-            if model_ended_turn:
-                traj.drop_end_of_turn(turn)
-            encoded = encoder.encode_raw_observation(formatted, r.observation_template)
-        cut = False
-        if policy is None and not r.retokenize_chat_history:  # a re-rendered context is measured when built
-            encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens), traj.image_token_id)
-        traj.add_observation(encoded, [formatted] if isinstance(formatted, dict) else list(formatted))
-        turn.observation_end = len(sample.tokens)
-        if cut:
+        if _observe(traj, turn, encoder, env.format_observation(observation), ids, r, policy):
             sample.status, sample.metadata["termination"] = Status.TRUNCATED, "observation_cut"
             return
+
+
+def _context_room(sample: Sample, context_ids: list[int] | None, r) -> int:
+    """The tokens the next turn may generate in ``--rollout-max-context-len``; none left ends the sample:
+    FAILED when the prompt alone fills the context (the model never saw it), else TRUNCATED."""
+    used = len(sample.tokens) if context_ids is None else len(context_ids)
+    room = r.rollout_max_context_len - used
+    if room <= 0 and not sample.turns:  # the prompt alone fills the context: the model never saw it
+        fail(
+            sample,
+            "prompt longer than the context",
+            f"the prompt is {used} tokens and --rollout-max-context-len is {r.rollout_max_context_len}: it never "
+            "reached the model (such rows are left out at load; --rollout-max-prompt-len leaves out more)",
+        )
+    elif room <= 0:
+        sample.status = Status.TRUNCATED
+        sample.metadata["termination"] = "context_exhausted"
+    return room
+
+
+def _keep_env_info(sample: Sample, turn: Turn, info: dict) -> None:
+    """The env step's plain info on the turn, and its reward (the sample's env reward; the turn's when a number)."""
+    turn.env_info = {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    if "reward" in info:
+        sample.metadata["env_reward"] = info["reward"]
+        if isinstance(info["reward"], (int, float)):
+            turn.reward = float(info["reward"])
+
+
+def _observe(traj: Trajectory, turn: Turn, encoder, formatted, ids: list[int], r, policy) -> bool:
+    """The env's formatted observation appended after the turn's output (observation tokens: loss mask 0)
+    -> whether it was cut to fit the context. Without --conversation-multi-turn the model's end-of-turn
+    goes and the observation follows as raw text in one assistant message."""
+    sample = traj.sample
+    model_ended_turn = bool(ids) and ids[-1] == encoder.eot_id
+    if r.conversation_multi_turn:
+        encoded = encoder.encode_observation(formatted, model_ended_turn)
+    else:
+        if model_ended_turn:
+            traj.drop_end_of_turn(turn)
+        encoded = encoder.encode_raw_observation(formatted, r.observation_template)
+    cut = False
+    if policy is None and not r.retokenize_chat_history:  # a re-rendered context is measured when built
+        encoded, cut = fit_observation(encoded, r.rollout_max_context_len - len(sample.tokens), traj.image_token_id)
+    traj.add_observation(encoded, [formatted] if isinstance(formatted, dict) else list(formatted))
+    turn.observation_end = len(sample.tokens)
+    return cut

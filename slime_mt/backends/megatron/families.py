@@ -257,27 +257,7 @@ def transformer_config(
     split.layer_counts(spec.num_layers)  # Megatron builds a missing or a doubled layer without a word
     pp = split.size
     gpu = torch.cuda.is_available()
-    experts = {}
-    if spec.moe is not None:
-        moe = moe or MoeOptions()
-        experts = dict(
-            num_moe_experts=spec.moe.num_experts,
-            moe_router_topk=spec.moe.topk,
-            moe_ffn_hidden_size=spec.moe.ffn_hidden_size,
-            moe_layer_freq=spec.moe.layer_pattern,
-            moe_router_pre_softmax=not spec.moe.norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_router_dtype="fp32",
-            moe_token_dispatcher_type=moe.dispatcher,
-            moe_router_load_balancing_type=moe.load_balancing,
-            moe_aux_loss_coeff=moe.aux_loss_coef,
-            moe_grouped_gemm=te,  # Transformer Engine's grouped GEMM on GPU; sequential experts otherwise
-            moe_permute_fusion=False,
-            expert_model_parallel_size=moe.expert_parallel,
-            expert_tensor_parallel_size=moe.expert_tp(tp),
-        )
-    elif pp > 1:  # a dense decoder: Megatron refuses its default (allgather) with variable row lengths
-        experts = dict(moe_token_dispatcher_type="alltoall")
+    experts = _expert_kwargs(spec, tp, moe or MoeOptions(), te, pp)
     # rope's attention factor scales q and k, so the logits by its square (YaRN's mscale)
     softmax_scale = spec.attention_factor**2 / spec.head_dim**0.5 if spec.attention_factor != 1.0 else None
     return TransformerConfig(
@@ -317,6 +297,29 @@ def transformer_config(
         mrope_section=list(spec.mrope_section) if spec.mrope_section else [spec.head_dim // 2],
         **experts,
         **(recompute or Recompute()).config_kwargs(),
+    )
+
+
+def _expert_kwargs(spec: DecoderSpec, tp: int, moe: MoeOptions, te: bool, pp: int) -> dict:
+    """TransformerConfig's mixture-of-experts fields for ``spec`` (a dense decoder's token dispatcher
+    under pipeline parallelism: Megatron refuses its default, allgather, with variable row lengths)."""
+    if spec.moe is None:
+        return dict(moe_token_dispatcher_type="alltoall") if pp > 1 else {}
+    return dict(
+        num_moe_experts=spec.moe.num_experts,
+        moe_router_topk=spec.moe.topk,
+        moe_ffn_hidden_size=spec.moe.ffn_hidden_size,
+        moe_layer_freq=spec.moe.layer_pattern,
+        moe_router_pre_softmax=not spec.moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coef,
+        moe_grouped_gemm=te,  # Transformer Engine's grouped GEMM on GPU; sequential experts otherwise
+        moe_permute_fusion=False,
+        expert_model_parallel_size=moe.expert_parallel,
+        expert_tensor_parallel_size=moe.expert_tp(tp),
     )
 
 
