@@ -115,21 +115,18 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line if line else line for line in text.splitlines())
 
 
-def _user_errors() -> tuple[type, ...]:
-    """Errors caused by the user's inputs: reported as one line, exit code 2 (no traceback). Asked for
-    only once an error is raised: their modules import torch, transformers and megatron, which
-    ``--help``, ``--dry-run`` and the light commands never need."""
-    return (
-        ConfigError,
-        DatasetError,
-        PluginError,
-        ModelConfigError,
-        LaunchError,
-        TrainSetupError,
-        AssetError,
-        CheckpointError,
-        DumpError,
-    )
+# errors caused by the user's inputs: reported as one line, exit code 2 (no traceback)
+USER_ERRORS = (
+    ConfigError,
+    DatasetError,
+    PluginError,
+    ModelConfigError,
+    LaunchError,
+    TrainSetupError,
+    AssetError,
+    CheckpointError,
+    DumpError,
+)
 
 
 INTERRUPTED = 130  # a run stopped by Ctrl-C (saved when --save is set): 128 + SIGINT, as a shell's
@@ -182,7 +179,7 @@ def run_train(cfg) -> int:
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         except Exception as e:
-            if not isinstance(e, _user_errors()):
+            if not isinstance(e, USER_ERRORS):
                 traceback.print_exc()
                 return 1
             print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return run_train(cfg)
     except Exception as e:
-        if not isinstance(e, _user_errors()):
+        if not isinstance(e, USER_ERRORS):
             raise
         print(f"slime-mt {ns.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

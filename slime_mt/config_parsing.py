@@ -1,10 +1,10 @@
 """The configuration's front end: CLI flags, YAML files, value coercion, "did you mean".
 
-``config.py`` holds the schema (one dataclass per concern, and the index of their fields); this module
-turns argv and YAML files into a validated ``Config``. Precedence: dataclass default < ``--config``
-YAML < ``--custom-config-path`` YAML < CLI. An unknown CLI flag is an error; an unknown YAML key is
-kept in ``Config.custom`` (slime users pass env knobs this way), logged, and warned about with "did
-you mean" when it is close to a known key.
+The ``slime_mt.config`` package holds the schema (one dataclass per concern, the index of their fields,
+and each group's rules); this module turns argv and YAML files into a validated ``Config``. Precedence:
+dataclass default < ``--config`` YAML < ``--custom-config-path`` YAML < CLI. An unknown CLI flag is an
+error; an unknown YAML key is kept in ``Config.custom`` (slime users pass env knobs this way), logged,
+and warned about with "did you mean" when it is close to a known key.
 """
 
 from __future__ import annotations

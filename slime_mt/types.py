@@ -399,10 +399,11 @@ class Batch:
 
 class BatchSource:
     """Where each step's groups come from, one per mode (``roles/batches.py``; a train-only run's dumps:
-    ``inspection/replay.py``). The driver calls ``take(step)`` for the step's groups, ``prefetch`` once
-    the step's batch is prepared, ``drain`` once it has trained (before the weights change) and
-    ``weights_changed`` after they have; ``data_state`` is what a checkpoint saves of the data cursor so
-    that a resumed run draws again what was drawn and not trained. The defaults: nothing in flight."""
+    ``inspection/replay.py``). The rollout role (``roles/rollout.py``, ``roles/steps.py``) calls
+    ``take(step)`` for the step's groups, ``prefetch`` once the step's batch is prepared, ``drain`` once
+    it has trained (before the weights change) and ``weights_changed`` after they have; ``data_state``
+    is what a checkpoint saves of the data cursor so that a resumed run draws again what was drawn and
+    not trained. The defaults: nothing in flight."""
 
     def take(self, step: int) -> Batch:
         raise NotImplementedError(f"{type(self).__name__} gives no batches")

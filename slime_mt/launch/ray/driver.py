@@ -211,7 +211,7 @@ def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
             0,
             [s.gpu for s in slots if s.gpu is not None],
             engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, cfg.rollout.oldest_groups_first),
-            cfg.engine.rollout_checkpoint or cfg.train.hf_checkpoint,  # FP8: given (config_validation)
+            cfg.engine.rollout_checkpoint or cfg.train.hf_checkpoint,  # FP8: given (config.engine)
             cfg.train.seed + e,
             str(log_dir),
             runtime_env=no_visible_devices_override,
