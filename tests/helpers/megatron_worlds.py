@@ -115,3 +115,23 @@ def rel(a, b) -> float:
     """Relative Frobenius difference ||a - b|| / ||b|| of two tensors."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# Gradients under another layout are judged at each tensor's own scale: float32 sums taken in another order
+# (another layout's reductions, another machine's threads) differ by tens of units in the last place of the
+# sum, so a gradient matches when every element is within ULPS float32 ulps of its largest element's
+# magnitude (max |got - want| <= ULPS * 2^-23 * max |want|); an absolute bound is too tight for large
+# tensors (an embedding's gradient, max 0.35: 1.2e-6 apart on some machines against 1e-6) and too loose
+# for small ones. Weights after an Adam step are judged in units of the learning rate instead: Adam turns
+# a gradient that is noise around zero (a key bias's, which softmax ignores) into an lr-sized step of
+# either sign.
+ULPS = 256
+FP32_EPS = 2.0**-23
+
+
+def assert_close(got, want, what: str = "", ulps: float = ULPS) -> None:
+    """``got`` equals ``want`` within ``ulps`` float32 ulps of ``want``'s largest magnitude (a zero tensor
+    equals only zeros, to 1e-12)."""
+    diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    bound = max(ulps * FP32_EPS * float(want.abs().max()) if want.numel() else 0.0, 1e-12)
+    assert diff <= bound, f"{what}: {diff:.3g} apart, {diff / bound * ulps:.0f} ulps of its scale (at most {ulps})"

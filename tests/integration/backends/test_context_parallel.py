@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from megatron_worlds import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES
+from megatron_worlds import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, assert_close
 from train_helpers import HELPERS, repo_env
 
 # the row's log-probs come from another split of the same sums: one float32 ulp at |log p| of 8-16
@@ -72,11 +72,11 @@ def test_context_parallel_trains_as_one_rank_does(world, megatron_dir, which, ta
     assert abs(split["loss"] - one["loss"]) <= 1e-6
     assert split["grads"].keys() == one["grads"].keys()
     for name, want in one["grads"].items():
-        assert float((split["grads"][name] - want).abs().max()) <= 1e-6, name
+        assert_close(split["grads"][name], want, name)
     assert abs(split["grad_norm"] - one["grad_norm"]) <= 1e-6 * max(1.0, one["grad_norm"])
     assert split["weights"].keys() == one["weights"].keys()
     for name, want in one["weights"].items():
-        assert float((split["weights"][name] - want).abs().max()) <= 1e-5, name
+        assert float((split["weights"][name] - want).abs().max()) <= 1e-5, name  # one lr: Adam's step of noise
 
 
 @pytest.mark.parametrize("which,tag", [("tp2_moe", "tp2"), ("cp2_moe", "tp1_cp2")])
@@ -91,4 +91,4 @@ def test_the_load_balancing_loss_splits_over_tp_and_cp_ranks_as_its_tokens_do(wo
     for key, want in one["metrics"].items():
         assert abs(split["metrics"][key] - want) <= 1e-6 * max(1.0, abs(want)), (key, split["metrics"][key], want)
     for name, want in one["grads"].items():
-        assert float((split["grads"][name] - want).abs().max()) <= 1e-6, name
+        assert_close(split["grads"][name], want, name)
