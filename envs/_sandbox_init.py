@@ -8,7 +8,8 @@ system's library folders bound read-only at their own paths, ``/dev`` with null/
 namespace, 6.14+), the code in ``/sandbox``; then it moves into that root (``pivot_root``, the old root
 detached, so nothing else of the host is reachable) and gives up every capability. In every mode it
 sets the resource limits and the lowest CPU share (nice 19, SCHED_IDLE, no way back), clears the
-environment and executes the interpreter on the code.
+environment, gives up every capability (where it has any: as root without namespaces too) and executes
+the interpreter on the code.
 """
 
 import ctypes
@@ -22,7 +23,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 
 MNT_DETACH = 2
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 38, 24, 28
-REPORT_FD = 3
+CHANNEL_FD = 3
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -88,23 +89,25 @@ def build_root(config: dict) -> None:
 
 
 def drop_privileges() -> None:
-    """No capability survives the exec, none can be regained (root of the namespace or not)."""
+    """No capability survives the exec, none can be regained (root of the namespace or not). A process
+    that has none to give up (a user other than root, without namespaces) only sets no_new_privs."""
     for cap in range(64):
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            break  # past the last capability this kernel knows
+            break  # past the last capability this kernel knows (or none to drop: no CAP_SETPCAP)
     # noroot + noroot_locked + no_setuid_fixup + no_setuid_fixup_locked + keep_caps_locked
-    check(libc.prctl(PR_SET_SECUREBITS, 0x1 | 0x2 | 0x4 | 0x8 | 0x20, 0, 0, 0), "securebits")
+    if libc.prctl(PR_SET_SECUREBITS, 0x1 | 0x2 | 0x4 | 0x8 | 0x20, 0, 0, 0) != 0 and os.geteuid() == 0:
+        check(-1, "securebits")  # root that cannot give up its capabilities: the sandbox fails
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
 def run_code(config: dict, workdir: str) -> None:
     """In the child: limits, privileges, a clean environment, then the interpreter on main.py."""
     os.chdir(workdir)
-    if config["report_fd"] is not None:  # the report channel, at fd 3 for the code
-        if config["report_fd"] != REPORT_FD:
-            os.dup2(config["report_fd"], REPORT_FD)
-            os.close(config["report_fd"])
-        os.set_inheritable(REPORT_FD, True)
+    if config["channel_fd"] is not None:  # the channel to the host, at fd 3 for the code
+        if config["channel_fd"] != CHANNEL_FD:
+            os.dup2(config["channel_fd"], CHANNEL_FD)
+            os.close(config["channel_fd"])
+        os.set_inheritable(CHANNEL_FD, True)
     # the lowest CPU share there is, for good: nice 19, no way back (RLIMIT_NICE 0), and SCHED_IDLE (it
     # runs only on a core nothing else wants), so spinning processes cannot starve the rollout's
     os.setpriority(os.PRIO_PROCESS, 0, 19)
@@ -113,8 +116,7 @@ def run_code(config: dict, workdir: str) -> None:
     for name, value in config["rlimits"].items():
         # the CPU limit's soft value sends SIGXCPU (named in the result); a second more, SIGKILL
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
-    if config["isolate"]:
-        drop_privileges()
+    drop_privileges()
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     if not config["isolate"]:
         env["TMPDIR"] = workdir

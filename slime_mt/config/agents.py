@@ -81,10 +81,10 @@ class JudgeConfig:
     )
     sandbox_allow_unisolated: bool = option(
         False,
-        "envs.python_sandbox where the kernel refuses unprivileged user namespaces: run model code anyway, with "
-        "resource limits, a wall time, a fresh folder and a cleared environment only (host files, other "
-        "processes, the network and setuid programs stay reachable; daemons may outlive a run). Default: refuse "
-        "(the sample FAILS).",
+        "envs.python_sandbox where the kernel refuses unprivileged user namespaces: run model code anyway, as this "
+        "user without capabilities, with resource limits, a wall time, a fresh folder and a cleared environment "
+        "only (the host process makes itself non-dumpable; files this user can read, its other processes and "
+        "the network stay reachable; daemons may outlive a run). Default: refuse (the sample FAILS).",
     )
 
 

@@ -1,174 +1,23 @@
-"""The Python sandbox (envs/python_sandbox.py): each attack stopped or refused within its limit with a
-clear message to the model, no process or file left behind, the event loop never stalled, and the
-code environment graded by hidden tests."""
+"""The code environment (envs/python_sandbox.py) and its grading, which the model's code cannot reach:
+the hidden tests run in a process of their own against a proxy of the solution (plain data both ways),
+so no exit, output, patch, object, signal, thread or search of the code earns a reward its answers do not
+earn, in both sandbox modes; right solutions import what they like; program tests compare outputs.
+Integration tier, about 90 s (two sandboxes a grading, two modes)."""
 
 import argparse
 import asyncio
-import glob
-import os
-import socket
-import sys
-import tempfile
-import time
+from textwrap import dedent
 
 import pytest
+from sandbox_helpers import ISOLATED, LIMITS, run
 
-import envs.python_sandbox as sandbox
-from envs.python_sandbox import PythonSandboxEnv, SandboxLimits, build_env, code_block, run_python, sandbox_mode
+import envs.sandbox as sandbox
+from envs.python_sandbox import PythonSandboxEnv, build_env, code_block, grade
+from envs.sandbox import SandboxLimits
 from slime_mt.errors import InvalidActionError
 from slime_mt.types import Sample
 
-# allow_unisolated: the limits-only mode is tested too (refused without it: see the isolation tests)
-LIMITS = SandboxLimits(
-    cpu_seconds=2, wall_seconds=5, memory_mb=256, file_mb=8, workdir_mb=32, output_bytes=2048, allow_unisolated=True
-)
-ISOLATED = sandbox_mode() == "isolated"
 needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no unprivileged user namespaces on this machine")
-
-
-@pytest.fixture(params=["isolated", "limits-only"])
-def mode(request, monkeypatch):
-    """Each test in both modes: namespaces where this machine allows them, and the fallback."""
-    if request.param == "isolated" and not ISOLATED:
-        pytest.skip("no unprivileged user namespaces on this machine")
-    monkeypatch.setattr(sandbox, "sandbox_mode", lambda: request.param)
-    return request.param
-
-
-def run(code: str, limits: SandboxLimits = LIMITS, **kw):
-    started = time.perf_counter()
-    result = asyncio.run(run_python(code, limits, **kw))
-    return result, time.perf_counter() - started
-
-
-def sandbox_processes() -> list[str]:
-    """Processes still running that the sandbox started (its launcher, or code it ran)."""
-    found = []
-    for entry in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(entry, "rb") as fh:
-                line = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "_sandbox_init.py" in line or "main.py" in line.split(" ")[-2:]:
-            found.append(line)
-    return found
-
-
-def test_clean_code_runs_in_an_empty_folder_with_a_cleared_environment(mode):
-    result, _ = run("import os\nprint(sorted(os.listdir('.')), sorted(os.environ))\nprint(input())", stdin="in\n")
-    names = ["HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE"] + (["TMPDIR"] if mode == "limits-only" else [])
-    assert result.ok and result.stdout == f"['main.py'] {names}\nin\n"
-    result, _ = run("print(open('data.txt').read())", files={"data.txt": "given"})
-    assert result.stdout == "given\n"
-
-
-def test_an_infinite_loop_stops_at_the_cpu_limit(mode):
-    # a wall limit far past the CPU limit: SIGXCPU, not the wall clock, must be what stops it (on a loaded
-    # 2-core machine 2 CPU seconds took 4 s of wall time, so a wall-time bound near the CPU limit flaked)
-    limits = SandboxLimits(cpu_seconds=2, wall_seconds=30, allow_unisolated=True)
-    result, seconds = run("while True: pass", limits)
-    assert result.exit_code == -24 and not result.timed_out and limits.cpu_seconds <= seconds < limits.wall_seconds
-    assert "SIGXCPU: the CPU-time limit was reached" in result.describe()
-
-
-def test_a_sleeper_stops_at_the_wall_time(mode):
-    result, seconds = run("import time\ntime.sleep(60)", SandboxLimits(wall_seconds=1.5, allow_unisolated=True))
-    assert result.timed_out and result.exit_code is None and 1.5 <= seconds < 4
-    assert result.describe() == "[killed: the wall-time limit was reached]"
-
-
-def test_a_memory_bomb_gets_a_memory_error(mode):
-    result, _ = run("x = bytearray(2**30)")
-    assert result.exit_code == 1 and "MemoryError" in result.stderr
-
-
-def test_a_fork_bomb_is_refused_and_leaves_no_process(mode):
-    # root without namespaces is exempt from RLIMIT_NPROC: only the wall time bounds the bomb there,
-    # so it is kept small (300 forks) and the test checks that bound and the clean-up instead
-    unbounded = mode == "limits-only" and os.getuid() == 0
-    bomb = (
-        f"import os, time\nn = 0\ntry:\n    while n < {300 if unbounded else 5000}:\n        if os.fork() == 0:\n"
-        "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
-        "    print('refused after', n, e.errno)\nelse:\n    print('forked', n)\n"
-    )
-    result, seconds = run(bomb)
-    if unbounded:  # the sleepers hold the output open until the wall-time kill takes the process group
-        assert result.timed_out and result.stdout == "forked 300\n"
-    else:
-        refused = int(result.stdout.split()[2])
-        assert refused < 400 and result.stdout.endswith(" 11\n")  # EAGAIN: the namespace's pid_max, or RLIMIT_NPROC
-    assert seconds < LIMITS.wall_seconds + 2
-    assert sandbox_processes() == []  # the sleepers died with the namespace (or the process group)
-
-
-def test_a_1_gb_write_fails_at_the_file_size_limit(mode):
-    result, _ = run("f = open('big', 'wb')\nfor _ in range(1024):\n    f.write(b'x' * 2**20)")
-    assert result.exit_code == 1 and "File too large" in result.stderr
-
-
-@needs_isolation
-def test_a_network_connection_is_refused():
-    with socket.socket() as server:  # a real listener on the host's loopback
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        result, _ = run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
-    assert result.exit_code == 1 and "Network is unreachable" in result.stderr
-
-
-@needs_isolation
-def test_a_read_outside_the_working_folder_finds_nothing_of_the_host(tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("host secret")
-    for path in (str(secret), "/etc/passwd", __file__):
-        result, _ = run(f"print(open({path!r}).read())")
-        assert result.exit_code == 1 and "No such file or directory" in result.stderr, path
-    result, _ = run("import os\nos.makedirs('/usr/evil')")  # the interpreter's folders are read-only
-    assert result.exit_code == 1 and "Read-only file system" in result.stderr
-
-
-def test_output_is_truncated(mode):
-    result, _ = run("print('x' * 100000)")
-    assert result.truncated and len(result.stdout) == LIMITS.output_bytes
-    assert result.describe().endswith("[output truncated]")
-
-
-def test_200_runs_in_a_row_leave_no_process_and_no_temporary_file():
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "slime-mt-sandbox-*")))
-
-    async def many():
-        return [await run_python(f"print({k} * 2)", LIMITS) for k in range(200)]
-
-    results = asyncio.run(many())
-    assert [r.stdout for r in results] == [f"{k * 2}\n" for k in range(200)]
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "slime-mt-sandbox-*"))) == before
-    assert sandbox_processes() == []
-
-
-def test_16_concurrent_runs_do_not_stall_the_event_loop():
-    async def scenario():
-        ticks, gaps = [], []
-
-        async def heartbeat():
-            last = time.perf_counter()
-            while True:
-                await asyncio.sleep(0.01)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                ticks.append(now)
-                last = now
-
-        beat = asyncio.create_task(heartbeat())
-        results = await asyncio.gather(
-            *(run_python("import time\ntime.sleep(0.5)\nprint('ok')", LIMITS) for _ in range(16))
-        )
-        beat.cancel()
-        return results, gaps
-
-    results, gaps = asyncio.run(scenario())
-    assert all(r.stdout == "ok\n" for r in results)
-    assert len(gaps) > 30 and max(gaps) < 0.5  # the loop kept ticking while 16 sandboxes ran
 
 
 @needs_isolation  # the env's default: no model code without isolation
@@ -195,7 +44,7 @@ def test_the_code_env_runs_turns_and_grades_with_hidden_tests():
     assert done and info["reward"] == 1.0 and info["passed"] == 1.0
 
 
-# ---------------------------------------------------------------- grading that the code cannot fake (issue 44, 1)
+# ---------------------------------------------------------------- grading the model's code cannot reach (issue 67, 1)
 
 HIDDEN = """assert add(2, 3) == 5
 assert add(-1, 1) == 0
@@ -205,79 +54,305 @@ assert abs(add(1, 1) - 2) < 1e-9
 assert all(add(x, x) == 2 * x for x in range(3))
 assert add(2, 2)
 """
+RIGHT = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return a - b\n"
-GRADE_FILE = "[f for f in os.listdir('.') if f.startswith('.grade')][0]"
-HACKS = {
-    "os._exit(0)": "import os\nos._exit(0)",
-    "sys.exit(0)": "import sys\nsys.exit(0)",
-    "SystemExit(0) in an atexit hook": "import atexit, sys\natexit.register(lambda: sys.exit(0))\nraise SystemExit(0)",
-    "a kill of itself with a clean status": (
-        "import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\nos.kill(os.getpid(), signal.SIGTERM)"
-    ),
-    "closing stdout and stderr": "import os\nos.close(1)\nos.close(2)",
-    "printing a success marker and a forged report": (
-        "import os\nprint('All tests passed. OK')\nos.write(3, b'0' * 32)\nos.write(3, open('main.py', 'rb').read())"
-    ),
-    "an object equal to everything": (
-        "class Any:\n    __eq__ = lambda s, o: True\n    __lt__ = lambda s, o: True\n    __bool__ = lambda s: True\n"
-        "    __sub__ = lambda s, o: s\n    __abs__ = lambda s: s\n"
-        "def add(a, b):\n    return Any()"
-    ),
-    "an int subclass equal to everything": (
-        "class Int(int):\n    __eq__ = lambda s, o: True\n    __lt__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
-        "    __sub__ = lambda s, o: s\n    __abs__ = lambda s: s\n"
-        "def add(a, b):\n    return Int(a - b)"
-    ),
-    "redefined builtins": (
-        "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda xs: True\ndef abs(x):\n    return 0\n"
-        "class AssertionError(Exception):\n    pass\nbuiltins.AssertionError = AssertionError"
-    ),
-    "a monkeypatched module the tests use": "import math\nmath.isclose = lambda *a, **k: True",
-    "a patched test runner": (
-        "import builtins, __main__\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None\n"
-        "__main__.plain = lambda v: v\n__main__.REFUSED_EVENTS = ()"
-    ),
-    "reading the token file": f"import os\nprint(open({GRADE_FILE}).read())",
-    "reading the token file by a folder descriptor": (
-        f"import os\nd = os.open('/', os.O_RDONLY)\nos.chdir('/tmp')\n"
-        f"print(os.read(os.open(os.path.relpath(os.path.abspath({GRADE_FILE}), '/'), os.O_RDONLY, dir_fd=d), 99))"
-    ),
-    "a link to the token file": f"import os\nos.link({GRADE_FILE}, 'x')\nprint(open('x').read())",
-    "reading its own memory": "print(open('/proc/self/mem', 'rb').read(1))",
-    "the harness's frames": "import sys\nprint(sys._getframe(1).f_locals)",
-    "frames through a traceback": (
-        "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    print(e.__traceback__.tb_frame.f_back.f_locals)"
-    ),
-    "walking every object": "import gc\nprint([o for o in gc.get_objects() if isinstance(o, str) and len(o) == 32])",
-    "ctypes": "import ctypes\nctypes.memmove",
-    "a fresh interpreter": "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import os; os._exit(0)'])",
-    "an audit hook of its own": "import sys\nsys.addaudithook(lambda *a: None)",
-    "a thread left running": (
-        "import threading, time, os\n"
-        f"def steal():\n    while True:\n        try:\n            os.write(3, open({GRADE_FILE}, 'rb').read())\n"
-        "        except Exception:\n            time.sleep(0.001)\n"
-        "threading.Thread(target=steal, daemon=True).start()"
-    ),
+# a solution that turns right once it has seen the hidden tests anywhere: the hacks that look for them
+# feed what they find to look(); any leak of the tests into what the model's code can read passes them
+ORACLE = """import glob, os, re
+LEAKED = False
+def look(data):
+    global LEAKED
+    data = data if isinstance(data, bytes) else str(data).encode(errors="ignore")
+    LEAKED = LEAKED or b"add(2, 3) =" + b"= 5" in data  # written so that its own source does not match
+def read(path, limit=1 << 20):
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(limit)
+    except OSError:
+        return b""
+def pids():
+    return [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+def graders():
+    \"\"\"The processes that grade this one: its parents, and every sandbox's (the tests' among them).\"\"\"
+    chain, pid = set(), os.getppid()
+    while pid > 1:
+        chain.add(str(pid))
+        pid = int(read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[1] or 0)
+    sandboxes = {p for p in pids() if any(m in read(f"/proc/{p}/cmdline") for m in (b"_plain_data", b"main.py"))}
+    return chain | sandboxes
+def memory(pid):
+    for line in read(f"/proc/{pid}/maps").splitlines():
+        span, perms = line.split()[:2]
+        if not perms.startswith(b"r"):
+            continue
+        start, end = (int(x, 16) for x in span.split(b"-"))
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as fh:
+                fh.seek(start)
+                look(fh.read(min(end - start, 1 << 24)))
+        except (OSError, ValueError, OverflowError):
+            pass
+def add(a, b):
+    return a + b if LEAKED else a - b
+"""
+HACKS = {  # a wrong solution (add subtracts) with each trick; the code in each entry is what the model wrote
+    # the process's end and output: the verdict is the tests' exit status, never the solution's
+    "os._exit(0)": WRONG + "import os\nos._exit(0)",
+    "sys.exit(0)": WRONG + "import sys\nsys.exit(0)",
+    "SystemExit(0) in an atexit hook": WRONG
+    + dedent("""
+        import atexit, sys
+        atexit.register(lambda: sys.exit(0))
+        raise SystemExit(0)
+    """),
+    "a kill of itself with a clean status": WRONG
+    + dedent("""
+        import os, signal
+        signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+        os.kill(os.getpid(), signal.SIGTERM)
+    """),
+    "closing stdout and stderr": WRONG + "import os\nos.close(1)\nos.close(2)",
+    "printing a success marker": WRONG + "print('All tests passed. OK')\nprint('hidden test 7 of 7 passed')",
+    "forged answers on the channel": WRONG + "import os\nos.write(3, b'{\"value\": 5}\\n' * 64)",
+    "a forged readiness naming the builtins": WRONG
+    + dedent("""
+        import os
+        os.write(3, b'{"ready": ["abs", "all", "math", "AssertionError", "add"]}\\n')
+    """),
+    "forged answers from a thread left running": WRONG
+    + dedent("""
+        import os, threading, time
+        def forge():
+            while True:
+                os.write(3, b'{"value": true}\\n')
+                time.sleep(0.001)
+        threading.Thread(target=forge, daemon=True).start()
+    """),
+    # objects that claim equality or arithmetic: only plain data crosses
+    "an object equal to everything": dedent("""
+        class Any:
+            __eq__ = lambda s, o: True
+            __lt__ = lambda s, o: True
+            __bool__ = lambda s: True
+            __sub__ = lambda s, o: s
+            __abs__ = lambda s: s
+        def add(a, b):
+            return Any()
+    """),
+    "an int subclass equal to everything": dedent("""
+        class Int(int):
+            __eq__ = lambda s, o: True
+            __lt__ = lambda s, o: True
+            __hash__ = int.__hash__
+            __sub__ = lambda s, o: s
+            __abs__ = lambda s: 0
+        def add(a, b):
+            return Int(a - b)
+    """),
+    "a __sub__ of itself and an __abs__ of 0.0": dedent("""
+        class X:
+            __sub__ = lambda s, o: s
+            __abs__ = lambda s: 0.0
+            __eq__ = lambda s, o: True
+            __bool__ = lambda s: True
+        def add(a, b):
+            return X()
+    """),
+    "a float subclass with a lying __eq__": dedent("""
+        class F(float):
+            __eq__ = lambda s, o: True
+            __hash__ = float.__hash__
+        def add(a, b):
+            return F(a - b)
+    """),
+    "a list subclass equal to everything": dedent("""
+        class L(list):
+            __eq__ = lambda s, o: True
+        def add(a, b):
+            return L([a - b])
+    """),
+    "a generator": "def add(a, b):\n    return (x for x in [a + b])",
+    "a callable": "def add(a, b):\n    return lambda *x: a + b",
+    "an answer too deep to decode": dedent("""
+        def add(a, b):
+            x = a + b
+            for _ in range(150):
+                x = [x]
+            return x
+    """),
+    # what the old harness shared with the code (its namespace, builtins, modules, frames, objects): here
+    # they are the code's own process's, and the tests are not in it
+    "redefined builtins": WRONG
+    + dedent("""
+        import builtins
+        builtins.abs = lambda x: 0
+        builtins.all = lambda xs: True
+        class AssertionError(Exception):
+            pass
+        builtins.AssertionError = AssertionError
+    """),
+    "a monkeypatched module the tests use": WRONG + "import math\nmath.isclose = lambda *a, **k: True",
+    "patched os.path and json's decoder": WRONG
+    + dedent("""
+        import json, os
+        os.path.exists = lambda p: True
+        json._default_decoder.decode = lambda s, *a: {"value": 5}
+    """),
+    "a patched callee through __main__": WRONG
+    + dedent("""
+        import __main__
+        __main__.answer = lambda ns, request: {"value": True}
+        __main__.encode = lambda v: True
+    """),
+    "the harness's names through __main__": WRONG
+    + dedent("""
+        import __main__
+        for name in ("exec", "plain", "type", "REFUSED_EVENTS", "send", "loads"):
+            setattr(__main__, name, lambda *a, **k: None)
+    """),
+    "the caller's frames": WRONG + "import sys\nprint(sys._getframe(1).f_locals)",
+    "frames through a traceback": WRONG
+    + dedent("""
+        try:
+            1 / 0
+        except ZeroDivisionError as e:
+            print(e.__traceback__.tb_frame.f_back.f_locals)
+    """),
+    "walking every object": WRONG
+    + "import gc\nprint([o for o in gc.get_objects() if isinstance(o, str) and 'assert' in o])",
+    "ctypes on its own memory": WRONG + "import ctypes\nctypes.memset(id(1) + 24, 0, 1)",
+    "reading its own memory": WRONG + "print(open('/proc/self/mem', 'rb').read(1))",
+    "an audit hook of its own": WRONG + "import sys\nsys.addaudithook(lambda *a: None)",
+    "a fresh interpreter": WRONG
+    + "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import os; os._exit(0)'])",
+    "a SIGALRM that swaps the answer": dedent("""
+        import signal
+        SWAP = [lambda a, b: a - b]
+        signal.signal(signal.SIGALRM, lambda *x: SWAP.append(lambda a, b: a + b))
+        signal.setitimer(signal.ITIMER_REAL, 0.0005)
+        def add(a, b):
+            return SWAP[0](a, b)
+    """),
+    # the tests and a verdict looked for wherever the code can read: none is there
+    "the PID 1 command line": ORACLE + "look(read('/proc/1/cmdline'))",
+    "every process's command line": ORACLE + "for p in pids():\n    look(read(f'/proc/{p}/cmdline'))",
+    "every process's environment": ORACLE + "look(os.environ)\nfor p in pids():\n    look(read(f'/proc/{p}/environ'))",
+    "the memory of the processes that grade it": ORACLE + "for p in graders():\n    memory(p)",
+    "the files of every sandbox's folder and its own": ORACLE
+    + dedent("""
+        for path in glob.glob('/tmp/slime-mt-sandbox-*/**', recursive=True) + glob.glob('**', recursive=True):
+            look(read(path))
+    """),
+    "opening files from Rust": ORACLE
+    + dedent("""
+        import tokenizers
+        for path in glob.glob('/tmp/slime-mt-sandbox-*/*'):
+            try:
+                look(repr(tokenizers.models.WordPiece.read_file(path)))
+            except Exception:
+                pass
+    """),
+    "a forged answer into the tests' pipes": WRONG
+    + dedent("""
+        import os
+        for p in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+            try:
+                fds = os.listdir(f'/proc/{p}/fd')
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f'/proc/{p}/fd/{fd}').startswith('pipe:'):
+                        with open(f'/proc/{p}/fd/{fd}', 'wb', buffering=0) as w:
+                            w.write(b'{"value": true}\\n' * 8)
+                except OSError:
+                    pass
+    """),
+    "killing the tests' process": WRONG
+    + dedent("""
+        import os, signal
+        for p in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+            try:
+                if b'_plain_data' in open(f'/proc/{p}/cmdline', 'rb').read():
+                    os.kill(int(p), signal.SIGKILL)
+            except OSError:
+                pass
+    """),
 }
 
 
+def test_the_oracle_would_pass_on_what_it_finds():
+    """The hacks that look for the tests are not blind: given the tests, the oracle passes them."""
+    _, passed = asyncio.run(grade(ORACLE + f"look({HIDDEN!r})", HIDDEN, LIMITS))
+    assert passed == 1.0
+
+
 @pytest.mark.parametrize("hack", HACKS)
-def test_a_wrong_solution_with_a_reward_hack_earns_nothing(mode, hack):
-    """Each hack after a wrong solution is graded 0."""
-    result, passed = asyncio.run(sandbox.grade(WRONG + "\n" + HACKS[hack], HIDDEN, LIMITS))
+def test_a_reward_hack_earns_nothing(mode, hack):
+    """Each of the hacks with a wrong solution is graded 0 (isolated, and without namespaces)."""
+    assert len(HACKS) >= 30
+    result, passed = asyncio.run(grade(HACKS[hack], HIDDEN, LIMITS))
     assert passed == 0.0, (hack, result)
 
 
-@pytest.mark.parametrize(
-    "hack", ["sys.exit(0)", "closing stdout and stderr", "an audit hook of its own", "os._exit(0)"]
-)
-def test_a_right_solution_with_the_same_tricks_is_graded_on_its_tests(mode, hack):
-    """The grade follows the tests alone: a trick that leaves them to run (an exit the harness catches,
-    closed output, a hook the harness silently refuses) leaves a right solution right; one that ends
-    the process before them fails it."""
-    right = "def add(a, b):\n    return a + b\n"
-    _, passed = asyncio.run(sandbox.grade(right + HACKS[hack], HIDDEN, LIMITS))
-    assert passed == (0.0 if hack == "os._exit(0)" else 1.0)
+RIGHTS = {  # right solutions that import or do what the old harness refused
+    "numpy": "import numpy as np\ndef add(a, b):\n    return np.add(a, b)",
+    "logging": "import logging\nlogging.basicConfig(level=logging.DEBUG)\nlog = logging.getLogger('s')\n"
+    "def add(a, b):\n    log.debug('adding %s and %s', a, b)\n    return a + b",
+    "asyncio": "import asyncio\nasync def _add(a, b):\n    await asyncio.sleep(0)\n    return a + b\n"
+    "def add(a, b):\n    return asyncio.run(_add(a, b))",
+    "concurrent.futures": "from concurrent.futures import ThreadPoolExecutor\npool = ThreadPoolExecutor(2)\n"
+    "def add(a, b):\n    return pool.submit(lambda: a + b).result()",
+    "traceback.format_exc": "import traceback\ndef add(a, b):\n    try:\n        raise ValueError('x')\n"
+    "    except ValueError:\n        traceback.format_exc()\n    return a + b",
+    "an exit and a closed stdout after defining it": RIGHT + "import os, sys\nos.close(1)\nsys.exit(0)",
+    "an audit hook of its own": RIGHT + "import sys\nsys.addaudithook(lambda *a: None)",
+    "the frames and gc it likes": RIGHT + "import gc, sys\ngc.collect()\nsys._getframe(0).f_locals",
+}
+
+
+@pytest.mark.parametrize("right", RIGHTS)
+def test_a_right_solution_earns_the_reward_whatever_it_imports(mode, right):
+    result, passed = asyncio.run(grade(RIGHTS[right], HIDDEN, LIMITS))
+    assert passed == 1.0, (right, result)
+
+
+def test_humaneval_checks_and_raised_exceptions_are_graded_as_before(mode):
+    """HumanEval's form (a check(candidate) the tests call with the solution), and a test that expects
+    the solution to raise: the exception crosses as the builtin it is."""
+    check = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\ncheck(add)\n"
+    assert asyncio.run(grade(RIGHT, check, LIMITS))[1] == 1.0
+    assert asyncio.run(grade(WRONG, check, LIMITS))[1] == 0.0
+    raises = "try:\n    add(1, 'a')\n    assert False\nexcept TypeError:\n    pass\nassert add((1,), (2,)) == (1, 2)\n"
+    assert asyncio.run(grade(RIGHT, raises, LIMITS))[1] == 1.0
+    result, passed = asyncio.run(grade("def add(a, b):\n    return str(a) + str(b)", raises, LIMITS))
+    assert passed == 0.0 and "hidden test 1 of 2 failed: AssertionError" in result.stderr
+
+
+PROGRAM_TESTS = [{"input": "3 4\n", "output": "7\n"}, {"input": "10 -2", "output": "8"}]
+
+
+def test_program_tests_compare_the_output_here(mode):
+    """stdin to stdout: the program runs on each input in the sandbox; its output is compared by the
+    host, white space at line ends aside; printing, exiting or a marker earns nothing more."""
+    right = "a, b = map(int, input().split())\nprint(a + b)   \n\n"
+    assert asyncio.run(grade(right, PROGRAM_TESTS, LIMITS))[1] == 1.0
+    for wrong in (
+        "a, b = map(int, input().split())\nprint(a - b)",
+        "import os\nprint('7')\nos._exit(0)",
+        "print('OK')",
+    ):
+        result, passed = asyncio.run(grade(wrong, PROGRAM_TESTS, LIMITS))
+        assert passed == 0.0 and "failed: wrong output" in result.stderr, wrong
+    result, passed = asyncio.run(grade("import sys\nprint(7)\nsys.exit(1)", PROGRAM_TESTS, LIMITS))
+    assert passed == 0.0 and "hidden test 1 of 2 failed: the program did not end cleanly" in result.stderr
+    env = build_env(
+        Sample(metadata={"tests": PROGRAM_TESTS}), argparse.Namespace(max_turns=None, sandbox_allow_unisolated=True)
+    )
+    _, done, info = asyncio.run(env.step(f"```python\n{right}```<submit>"))
+    assert done and info["reward"] == 1.0
+    with pytest.raises(ValueError, match="a list of"):
+        build_env(Sample(metadata={"tests": [{"input": "1"}]}))
 
 
 def test_right_solutions_pass_whatever_they_print_or_define(mode):
@@ -294,22 +369,10 @@ if __name__ == "__main__":
     print(add(int(input()), 1))
     sys.exit(3)
 """
-    result, passed = asyncio.run(sandbox.grade(code, HIDDEN, LIMITS))
+    result, passed = asyncio.run(grade(code, HIDDEN, LIMITS))
     assert passed == 1.0 and result.truncated, result
-    result, passed = asyncio.run(sandbox.grade(WRONG, HIDDEN, LIMITS))
+    result, passed = asyncio.run(grade(WRONG, HIDDEN, LIMITS))
     assert passed == 0.0 and "hidden test 1 of 7 failed: AssertionError" in result.stderr
-
-
-def test_an_interpreter_reached_through_a_symlinked_env_runs(mode, tmp_path, monkeypatch):
-    """Issue 44 item 2: a venv or conda env that is a link (the link and its target are bound)."""
-    link = tmp_path / "env-link"
-    link.symlink_to(sys.prefix, target_is_directory=True)
-    monkeypatch.setattr(sys, "prefix", str(link))
-    monkeypatch.setattr(sys, "executable", str(link / "bin" / os.path.basename(sys.executable)))
-    result, _ = run("import sys\nprint(sys.version_info[0])")
-    assert result.ok and result.stdout == "3\n", result
-    _, passed = asyncio.run(sandbox.grade("def add(a, b):\n    return a + b\n", HIDDEN, LIMITS))
-    assert passed == 1.0
 
 
 @needs_isolation
@@ -323,9 +386,6 @@ def test_a_sandbox_that_cannot_start_the_interpreter_fails_the_sample_not_scores
     env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
     with pytest.raises(sandbox.SandboxError, match="could not run"):
         asyncio.run(env.step("```python\ndef add(a, b):\n    return a + b\n```<submit>"))
-
-
-# ---------------------------------------------------------------- isolation required, CPU share (issue 44, 3-4)
 
 
 def test_without_isolation_model_code_is_refused_unless_allowed(monkeypatch):
@@ -348,52 +408,3 @@ def test_without_isolation_model_code_is_refused_unless_allowed(monkeypatch):
 def test_an_isolated_run_says_so():
     env = build_env(Sample(metadata={"tests": "assert add(2, 3) == 5"}))
     assert asyncio.run(env.step("```python\nprint(1)\n```"))[2]["isolated"] == 1.0
-
-
-def test_a_daemon_holding_stdout_open_does_not_fail_the_caller(monkeypatch):
-    """Without namespaces a daemon in its own session outlives the run's process group: the run ends at
-    the wall time plus the grace with the output it had, marked, instead of a TimeoutError."""
-    monkeypatch.setattr(sandbox, "sandbox_mode", lambda: "limits-only")
-    monkeypatch.setattr(sandbox, "KILL_GRACE_SECONDS", 1.0)
-    code = (
-        "import os, time\nprint('before', flush=True)\n"
-        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)\n"
-        "time.sleep(30)"
-    )
-    for wall in (2, 6, 18):  # sandboxed code runs SCHED_IDLE: on a busy machine it may get no CPU in 2 s
-        result, took = run(code, SandboxLimits(wall_seconds=wall, allow_unisolated=True))
-        if result.stdout:  # it ran, so it forked before the wall time
-            break
-    assert result.timed_out and result.escaped and result.stdout == "before\n", result
-    assert "kept running" in result.describe() and took < wall + 8
-    assert not sandbox_processes()  # the daemon, found by its working folder, was killed too
-
-
-def test_sandboxed_code_runs_at_the_lowest_cpu_share_and_cannot_raise_it(mode):
-    """Issue 44 item 4: nice 19 and SCHED_IDLE, inherited by every process the code starts, and no way
-    back (RLIMIT_NICE 0), so spinning processes only take cores nothing else wants."""
-    code = """import os
-def state():
-    return os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) == os.SCHED_IDLE
-child = os.fork()
-if child == 0:
-    print("child", *state(), flush=True)
-    os._exit(0)
-os.waitpid(child, 0)
-print("code", *state())
-back = lambda: os.setpriority(os.PRIO_PROCESS, 0, 0)
-other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-for attempt in (back, other):
-    try:
-        attempt()
-        print("raised")
-    except PermissionError:
-        print("refused")
-print(*state())
-"""
-    result, _ = run(code)
-    assert result.ok, result
-    lines = result.stdout.split("\n")[:5]
-    assert lines[:2] == ["child 19 True", "code 19 True"], lines
-    if mode == "isolated" or os.getuid() != 0:  # root without namespaces keeps CAP_SYS_NICE
-        assert lines[2:] == ["refused", "refused", "19 True"], lines
