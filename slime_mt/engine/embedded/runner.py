@@ -48,6 +48,9 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None  # from prompt position input_logprob_start on
     input_logprob_start: int = 0
+    # the input log-probs not yet computed: (final hidden states [T, H], their target ids [T]); the
+    # scheduler projects them a chunk at a time between decode steps (``advance_input_logprobs``)
+    pending_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
     position: int = 0  # next rotary position
     cached_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache
     epoch: int = 0  # the scheduler's weight updates when it was admitted
@@ -59,6 +62,10 @@ class Sequence:
         (``max_new_tokens`` 0) processed the last prompt token too, and its row is not returned."""
         rows = torch.cat(self.routes) if self.routes else layout.empty()
         return rows[: max(0, len(self.prompt_ids) + len(self.output_ids) - 1)]
+
+
+# fp32 logits of a prefill's input log-probs alive at once (a chunk of positions: this many bytes)
+LOGPROB_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class ModelRunner:
@@ -87,6 +94,15 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] = {}
         if self.route_layout is not None:
             self._hook_routers()
+        # the final hidden states of a prefill that returns input log-probs (projected a chunk at a time)
+        self._hidden: list[torch.Tensor] = []
+        self.model.model.register_forward_hook(
+            lambda mod, args, out: self._hidden.append(out[0]) if self._keep else None
+        )
+        self._keep = False
+        self.logprob_chunk_rows = max(1, LOGPROB_CHUNK_BYTES // (4 * self.vocab_size))
+        # the most characters one token stands for: a text longer than the context times this cannot fit
+        self.max_token_chars = max(len(t) for t in self.tokenizer.convert_ids_to_tokens(range(len(self.tokenizer))))
 
     def _hook_routers(self) -> None:
         """A forward hook on each MoE layer's router records its top-k expert indices (its third
@@ -185,7 +201,8 @@ class ModelRunner:
     ) -> tuple[DynamicCache, torch.Tensor]:
         """Run the prompt alone -> (its KV cache [1, H, L, D] per layer, last logits [V] float32).
         Sets ``seq.position``; with ``input_logprob_start`` = s in [0, L), ``seq.input_logprobs`` for
-        prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i).
+        prompt tokens s..L-1 as SGLang returns them: None for token s, then log p(token i | < i), those
+        computed later (``seq.pending_logprobs``, ``advance_input_logprobs``).
         ``past``: the KV state of the prompt's first m tokens (a text model's cached prefix, m <= s
         and m < L): only tokens m..L-1 are computed; ``past_routes`` their routes (MoE models), which
         ``seq.routes`` starts with."""
@@ -204,24 +221,41 @@ class ModelRunner:
             kwargs["mm_token_type_ids"] = (ids == self.image_token_id).long()
             self.model.model.rope_deltas = None
         length = len(seq.prompt_ids)
-        start = length - 1 if input_logprob_start is None else input_logprob_start
-        kwargs["logits_to_keep"] = length - start  # logits of positions start..L-1
-        self._captured = {}
-        out = self.model(**kwargs)
+        kwargs["logits_to_keep"] = 1  # the last position's, to sample from
+        self._captured, self._hidden, self._keep = {}, [], input_logprob_start is not None
+        try:
+            out = self.model(**kwargs)
+        finally:
+            self._keep = False
         routes = self._take_routes(kwargs["input_ids"].shape[1])
         if routes is not None:
             seq.routes = ([] if past_routes is None else [past_routes]) + [routes]
-        logits = out.logits[0].float()  # [L - start, V]
         seq.position = length
         deltas = getattr(self.model.model, "rope_deltas", None) if self.is_vlm else None
         if deltas is not None:  # M-RoPE: image tokens advance the position less than one per token
             seq.position += int(deltas.reshape(-1)[0])
         if input_logprob_start is not None:
-            targets = ids[0, start + 1 :, None]  # [L - start - 1, 1]
-            logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, targets)[:, 0].tolist()
-            seq.input_logprobs = [None] + logp
-            seq.input_logprob_start = start
-        return out.past_key_values, logits[-1]
+            computed = kwargs["input_ids"].shape[1]  # the prompt's last tokens (a cached prefix is not run)
+            start = input_logprob_start
+            rows = self._hidden[0][0, start - (length - computed) : computed - 1]  # [L - start - 1, H]
+            seq.input_logprobs, seq.input_logprob_start = [None], start
+            seq.pending_logprobs = (rows.detach().clone(), ids[0, start + 1 :]) if len(rows) else None
+        self._hidden = []
+        return out.past_key_values, out.logits[0, -1].float()
+
+    @torch.no_grad()
+    def advance_input_logprobs(self, seq: Sequence, chunks: int | None = 1) -> None:
+        """``chunks`` more chunks of ``seq``'s pending input log-probs (all of them with None): log p(token
+        i + 1 | tokens <= i) from the final hidden state at i through the output layer, in fp32, a chunk
+        of positions at a time, so that ``[T, V]`` logits never exist at once."""
+        head = self.model.get_output_embeddings()
+        while seq.pending_logprobs is not None and (chunks is None or chunks > 0):
+            hidden, targets = seq.pending_logprobs
+            n = self.logprob_chunk_rows
+            logits = head(hidden[:n]).float()  # [chunk, V]
+            seq.input_logprobs += (logits.gather(-1, targets[:n, None])[:, 0] - torch.logsumexp(logits, -1)).tolist()
+            seq.pending_logprobs = (hidden[n:], targets[n:]) if len(hidden) > n else None
+            chunks = None if chunks is None else chunks - 1
 
     @torch.no_grad()
     def decode(self, batch: Batch) -> torch.Tensor:

@@ -4,7 +4,9 @@ Each loop iteration admits waiting requests (prefill each alone, merge its KV ca
 running batch) up to ``max_batch_size``, highest ``priority`` first and in arrival order among equals
 (SGLang's ``--enable-priority-scheduling``), then runs one decode step for the whole batch, samples,
 and finishes sequences that hit ``max_new_tokens`` or the context length, a stop token or a stop
-string (checked in SGLang's order). Aborts and pauses take effect between steps.
+string (checked in SGLang's order). Aborts and pauses take effect between steps. The input log-probs a
+request asks for are projected a chunk of positions at a time, one chunk between two decode steps
+(``_advance_input_logprobs``), so a long prompt's hold no other request, and its answer waits for them.
 
 Weight updates (``update_weights``) follow SGLang's model-update lock: unless the engine is paused,
 an update waits until every running request has finished, and no request is admitted meanwhile, so
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_mt.engine.embedded.prefix_cache import PrefixCache
+from slime_mt.engine.embedded.responses import response
 from slime_mt.engine.embedded.runner import Batch, ModelRunner, Sequence
 from slime_mt.engine.protocol import GenerateRequest, finish_abort, finish_length, finish_stop
 from slime_mt.errors import EngineAsleep, EngineFault, MemoryBusy, ProtocolError
@@ -75,6 +78,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}  # id(job.seq) -> job
+        # the running jobs whose generation has ended and whose input log-probs are still being computed,
+        # a chunk between decode steps (a long prompt's would otherwise hold every other request): their
+        # finish reasons, by id(job.seq)
+        self._finishing: dict[int, dict] = {}
         self._batch = Batch()
         self._paused = False
         self._stopped = False
@@ -169,6 +176,7 @@ class Scheduler:
             while True:
                 with self.lock:  # held by every admission and decode step
                     if self._paused or not self._running or self._stopped:
+                        self._finish_input_logprobs()  # under the weights they were prefilled with
                         count = load()
                         self._epoch += 1
                         if self.prefix_cache is not None:
@@ -277,6 +285,7 @@ class Scheduler:
                         self._admit(job)
                     admitted = []
                     self._step_batch()
+                    self._advance_input_logprobs()
             except Exception as e:  # a bug in the loop itself: fail what is in hand, keep serving
                 logger.exception("engine loop iteration failed")
                 for job in admitted:
@@ -286,6 +295,7 @@ class Scheduler:
             leftover = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
             self._running.clear()
+            self._finishing.clear()
         for job in leftover:
             self._settle(job, finish_abort("Engine shut down"))
 
@@ -319,7 +329,7 @@ class Scheduler:
                 seq.cached_tokens, past, past_routes = self.prefix_cache.match(seq.prompt_ids, limit)
             cache, logits = self.runner.prefill(seq, vision, start, past, past_routes)
             if not generates:
-                self._settle(job, finish_length(0))
+                self._finish(job, finish_length(0))
                 return
             self._accept(job, logits[None], cache)
         except ProtocolError as e:
@@ -380,6 +390,7 @@ class Scheduler:
         for job in list(self._running.values()):
             self._settle(job, error=fault)
         self._running.clear()
+        self._finishing.clear()
         self._batch = Batch()
 
     def _step(self) -> None:
@@ -408,7 +419,7 @@ class Scheduler:
         reason = self._finish_reason(seq)
         if reason is not None:
             self._remember(seq, [(layer.keys, layer.values) for layer in cache.layers])
-            self._settle(job, reason)
+            self._finish(job, reason)
             return
         self._batch.add(seq, cache)
         self._running[id(seq)] = job
@@ -487,8 +498,58 @@ class Scheduler:
         return self._running[id(seq)]
 
     def _complete(self, job: Job, reason: dict) -> None:
+        """A running job that stops generating: answered, or once its input log-probs are done."""
         self._running.pop(id(job.seq), None)
-        self._settle(job, reason)
+        self._finish(job, reason)
+
+    def _finish(self, job: Job, reason: dict) -> None:
+        """Answer ``job`` for ``reason``; a job still owing input log-probs (not aborted) stays running
+        until ``_advance_input_logprobs`` has them."""
+        seq = job.seq
+        if seq is None or seq.pending_logprobs is None or reason["type"] == "abort":
+            self._settle(job, reason)
+            return
+        self._running[id(seq)] = job
+        self._finishing[id(seq)] = reason
+
+    def _advance_input_logprobs(self) -> None:
+        """Between two decode steps: the finishing jobs aborted meanwhile answered, then one chunk of the
+        input log-probs of the earliest job that owes them (a job done with them and with generating
+        answered); a failure there fails that job alone."""
+        for key in [k for k in self._finishing if self._running[k].abort_reason()]:
+            job = self._running.pop(key)
+            del self._finishing[key]
+            self._settle(job, finish_abort(job.abort_reason()))
+        job = next((j for j in self._running.values() if j.seq.pending_logprobs is not None), None)
+        if job is None:
+            return
+        try:
+            self.runner.advance_input_logprobs(job.seq)
+        except Exception as e:
+            logger.exception("input log-probs of request %s failed", job.request.rid)
+            self._fail_one(job, EngineFault(f"request {job.request.rid} failed in the engine: {type(e).__name__}: {e}"))
+            return
+        if job.seq.pending_logprobs is None and id(job.seq) in self._finishing:
+            self._running.pop(id(job.seq))
+            self._settle(job, self._finishing.pop(id(job.seq)))
+
+    def _finish_input_logprobs(self) -> None:
+        """Every job's input log-probs to the end now (before a weight update), the finishing jobs answered."""
+        for job in list(self._running.values()):
+            self.runner.advance_input_logprobs(job.seq, chunks=None)
+        for key, reason in list(self._finishing.items()):
+            self._settle(self._running.pop(key), reason)
+        self._finishing.clear()
+
+    def _fail_one(self, job: Job, error: Exception) -> None:
+        """``job`` failed alone: out of the batch (if it still generates) and answered with ``error``."""
+        key = id(job.seq)
+        self._running.pop(key, None)
+        self._finishing.pop(key, None)
+        rows = [row for row, seq in enumerate(self._batch.seqs) if seq is not job.seq]
+        if len(rows) != len(self._batch.seqs):
+            self._batch.keep(rows)
+        self._settle(job, error=error)
 
     def _settle(self, job: Job, reason: dict | None = None, error: Exception | None = None) -> None:
         """Complete ``job.future`` once: with the response for ``reason``, or with ``error``. A failure
@@ -498,7 +559,7 @@ class Scheduler:
         result = None
         if error is None:
             try:
-                result = self._response(job, reason)
+                result = response(job.request, job.seq, reason, self.runner, self.weight_version, job.created)
             except Exception as e:
                 logger.exception("building the response of request %s failed", job.request.rid)
                 error = EngineFault(
@@ -514,51 +575,3 @@ class Scheduler:
         except InvalidStateError:  # cancelled by its waiter meanwhile
             if error is None:
                 self.finished_requests -= 1
-
-    def _response(self, job: Job, reason: dict) -> dict:
-        req, seq = job.request, job.seq
-        output_ids = list(seq.output_ids) if seq else []
-        sp = req.sampling
-        text_ids = output_ids
-        if reason["type"] == "stop" and isinstance(reason["matched"], int) and not sp.no_stop_trim:
-            text_ids = output_ids[:-1]
-        text = self.runner.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
-        if reason["type"] == "stop" and isinstance(reason["matched"], str) and not sp.no_stop_trim:
-            text = text[: text.index(reason["matched"])] if reason["matched"] in text else text
-        meta = {
-            "id": req.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(seq.prompt_ids) if seq else 0,
-            "completion_tokens": len(output_ids),
-            "cached_tokens": seq.cached_tokens if seq else 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.perf_counter() - job.created,
-        }
-        if req.return_logprob:
-            show = req.return_text_in_logprobs
-            decode = self.runner.tokenizer.decode
-            meta["output_token_logprobs"] = [
-                [lp, t, decode([t]) if show else None] for lp, t in zip(seq.output_logprobs if seq else [], output_ids)
-            ]
-            if seq is not None and seq.input_logprobs is not None:
-                meta["input_token_logprobs"] = [
-                    [lp, t, decode([t]) if show else None]
-                    for lp, t in zip(seq.input_logprobs, seq.prompt_ids[seq.input_logprob_start :])
-                ]
-        if req.return_prompt_token_ids and seq is not None:
-            meta["prompt_token_ids"] = list(seq.prompt_ids)
-        if req.return_routed_experts:
-            meta["routed_experts"] = self._wire_routes(seq, req.routed_experts_start_len)
-            meta["routed_experts_start_len"] = req.routed_experts_start_len
-        return {"text": text, "output_ids": output_ids, "meta_info": meta}
-
-    def _wire_routes(self, seq: Sequence | None, start: int) -> str:
-        """SGLang's ``routed_experts``: the routes of tokens ``[start, prompt + output - 1)`` over every
-        decoder layer (-1 in dense ones), int32, base64."""
-        layout = self.runner.route_layout
-        if layout is None:
-            return ""
-        rows = seq.routed(layout)[start:] if seq is not None else layout.empty()
-        wire = torch.full((len(rows), layout.num_layers, layout.top_k), -1, dtype=torch.int32)
-        wire[:, list(layout.moe_layers)] = rows.to(torch.int32)
-        return layout.encode(wire)

@@ -194,6 +194,8 @@ class EngineApp:
         self._require_alive()
         body = await _json_body(request)
         requests, is_batch = parse_generate(body, self.runner.vocab_size)
+        for req in requests:
+            self._check_size(req)
         if not self._admission.is_set():  # held while paused, as SGLang's is_pause_cond holds it
             self.held_at_admission += 1
             try:
@@ -209,6 +211,22 @@ class EngineApp:
         if results is None:
             return _error(499, "client disconnected; its requests were aborted")
         return _JSON(results if is_batch else results[0])
+
+    def _check_size(self, req: GenerateRequest) -> None:
+        """A prompt that cannot fit the context is refused here, before it is tokenized or queued (a 10 MB
+        text would hold the scheduler for a minute): ids past the context (the engine only adds image
+        tokens to them), a text of more characters than the context's tokens can stand for."""
+        context = self.runner.context_length
+        if req.input_ids is not None and len(req.input_ids) >= context:
+            raise ProtocolError(
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({context} tokens)."
+            )
+        most = context * self.runner.max_token_chars
+        if req.text is not None and len(req.text) > most:
+            raise ProtocolError(
+                f"text of {len(req.text)} characters is longer than the model's context length ({context} tokens) can "
+                f"hold: at most {most} characters ({self.runner.max_token_chars} per token at the most)"
+            )
 
     async def _wait(self, request: Request, futures: list[Future]) -> list[dict] | None:
         """Every result in order, or raise the first failure in batch order (the others are aborted);

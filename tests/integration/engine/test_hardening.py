@@ -455,6 +455,75 @@ def test_input_token_logprobs_with_the_default_start(engine):
     assert too_far.status_code == 400 and "logprob_start_len" in too_far.json()["error"]["message"]
 
 
+def _memory_mb(field: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) // 1024
+
+
+def test_a_huge_text_is_refused_at_once_and_a_long_prompts_input_logprobs_come_in_chunks(engine, tiny_paths):
+    """Issue 67, item 2: a 10 MB text is refused before it is tokenized (400 naming the limit, at once, the
+    scheduler free); a 4,088-token prompt's input log-probs are projected a chunk of positions at a time
+    between decode steps: they equal a full log-softmax, the engine holds under 500 MB more than idle
+    (not [4088, 151936] logits), and short requests are answered while they are computed. Integration
+    tier, ~15 s (the 4,088 x 151,936 projection on one core); its latency is measured by
+    benchmarks/engine_long_prompt.py, not here."""
+    short = PROMPT * 40  # 280 tokens, four chunks of input log-probs at 70 rows each
+    runner = engine.scheduler.runner
+    rows, runner.logprob_chunk_rows = runner.logprob_chunk_rows, 70
+    try:
+        got = post(
+            engine.url,
+            "/generate",
+            {
+                "input_ids": short,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        ).json()["meta_info"]["input_token_logprobs"]
+    finally:
+        runner.logprob_chunk_rows = rows
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_paths["qwen2"]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([short])).logits[0, :-1], -1)
+    want = full.gather(-1, torch.tensor(short[1:])[:, None])[:, 0]
+    assert got[0][0] is None and len(got) == len(short)
+    assert float((torch.tensor([lp for lp, _, _ in got[1:]]) - want).abs().max()) < 1e-5
+    started = time.perf_counter()
+    huge = post(engine.url, "/generate", {"text": "hello world " * (10 * 2**20 // 12), "sampling_params": GREEDY})
+    assert huge.status_code == 400 and time.perf_counter() - started < 5
+    assert "characters is longer than the model's context length (4096 tokens)" in huge.json()["error"]["message"]
+    ids = torch.randint(100, 150000, (4088,), generator=torch.Generator().manual_seed(0)).tolist()
+    with open("/proc/self/clear_refs", "w") as fh:  # the peak from here on
+        fh.write("5")
+    idle, answered, stop = _memory_mb("VmRSS"), [], threading.Event()
+
+    def others():
+        while not stop.is_set():
+            greedy(engine.url, 2)
+            answered.append(time.perf_counter())
+
+    beside = threading.Thread(target=others)
+    beside.start()
+    started = time.perf_counter()
+    long = post(
+        engine.url,
+        "/generate",
+        {
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {**GREEDY, "max_new_tokens": 1},
+        },
+    )
+    finished = time.perf_counter()
+    stop.set()
+    beside.join()
+    assert long.status_code == 200 and len(long.json()["meta_info"]["input_token_logprobs"]) == 4088
+    assert _memory_mb("VmHWM") - idle < 500
+    assert sum(started < t < finished for t in answered) >= 3  # served while the long prompt's were computed
+    assert_idle(engine.url)
+
+
 def test_batch_rid_string_is_a_prefix_and_abort_hits_one(engine):
     body = {
         "input_ids": [PROMPT, PROMPT[:4]],
