@@ -53,7 +53,7 @@ WORLDS = {
     "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload", DENSE),
     "tp1_moe": (1, 1, "attention,tree,matrix,hf_reference,aux_loss", MOE),
     "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16", DENSE),
-    "tp1_models_moe": (1, 1, "families,bf16", MOE),
+    "tp1_models_moe": (1, 1, "families,bf16,half_width_experts", MOE),
     "tp2": (2, 2, "attention,tree,matrix,reshard_load,export_ranks,logprob_chunks,offload,value_head", DENSE),
     "tp2_moe": (2, 2, "attention,tree,matrix,aux_loss", MOE),
     "dp2": (1, 2, "dp,reshard_load,distopt_reshard", []),

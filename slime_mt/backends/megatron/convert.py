@@ -20,9 +20,9 @@ holds experts in one of three layouts, all read: per-expert keys (``mlp.experts.
 Qwen3-MoE's checkpoints), the fused layout Qwen3-VL-MoE publishes (``mlp.experts.gate_up_proj``
 ``[E, H, 2I]``, gate columns first, and ``mlp.experts.down_proj`` ``[E, I, H]``), and transformers'
 in-memory fused layout (``[E, 2I, H]`` and ``[E, H, I]``, which its ``save_pretrained`` writes), told
-apart by shape (the published layout when the shapes cannot tell). Export writes each family's
-published layout, gathering experts over the expert-tensor-parallel group and then the
-expert-parallel group to global rank 0 (``ExpertGather``).
+apart by shape, one layout per layer (``fused_layout``: gate_up's shape cannot tell when H == 2I).
+Export writes each family's published layout, gathering experts over the expert-tensor-parallel group
+and then the expert-parallel group to global rank 0 (``ExpertGather``).
 """
 
 from __future__ import annotations
@@ -92,6 +92,26 @@ def expert_names(layer: int, local: int, te: bool) -> tuple[str, str]:
     return f"{d}local_experts.{local}.linear_fc1.weight", f"{d}local_experts.{local}.linear_fc2.weight"
 
 
+def fused_layout(mlp: str, gate_up: list[int], down: list[int], hidden: int, inter: int) -> bool:
+    """Whether one MoE layer's fused experts are in the published layout (``[E, H, 2I]`` / ``[E, I, H]``,
+    True) or transformers' in-memory one (``[E, 2I, H]`` / ``[E, H, I]``, what its ``save_pretrained``
+    writes). One layout for the layer, told by the tensor whose shape tells it: gate_up's cannot when
+    H == 2I (Qwen3-MoE-style configs often have it), down's cannot when H == I. A layer that fits neither
+    layout, or both, is refused naming its tensors."""
+    fits = {
+        True: gate_up[1:] == [hidden, 2 * inter] and down[1:] == [inter, hidden],
+        False: gate_up[1:] == [2 * inter, hidden] and down[1:] == [hidden, inter],
+    }
+    if fits[True] != fits[False]:
+        return fits[True]
+    shapes = f"{mlp}experts.gate_up_proj {gate_up} and {mlp}experts.down_proj {down}"
+    why = "fit both fused layouts: which one is written cannot be told" if fits[True] else "fit no fused layout"
+    raise ValueError(
+        f"{shapes} {why} (published [E, H, 2I] / [E, I, H], transformers' [E, 2I, H] / [E, H, I]; "
+        f"hidden size {hidden}, moe_intermediate_size {inter})"
+    )
+
+
 class HFExperts:
     """One MoE layer's experts in an HF checkpoint, in whichever of the three layouts it holds them;
     ``gate_up``/``down`` read one expert's slice of the intermediate size."""
@@ -103,13 +123,7 @@ class HFExperts:
         self.fused = f"{mlp}experts.gate_up_proj" in reader
         if self.fused:
             gate_up, down = reader.shape(f"{mlp}experts.gate_up_proj"), reader.shape(f"{mlp}experts.down_proj")
-            # the published layout [E, H, 2I] / [E, I, H] unless only the in-memory one fits
-            self.published_gate_up = gate_up[1:] == [hidden, 2 * inter]
-            self.published_down = down[1:] == [inter, hidden]
-            if not self.published_gate_up and gate_up[1:] != [2 * inter, hidden]:
-                raise ValueError(f"{mlp}experts.gate_up_proj: shape {gate_up} fits neither fused layout")
-            if not self.published_down and down[1:] != [hidden, inter]:
-                raise ValueError(f"{mlp}experts.down_proj: shape {down} fits neither fused layout")
+            self.published_gate_up = self.published_down = fused_layout(mlp, gate_up, down, hidden, inter)
 
     def gate_up(self, e: int, f0: int, f1: int) -> torch.Tensor:
         """Expert ``e``'s gate rows ``f0:f1`` then its up rows ``f0:f1``: ``[2 (f1 - f0), H]``."""

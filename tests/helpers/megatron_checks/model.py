@@ -66,6 +66,46 @@ def check_families(args, info, out):
     out["families"] = result
 
 
+def half_width_experts(kind: str, root: Path) -> Path:
+    """The tiny ``kind`` (an MoE family) with ``moe_intermediate_size`` half its hidden size (2I == H, as
+    Qwen3-MoE-style configs often have), random weights saved by transformers' own ``save_pretrained``
+    (Qwen3-VL-MoE: fused experts in its in-memory layout, gate_up's shape the same in both), the tiny
+    model's tokenizer and processor beside them."""
+    import transformers
+
+    source, folder = tiny_model_dir(kind), root / f"{kind}-half-width-experts"
+    config = json.loads((source / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["moe_intermediate_size"] = text["hidden_size"] // 2
+    vl = "text_config" in config
+    cls = transformers.AutoModelForImageTextToText if vl else transformers.AutoModelForCausalLM
+    torch.manual_seed(1)
+    cls.from_config(transformers.AutoConfig.for_model(**config), dtype=torch.float32).save_pretrained(folder)
+    for file in source.iterdir():  # the tokenizer and processor files
+        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "config.json":
+            shutil.copy2(file, folder / file.name)
+    return folder
+
+
+def check_half_width_experts(args, info, out):
+    """Issue 67 item 3: Qwen3-MoE and Qwen3-VL-MoE folders that transformers saved with 2I == H load (one
+    fused-expert layout per layer, told by the tensor whose shape tells) and score as transformers does:
+    Megatron's logits against transformers' SDPA on the family's sequences."""
+    result = {}
+    for kind in ("qwen3-moe", "qwen3-vl-moe"):
+        path = half_width_experts(kind, Path(args.out))
+        actor = MegatronActor(str(path), TrainConfig(lr=1e-5), AlgoConfig(), info)
+        sdpa = hf_model(path, attn="sdpa")
+        with torch.no_grad():
+            diffs = [float((megatron_logits(actor, s) - hf_logits(sdpa, s)).abs().max()) for s in sequences(path, kind)]
+        result[kind] = {
+            "vs_sdpa": diffs,
+            "intermediate": actor.spec.moe.ffn_hidden_size,
+            "hidden": actor.spec.hidden_size,
+        }
+    out["half_width_experts"] = result
+
+
 def planned_parameters(actor, path) -> dict:
     """This rank's parameter elements, trained and frozen, as built and as the memory plan counts them."""
     count = rank_parameters(
@@ -201,6 +241,7 @@ def check_gpu(args, info, out):
 
 CHECKS = {
     "families": check_families,
+    "half_width_experts": check_half_width_experts,
     "bf16": check_bf16,
     "rope": check_rope,
     "gpu": check_gpu,

@@ -93,8 +93,39 @@ def test_every_hf_expert_layout_reads_the_same_expert_slices(tiny_paths, publish
             assert torch.equal(fused.down(e, f0, f1), per_expert.down(e, f0, f1))
     bad = _fused(state, prefix, 8, published)
     bad[f"{prefix}experts.down_proj"] = bad[f"{prefix}experts.down_proj"][:, :5]
-    with pytest.raises(ValueError, match="experts.down_proj: shape .* fits neither fused layout"):
+    with pytest.raises(ValueError, match="experts.gate_up_proj .* and .*experts.down_proj .* fit no fused layout"):
         HFExperts(CheckpointReader(tensors=bad), prefix, spec)
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_a_layer_whose_gate_up_shape_cannot_tell_takes_its_down_projections_layout(published):
+    """Issue 67 item 3: with 2 x moe_intermediate_size == hidden_size gate_up's shape fits both fused
+    layouts ([E, H, 2I] and [E, 2I, H] are both [E, H, H]); the layer's down projection, [E, I, H] or
+    [E, H, I], tells which one the folder holds, and both tensors are read in it. A layer whose two
+    tensors disagree is refused naming them."""
+    g = torch.Generator().manual_seed(0)
+    prefix, experts, hidden, inter = "model.layers.0.mlp.", 4, 16, 8
+    state = {}
+    for e in range(experts):
+        for name, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
+            state[f"{prefix}experts.{e}.{name}.weight"] = torch.randn(*shape, generator=g)
+    spec = decoder_spec(_text(hidden_size=hidden, moe_intermediate_size=inter, head_dim=8))
+    per_expert = HFExperts(CheckpointReader(tensors=state), prefix, spec)
+    folder = _fused(state, prefix, experts, published)
+    fused = HFExperts(CheckpointReader(tensors=folder), prefix, spec)
+    assert fused.published_gate_up is published
+    for e in range(experts):
+        assert torch.equal(fused.gate_up(e, 0, inter), per_expert.gate_up(e, 0, inter))
+        assert torch.equal(fused.down(e, 0, inter), per_expert.down(e, 0, inter))
+    mixed = _fused(state, prefix, experts, published)
+    mixed[f"{prefix}experts.down_proj"] = _fused(state, prefix, experts, not published)[f"{prefix}experts.down_proj"]
+    mixed[f"{prefix}experts.gate_up_proj"] = mixed[f"{prefix}experts.gate_up_proj"][:, :, :15]
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj \[4, 16, 15\] .* fit no fused"):
+        HFExperts(CheckpointReader(tensors=mixed), prefix, spec)
 
 
 class _Ranks(ExpertGather):
