@@ -50,7 +50,7 @@ REFUSED_ROPE = {
 # saved.
 DENSE, MOE = ["--families", "dense"], ["--families", "moe"]
 WORLDS = {
-    "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload", DENSE),
+    "tp1": (1, 1, "attention,tree,matrix,hf_reference,dp,logprob_chunks,reshard_save,offload,pad_token", DENSE),
     "tp1_moe": (1, 1, "attention,tree,matrix,hf_reference,aux_loss", MOE),
     "tp1_models": (1, 1, "families,bf16,rope,sft,engine_fidelity,checkpoint,checkpoint_bf16", DENSE),
     "tp1_models_moe": (1, 1, "families,bf16,half_width_experts", MOE),

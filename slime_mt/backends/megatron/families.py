@@ -121,6 +121,7 @@ class DecoderSpec:
     mrope_section: list[int] | None = None
     mrope_interleaved: bool = False
     moe: MoeSpec | None = None
+    pad_token_id: int | None = None  # transformers' padding_idx: its embedding row gets no gradient from lookups
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -196,6 +197,7 @@ def decoder_spec(config: dict, where: str = "config.json") -> DecoderSpec:
         mrope_section=rope.get("mrope_section"),
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
         moe=moe_spec(text, text_type, where),
+        pad_token_id=text.get("pad_token_id"),
     )
 
 
@@ -475,9 +477,10 @@ class TextPolicy(torch.nn.Module):
     first embeds the row, the others start from the previous stage's output (``set_input_tensor``),
     and only the last stage's output is normed and projected."""
 
-    def __init__(self, gpt):
+    def __init__(self, gpt, pad_token_id: int | None = None):
         super().__init__()
         self.gpt = gpt
+        self.pad_token_id = pad_token_id
         self.input_tensor: torch.Tensor | None = None
 
     @property
@@ -512,7 +515,7 @@ class TextPolicy(torch.nn.Module):
         rank's tokens go through the decoder -> ``[L / cp, 1, H]`` in the layout's order. Under sequence
         parallelism the decoder runs on this TP rank's slice of those tokens, gathered back after it."""
         if decoder_input is None and self.gpt.pre_process:
-            decoder_input = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [L, 1, H]
+            decoder_input = self.embed(tokens)  # [L, 1, H]
         if isinstance(attention_mask, ContextParallelSegments):
             if decoder_input is not None:
                 decoder_input = decoder_input.index_select(0, attention_mask.query_position)
@@ -533,6 +536,16 @@ class TextPolicy(torch.nn.Module):
             packed_seq_params=packed_seq_params,
         )
         return gather_sequence(hidden) if sequence_parallel else hidden
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [1, L]`` -> their embeddings ``[L, 1, H]``; where a token is the config's
+        ``pad_token_id``, as transformers' ``nn.Embedding(padding_idx=...)``: its value, no gradient to its
+        row (a tied output layer's gradient to it is the projection's, as in transformers)."""
+        embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)
+        if self.pad_token_id is None:
+            return embeds
+        looked_up = (tokens != self.pad_token_id).transpose(0, 1)[..., None]  # [L, 1, 1]
+        return torch.where(looked_up, embeds, embeds.detach())
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output projection ``[V/tp, H]`` (the embedding when they are tied); the

@@ -136,7 +136,7 @@ class MegatronModel:
         )
         self.stage = stage_of(gpt)
         load_into(gpt, self.iter_megatron_tensors(reader))
-        return TextPolicy(gpt)
+        return TextPolicy(gpt, self.spec.pad_token_id)
 
     def iter_megatron_tensors(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's Megatron-named decoder tensors from an HF folder (its TP slices, its experts, its

@@ -77,7 +77,7 @@ class VLMPolicy(TextPolicy):
     """A vision tower (None on pipeline stages after the first) under the Megatron decoder."""
 
     def __init__(self, visual, gpt, spec: DecoderSpec, image_token_id: int, vision_prefix: str, rope_index):
-        super().__init__(gpt)
+        super().__init__(gpt, spec.pad_token_id)
         self.visual = visual
         self.spec = spec
         self.image_token_id = image_token_id
@@ -127,7 +127,7 @@ class VLMPolicy(TextPolicy):
         pipeline stage after the first runs its layers on the previous stage's output."""
         if not self.gpt.pre_process:
             return super().hidden(tokens, position_ids, attention_mask, packed_seq_params)
-        embeds = self.gpt.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
+        embeds = self.embed(tokens)  # [S, B, H]
         self._deepstack = None
         if pixel_values is not None:
             out = self.visual(pixel_values.to(next(self.visual.parameters()).dtype), grid_thw=image_grid_thw)

@@ -3,9 +3,12 @@ against none, the load-balancing loss, a step on samples a test saved, and a sec
 toy value head) training beside the policy through the train role's seam."""
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron_worlds import MOE_FAMILIES
 
 from megatron_checks.common import (
@@ -31,50 +34,94 @@ from slime_mt.roles.train import TrainRole
 from slime_mt.safetensors_files import load_hf_state
 
 
+def hf_step(path: Path, samples: list) -> dict:
+    """transformers on ``samples`` with ADVANTAGES: the same loss (policy_loss on the same inputs), its
+    log-probs and entropies, its gradients (checkpoint names) and their norm (the frozen vision tower
+    excluded, as in the actor)."""
+    model = hf_model(path)
+    model.train()
+    if hasattr(model.model, "visual"):
+        for p in model.model.visual.parameters():
+            p.requires_grad_(False)
+    weights = reduction_weights(samples, "token_mean")
+    lps, ents = [], []
+    for s in samples:
+        logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1 : -1] / TEMPERATURE
+        logp = torch.log_softmax(logits, -1)
+        lps.append(logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
+        ents.append(-(logp.exp() * logp).sum(-1))
+    lp = torch.cat(lps)
+    cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
+    inputs = LossInputs(
+        lp,
+        lp.detach(),
+        cat([s.rollout_log_probs for s in samples]),
+        cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]),
+        cat(weights),
+        torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
+        entropy=torch.cat(ents),
+    )
+    loss, _ = policy_loss(inputs, ALGO)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        "logprobs": [x.tolist() for x in lps],
+        "entropy": [x.tolist() for x in ents],
+        "loss": float(loss.detach()),
+        "grads": _checkpoint_names(grads, path),
+        "grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))),
+    }
+
+
 def check_hf_reference(args, info, out):
-    """transformers on the matrix batch: the same loss (policy_loss on the same inputs), its
-    gradients and their norm (the frozen vision tower excluded, as in the actor)."""
+    """transformers' step on the matrix batch of each family (``hf_step``), for the TP matrix."""
     for kind in LAUNCH.families:
         path = tiny_model_dir(kind)
-        model = hf_model(path)
-        model.train()
-        if hasattr(model.model, "visual"):
-            for p in model.model.visual.parameters():
-                p.requires_grad_(False)
-        samples = matrix_batch(path, kind)
-        weights = reduction_weights(samples, "token_mean")
-        lps, ents = [], []
-        for s in samples:
-            logits = hf_logits(model, s).float()[len(s.prompt_ids) - 1 : -1] / TEMPERATURE
-            logp = torch.log_softmax(logits, -1)
-            lps.append(logp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0])
-            ents.append(-(logp.exp() * logp).sum(-1))
-        lp = torch.cat(lps)
-        cat = lambda xs: torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in xs])  # noqa: E731
-        inputs = LossInputs(
-            lp,
-            lp.detach(),
-            cat([s.rollout_log_probs for s in samples]),
-            cat([[a * m for m in s.loss_mask] for a, s in zip(ADVANTAGES, samples)]),
-            cat(weights),
-            torch.cat([torch.full((len(s.response_ids),), k) for k, s in enumerate(samples)]),
-            entropy=torch.cat(ents),
-        )
-        loss, _ = policy_loss(inputs, ALGO)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
-        torch.save(
-            {
-                "logprobs": [x.tolist() for x in lps],
-                "entropy": [x.tolist() for x in ents],
-                "loss": float(loss.detach()),
-                "grads": _checkpoint_names(grads, path),
-                "grad_norm": norm,
-            },
-            Path(args.out) / f"matrix_hf_{kind}.pt",
-        )
+        torch.save(hf_step(path, matrix_batch(path, kind)), Path(args.out) / f"matrix_hf_{kind}.pt")
     out["hf_reference"] = "saved"
+
+
+def check_pad_token(args, info, out):
+    """Issue 67 item 3: a config's pad_token_id is transformers' padding_idx: the tiny Qwen3 with a
+    pad_token_id that stands in the batch's prompts and responses -> Megatron's gradients, grad norm and
+    the pad row's embedding gradient against transformers' on the same step; and the pad row's gradient
+    with the lookups trained (the former behaviour) for the difference the test is about."""
+    folder = Path(args.out) / "qwen3-pad"
+    if info.rank == 0:
+        shutil.copytree(tiny_model_dir("qwen3"), folder, dirs_exist_ok=True)
+    dist.barrier()
+    samples = matrix_batch(folder, "qwen3")
+    pad = samples[0].prompt_ids[2]
+    for s in samples:  # the pad token in every prompt and in a trained response token
+        s.prompt_ids[1] = pad
+        s.response_ids[0] = pad
+    config = json.loads((folder / "config.json").read_text())
+    runs = {}
+    for padded in (True, False):
+        if info.rank == 0:
+            (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": pad if padded else None}))
+        dist.barrier()
+        actor = MegatronActor(
+            str(folder), TrainConfig(lr=1e-5, micro_batch_size=2), ALGO, info, temperature=TEMPERATURE
+        )
+        actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, len(samples)))
+        decoder = {n[len("gpt.") :]: p for n, p in actor.policy.module.named_parameters() if n.startswith("gpt.")}
+        grads = dict(export.iter_hf_weights(actor.policy, tensors={n: p.main_grad for n, p in decoder.items()}))
+        runs[padded] = {"grads": grads, "grad_norm": actor.apply_gradients()["train/grad_norm"]}
+    if info.rank == 0:
+        (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": pad}))
+        hf = hf_step(folder, samples)
+        embed = "model.embed_tokens.weight"
+        out["pad_token"] = {
+            "pad": pad,
+            "rel": {
+                n: float((g - hf["grads"][n]).norm() / hf["grads"][n].norm()) for n, g in runs[True]["grads"].items()
+            },
+            "grad_norm": [runs[True]["grad_norm"], hf["grad_norm"], runs[False]["grad_norm"]],
+            "pad_row": float((runs[True]["grads"][embed][pad] - hf["grads"][embed][pad]).abs().max()),
+            "pad_row_trained": float((runs[False]["grads"][embed][pad] - hf["grads"][embed][pad]).abs().max()),
+            "pad_row_scale": float(hf["grads"][embed][pad].abs().max()),
+        }
 
 
 def _checkpoint_names(named: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
@@ -336,6 +383,7 @@ def check_value_head(args, info, out):
 
 CHECKS = {
     "value_head": check_value_head,
+    "pad_token": check_pad_token,
     "hf_reference": check_hf_reference,
     "sft": check_sft,
     "recompute": check_recompute,
