@@ -64,4 +64,4 @@ def test_a_pad_token_embedding_row_gets_no_gradient_from_its_lookups_as_in_trans
     assert max(r["rel"].values()) < 1e-4, r["rel"]
     ours, hf, trained = r["grad_norm"]
     assert abs(ours - hf) <= 1e-5 * hf and abs(trained - hf) > 1e-2 * hf
-    assert r["pad_row"] <= 1e-5 * r["pad_row_scale"] * 100 and r["pad_row_trained"] > 0.1 * r["pad_row_scale"]
+    assert r["pad_row"] <= 1e-4 * r["pad_row_scale"] and r["pad_row_trained"] > 0.1 * r["pad_row_scale"]
