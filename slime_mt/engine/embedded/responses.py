@@ -1,14 +1,19 @@
-"""The answer to a finished request, in SGLang's shape: text, output ids, and ``meta_info`` (finish reason,
-token counts, the weight version, log-probs of outputs and inputs, prompt ids, routed experts)."""
+"""The engine's answers, in SGLang's shape: a finished request's text, output ids, and ``meta_info``
+(finish reason, token counts, the weight version, log-probs of outputs and inputs, prompt ids, routed
+experts); errors, refused weight calls, and the strict JSON they are sent as."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
 
 import torch
+from starlette.responses import JSONResponse
 
 from slime_mt.engine.embedded.runner import ModelRunner, Sequence
-from slime_mt.engine.protocol import GenerateRequest
+from slime_mt.engine.protocol import GenerateRequest, show
+from slime_mt.errors import ProtocolError
 from slime_mt.routes import RouteLayout
 
 
@@ -61,3 +66,47 @@ def wire_routes(layout: RouteLayout | None, seq: Sequence | None, start: int) ->
     wire = torch.full((len(rows), layout.num_layers, layout.top_k), -1, dtype=torch.int32)
     wire[:, list(layout.moe_layers)] = rows.to(torch.int32)
     return layout.encode(wire)
+
+
+class JSON(JSONResponse):
+    """Strict JSON out; a non-finite float (a model producing NaN) becomes null, as SGLang's orjson does."""
+
+    def render(self, content) -> bytes:
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        except ValueError:
+            return json.dumps(_finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSON({"error": {"message": message, "code": status}, "object": "error"}, status_code=status)
+
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def memory_tags(body: dict, what: str) -> set[str]:
+    """SGLang's ``tags`` of a memory call -> the set (None: every tag); ``cuda_graph`` is accepted and
+    has nothing to free here."""
+    tags = body.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    known = (*MEMORY_TAGS, "cuda_graph")
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t in known for t in tags):
+        raise ProtocolError(f"{what}: tags must be a list of {', '.join(known)}, got {show(tags)}")
+    return set(tags) - {"cuda_graph"}
+
+
+def refused(message: str) -> JSONResponse:
+    """SGLang's answer to a weight call it cannot do: success false and why, HTTP 400."""
+    return JSON({"success": False, "message": message}, status_code=400)

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import math
 import socket
 import threading
 import time
@@ -48,6 +46,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
+from slime_mt.engine.embedded.responses import JSON, error, memory_tags, refused
 from slime_mt.engine.embedded.runner import ModelRunner
 from slime_mt.engine.embedded.scheduler import PAUSE_MODES, Scheduler
 from slime_mt.engine.images import MAX_IMAGE_PIXELS, load_image
@@ -64,34 +63,10 @@ DISCONNECT_POLL_SECONDS = 1.0
 PAUSE_POLL_SECONDS = 0.005
 
 
-class _JSON(JSONResponse):
-    """Strict JSON out; a non-finite float (a model producing NaN) becomes null, as SGLang's orjson does."""
-
-    def render(self, content) -> bytes:
-        try:
-            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-        except ValueError:
-            return json.dumps(_finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 class _Unavailable(ProtocolError):
     """The engine cannot serve (its scheduler thread stopped): HTTP 503."""
 
     status = 503
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return _JSON({"error": {"message": message, "code": status}, "object": "error"}, status_code=status)
 
 
 def _guarded(handler):
@@ -103,18 +78,18 @@ def _guarded(handler):
         try:
             return await handler(request)
         except ProtocolError as e:
-            return _error(e.status, str(e))
+            return error(e.status, str(e))
         except WeightUpdateError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         except EngineFault as e:
-            return _error(500, str(e))
+            return error(500, str(e))
         except EngineAsleep as e:
-            return _error(503, str(e))
+            return error(503, str(e))
         except MemoryBusy as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         except Exception as e:
             logger.exception("%s %s failed", request.method, request.url.path)
-            return _error(500, f"{request.url.path} failed in the engine: {type(e).__name__}: {e}")
+            return error(500, f"{request.url.path} failed in the engine: {type(e).__name__}: {e}")
 
     return wrapped
 
@@ -209,8 +184,8 @@ class EngineApp:
         futures = [self.scheduler.submit(req) for req in requests]
         results = await self._wait(request, futures)
         if results is None:
-            return _error(499, "client disconnected; its requests were aborted")
-        return _JSON(results if is_batch else results[0])
+            return error(499, "client disconnected; its requests were aborted")
+        return JSON(results if is_batch else results[0])
 
     def _check_size(self, req: GenerateRequest) -> None:
         """A prompt that cannot fit the context is refused here, before it is tokenized or queued (a 10 MB
@@ -269,7 +244,7 @@ class EngineApp:
         try:
             await asyncio.wait_for(asyncio.wrap_future(self.scheduler.submit(probe)), timeout=60)
         except Exception as e:
-            return _error(503, f"health generate failed: {type(e).__name__}: {e}")
+            return error(503, f"health generate failed: {type(e).__name__}: {e}")
         return PlainTextResponse("")
 
     def _probe_token(self) -> int:
@@ -277,7 +252,7 @@ class EngineApp:
         return tok.bos_token_id if tok.bos_token_id is not None else min(self.runner.eos_ids)
 
     async def model_info(self, request: Request):
-        return _JSON(
+        return JSON(
             {
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
@@ -289,7 +264,7 @@ class EngineApp:
         )
 
     async def server_info(self, request: Request):
-        return _JSON(
+        return JSON(
             {
                 "model_path": self.model_path,
                 "engine": "slime_mt.local",
@@ -306,7 +281,7 @@ class EngineApp:
         )
 
     async def weight_version(self, request: Request):
-        return _JSON({"weight_version": self.scheduler.weight_version})
+        return JSON({"weight_version": self.scheduler.weight_version})
 
     async def flush_cache(self, request: Request):
         if self.scheduler.prefix_cache is not None:
@@ -325,7 +300,7 @@ class EngineApp:
         if not abort_all and rid is None:
             raise ProtocolError("abort_request needs a string 'rid' or 'abort_all': true")
         count = self.scheduler.abort(rid, abort_all)
-        return _JSON({"success": True, "aborted": count})
+        return JSON({"success": True, "aborted": count})
 
     async def pause_generation(self, request: Request):
         body = await _json_body(request, required=False)
@@ -336,12 +311,12 @@ class EngineApp:
         self.scheduler.pause(mode)
         while self.scheduler.aborting() and self.scheduler.alive:  # SGLang answers once they are all answered
             await asyncio.sleep(PAUSE_POLL_SECONDS)
-        return _JSON({"success": True, "message": "Generation paused."})
+        return JSON({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: Request):
         self.scheduler.resume()
         self._admission.set()
-        return _JSON({"success": True, "message": "Generation continued."})
+        return JSON({"success": True, "message": "Generation continued."})
 
     async def update_weights_from_disk(self, request: Request):
         body = await _json_body(request)
@@ -353,7 +328,7 @@ class EngineApp:
         count = await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.scheduler.update_weights(lambda: self.runner.load_weights_from_disk(path), version)
         )
-        return _JSON(
+        return JSON(
             {
                 "success": True,
                 "message": f"Updated {count} tensors from {path}.",
@@ -370,22 +345,22 @@ class EngineApp:
         offset, world = body.get("rank_offset"), body.get("world_size")
         name, backend = body.get("group_name", weight_group.GROUP_NAME), body.get("backend", "nccl")
         if not isinstance(address, str) or not address:
-            return _refused(f"master_address must be a host, got {show(address)}")
+            return refused(f"master_address must be a host, got {show(address)}")
         if not all(_is_int(v) for v in (port, offset, world)) or not 1 <= offset < world:
-            return _refused(
+            return refused(
                 f"master_port, rank_offset (1 .. world_size-1) and world_size must be integers, got "
                 f"{show(port)}, {show(offset)}, {show(world)}"
             )
         if backend not in ("gloo", "nccl") or (backend == "nccl" and self.runner.device.type != "cuda"):
-            return _refused(f"backend {show(backend)}: this engine serves on {self.runner.device.type}; use gloo")
+            return refused(f"backend {show(backend)}: this engine serves on {self.runner.device.type}; use gloo")
         if not isinstance(name, str) or name in self.weight_groups:
-            return _refused(f"group_name {show(name)}: already joined, or not a string")
+            return refused(f"group_name {show(name)}: already joined, or not a string")
         join = functools.partial(weight_group.join, backend, address, port, world, offset, name)
         try:
             self.weight_groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
         except Exception as e:  # the rendezvous timed out or the store was unreachable
-            return _refused(f"joining {name} at {address}:{port} failed: {type(e).__name__}: {e}")
-        return _JSON({"success": True, "message": f"joined {name} as rank {offset} of {world}"})
+            return refused(f"joining {name} at {address}:{port} failed: {type(e).__name__}: {e}")
+        return JSON({"success": True, "message": f"joined {name} as rank {offset} of {world}"})
 
     async def update_weights_from_distributed(self, request: Request):
         """Receive one bucket from rank 0 of the weight group and load it (all or nothing); the version
@@ -393,13 +368,13 @@ class EngineApp:
         body = await _json_body(request)
         name, version = body.get("group_name", weight_group.GROUP_NAME), body.get("weight_version")
         if name not in self.weight_groups:
-            return _refused(f"group_name {show(name)}: not joined (call /init_weights_update_group first)")
+            return refused(f"group_name {show(name)}: not joined (call /init_weights_update_group first)")
         if version is not None and not isinstance(version, str):
-            return _refused(f"weight_version must be a string, got {show(version)}")
+            return refused(f"weight_version must be a string, got {show(version)}")
         try:
             names, dtypes, shapes = weight_group.check_bucket(body)
         except ValueError as e:
-            return _refused(f"update_weights_from_distributed: {e}")
+            return refused(f"update_weights_from_distributed: {e}")
         loop = asyncio.get_running_loop()
         receive = functools.partial(
             weight_group.receive, self.weight_groups[name], names, dtypes, shapes, str(self.runner.device)
@@ -412,16 +387,16 @@ class EngineApp:
         body = await _json_body(request)
         entries, version = body.get("serialized_named_tensors"), body.get("weight_version")
         if not isinstance(entries, list) or not entries or not isinstance(entries[0], (str, bytes)):
-            return _refused(f"serialized_named_tensors must be a non-empty list of strings, got {show(entries)}")
+            return refused(f"serialized_named_tensors must be a non-empty list of strings, got {show(entries)}")
         if body.get("load_format") not in (None, "direct"):
-            return _refused(f"load_format {show(body.get('load_format'))}: this engine reads (name, tensor) lists")
+            return refused(f"load_format {show(body.get('load_format'))}: this engine reads (name, tensor) lists")
         if version is not None and not isinstance(version, str):
-            return _refused(f"weight_version must be a string, got {show(version)}")
+            return refused(f"weight_version must be a string, got {show(version)}")
         loop = asyncio.get_running_loop()
         try:
             named = dict(await loop.run_in_executor(None, tensor_payload.deserialize, entries[0]))
         except tensor_payload.PayloadError as e:
-            return _refused(f"update_weights_from_tensor: {e}")
+            return refused(f"update_weights_from_tensor: {e}")
         return await self._load_received(body, named, version, "handles")
 
     async def _load_received(self, body: dict, named: dict, version: str | None, source: str) -> JSONResponse:
@@ -433,51 +408,31 @@ class EngineApp:
         try:
             count = await asyncio.get_running_loop().run_in_executor(None, load)
         except WeightUpdateError as e:
-            return _refused(str(e))
-        return _JSON({"success": True, "message": f"Updated {count} tensors from {source}."})
+            return refused(str(e))
+        return JSON({"success": True, "message": f"Updated {count} tensors from {source}."})
 
     async def release_memory_occupation(self, request: Request):
         """Free the tagged memory (``weights``, ``kv_cache``; none: all) while the trainer uses the
         device, as SGLang does for colocated RL; 400 while a request is in the engine."""
-        tags = _memory_tags(await _json_body(request, required=False), "release_memory_occupation")
+        tags = memory_tags(await _json_body(request, required=False), "release_memory_occupation")
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.release_memory, tags)
-        return _JSON({"success": True, "message": f"released {', '.join(sorted(tags))}"})
+        return JSON({"success": True, "message": f"released {', '.join(sorted(tags))}"})
 
     async def resume_memory_occupation(self, request: Request):
         """Take the tagged memory back (none: everything released). Resumed weights hold nothing until
         the next update loads them; the engine serves again once every tag is back and they are loaded."""
-        tags = _memory_tags(await _json_body(request, required=False), "resume_memory_occupation")
+        tags = memory_tags(await _json_body(request, required=False), "resume_memory_occupation")
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.resume_memory, tags)
-        return _JSON({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
+        return JSON({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
 
     async def destroy_weights_update_group(self, request: Request):
         body = await _json_body(request, required=False)
         name = body.get("group_name", weight_group.GROUP_NAME)
         group = self.weight_groups.pop(name, None) if isinstance(name, str) else None
         if group is None:
-            return _refused(f"group_name {show(name)}: not joined")
+            return refused(f"group_name {show(name)}: not joined")
         weight_group.leave(group)
-        return _JSON({"success": True, "message": f"left {name}"})
-
-
-MEMORY_TAGS = ("weights", "kv_cache")
-
-
-def _memory_tags(body: dict, what: str) -> set[str]:
-    """SGLang's ``tags`` of a memory call -> the set (None: every tag); ``cuda_graph`` is accepted and
-    has nothing to free here."""
-    tags = body.get("tags")
-    if tags is None:
-        return set(MEMORY_TAGS)
-    known = (*MEMORY_TAGS, "cuda_graph")
-    if not isinstance(tags, list) or not all(isinstance(t, str) and t in known for t in tags):
-        raise ProtocolError(f"{what}: tags must be a list of {', '.join(known)}, got {show(tags)}")
-    return set(tags) - {"cuda_graph"}
-
-
-def _refused(message: str) -> JSONResponse:
-    """SGLang's answer to a weight call it cannot do: success false and why, HTTP 400."""
-    return _JSON({"success": False, "message": message}, status_code=400)
+        return JSON({"success": True, "message": f"left {name}"})
 
 
 def _is_int(value) -> bool:
