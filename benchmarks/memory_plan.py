@@ -7,10 +7,13 @@
         --optimizer replicated,distributed                             # the distributed optimizer
     .venv/bin/python benchmarks/memory_plan.py --tokens 8192 --cp 1 --recompute off --tp 2 \
         --sp off,on                                                    # sequence parallelism
+    .venv/bin/python benchmarks/memory_plan.py --tokens 4096 --cp 2 --recompute full \
+        --response 512,16                                              # long prompts, few scored tokens
 
 The model: a Llama of 8 layers, hidden 256, 4 query and 2 key-value heads of 64, MLP 768, a tied
 32,768-token vocabulary (random weights, built in code), fp32. The batch: sequences of 1,024 tokens
-(512 prompt, 512 response) packed into one micro-batch of T tokens on each DP rank. Each point runs in
+(``--response`` of them scored, 512 by default, the rest the prompt) packed into one micro-batch of T
+tokens on each DP rank; the plan is given the scored tokens, as it counts the log-probs' rows. Each point runs in
 fresh processes (TP x CP x DP > 1 under ``torch.distributed.run``): two train steps (the first makes Adam's
 state, the second is the steady state; ``--use-distributed-optimizer`` shards that state over the DP
 ranks), each rank reading its RSS after the actor's imports and process group (the baseline: Python,
@@ -29,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SEQUENCE, PROMPT = 1024, 512
+SEQUENCE = 1024
 RECOMPUTE = {"off": {}, "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
 # the model's HF config (LlamaConfig); the unit tests plan it from these keys alone
 LLAMA = dict(
@@ -89,12 +92,10 @@ def child(args) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = actor.spec.vocab_size
     samples = []
+    r = args.response
     for i in range(args.tokens * info.dp_size // SEQUENCE):  # a micro-batch of ``tokens`` on each DP rank
         ids = torch.randint(100, vocab - 100, (SEQUENCE,), generator=g).tolist()
-        r = SEQUENCE - PROMPT
-        samples.append(
-            TrainingSample(ids[:PROMPT], ids[PROMPT:], [1] * r, [-10.0] * r, float(i % 2), f"{i}/0", i, True)
-        )
+        samples.append(TrainingSample(ids[:-r], ids[-r:], [1] * r, [-10.0] * r, float(i % 2), f"{i}/0", i, True))
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -110,7 +111,14 @@ def child(args) -> None:
 
 
 def measure(
-    cp: int, recompute: str, tokens: int, dp: int = 1, optimizer: str = "replicated", tp: int = 1, sp: bool = False
+    cp: int,
+    recompute: str,
+    tokens: int,
+    dp: int = 1,
+    optimizer: str = "replicated",
+    tp: int = 1,
+    sp: bool = False,
+    response: int = 512,
 ) -> dict:
     ranks = tp * cp * dp
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +127,7 @@ def measure(
         if ranks > 1:
             launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         cmd = [*launch, __file__, "--child", "--cp", str(cp), "--recompute", recompute, "--tokens", str(tokens)]
-        cmd += ["--optimizer", optimizer, "--tp", str(tp), "--sp", "on" if sp else "off"]
+        cmd += ["--optimizer", optimizer, "--tp", str(tp), "--sp", "on" if sp else "off", "--response", str(response)]
         # glibc's malloc keeps freed heap memory (its mmap threshold grows to 32 MiB as big blocks are
         # freed); fixed at 64 KiB, every tensor past it is a mapping of its own and RSS follows the live
         # tensors, as the CUDA peak does
@@ -141,11 +149,12 @@ def main():
     parser.add_argument("--optimizer", default="replicated", help="replicated, distributed (comma-separated)")
     parser.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated")
     parser.add_argument("--sp", default="off", help="sequence parallelism under TP > 1: off, on (comma-separated)")
+    parser.add_argument("--response", default="512", help="scored tokens per 1,024-token sequence (comma-separated)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        args.cp, args.tokens, args.tp = int(args.cp), int(args.tokens), int(args.tp)
+        args.cp, args.tokens, args.tp, args.response = int(args.cp), int(args.tokens), int(args.tp), int(args.response)
         child(args)
         return
     from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
@@ -153,8 +162,10 @@ def main():
 
     spec = decoder_spec(read_hf_config(model_dir()))
     print("Llama 8 x 256, vocabulary 32,768, fp32; measured: peak RSS - the RSS before the model, most of any rank")
-    print("| tokens | TP | SP | CP | recompute | DP | optimizer | measured per rank | plan | plan / measured |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| tokens | scored | TP | SP | CP | recompute | DP | optimizer | measured per rank | plan | plan / measured |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     points = itertools.product(
         [int(t) for t in args.tokens.split(",")],
@@ -164,14 +175,16 @@ def main():
         args.recompute.split(","),
         [int(d) for d in args.dp.split(",")],
         args.optimizer.split(","),
+        [int(r) for r in args.response.split(",")],
     )
-    for tokens, tp, sp, cp, recompute, dp, optimizer in points:
+    for tokens, tp, sp, cp, recompute, dp, optimizer, response in points:
         if sp == "on" and tp == 1:
             continue  # off at TP=1, as Megatron's
         train = train_config(cp, recompute, tokens, optimizer == "distributed", tp, sp == "on")
-        plan = plan_rank(spec, train, tokens, data_parallel=dp).total
-        got = measure(cp, recompute, tokens, dp, optimizer, tp, sp == "on")
-        where = f"| {tokens:,} | {tp} | {sp} | {cp} | {recompute} | {dp} | {optimizer} |"
+        scored = tokens // SEQUENCE * response
+        plan = plan_rank(spec, train, tokens, data_parallel=dp, scored=scored).total
+        got = measure(cp, recompute, tokens, dp, optimizer, tp, sp == "on", response)
+        where = f"| {tokens:,} | {scored:,} | {tp} | {sp} | {cp} | {recompute} | {dp} | {optimizer} |"
         if "failed" in got:
             print(f"{where} {got['failed']} | {plan / GIB:.2f} GiB | |", flush=True)
             continue

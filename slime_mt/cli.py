@@ -10,24 +10,19 @@ import traceback
 
 from slime_mt.config_parsing import add_config_arguments, config_from_namespace, option_strings, unrecognized
 from slime_mt.errors import (
-    AssetError,
-    CheckpointError,
+    USER_ERRORS,
     ConfigError,
-    DatasetError,
     DumpError,
     InspectError,
-    LaunchError,
-    ModelConfigError,
-    PluginError,
     RolloutFailedError,
     RolloutRoleFailed,
     TrainerRankLost,
-    TrainSetupError,
     WeightUpdateError,
 )
 from slime_mt.launch.ray.driver import dry_run_placement, run
 from slime_mt.metrics import plot_run
-from slime_mt.run_dir import LOG_FILE, claim_run_dir, run_dir_of, tee_output, write_config
+from slime_mt.run_dir import LOG_FILE, claim_run_dir, release_run_dir, run_dir_of, tee_output, write_config
+from slime_mt.stop import StopRequest
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
@@ -115,42 +110,32 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line if line else line for line in text.splitlines())
 
 
-# errors caused by the user's inputs: reported as one line, exit code 2 (no traceback)
-USER_ERRORS = (
-    ConfigError,
-    DatasetError,
-    PluginError,
-    ModelConfigError,
-    LaunchError,
-    TrainSetupError,
-    AssetError,
-    CheckpointError,
-    DumpError,
-)
-
-
-INTERRUPTED = 130  # a run stopped by Ctrl-C (saved when --save is set): 128 + SIGINT, as a shell's
-
-
-def _interrupted(cfg, done: int) -> str:
-    """The last line of a run stopped by Ctrl-C: where it stopped and how it goes on."""
+def _interrupted(cfg, done: int, stop: StopRequest) -> str:
+    """The last line of a run stopped by Ctrl-C or SIGTERM: where it stopped and how it goes on."""
     total = cfg.rollout.num_rollout
     if cfg.checkpoint.save:
         how = f"resume it with the same flags and --load {cfg.checkpoint.save}"
     else:
         how = "nothing was saved (no --save), so it cannot be resumed"
-    return f"slime-mt train: stopped by Ctrl-C after step {done} of {total}; {how}"
+    return f"slime-mt train: stopped by {stop.signal_name} after step {done} of {total}; {how}"
 
 
 def run_train(cfg) -> int:
     """Preflight every input (errors there: exit 2, nothing written), then train in the run folder,
     which gets ``config.yaml`` and ``train.log`` (everything printed) first. A run that fails on its
-    way exits 1 with one line naming the cause (every sample failing), or the traceback."""
+    way exits 1 with one line naming the cause (every sample failing), or the traceback; one that Ctrl-C
+    or SIGTERM stops (after its step, saved) exits 130 or 143; a ``--load`` of a finished run says so and
+    exits 0, touching nothing."""
     from slime_mt.driver import rollout_only
     from slime_mt.launch.ranks import train
-    from slime_mt.preflight import preflight
+    from slime_mt.preflight import finished_run, preflight
 
     preflight(cfg)
+    finished = finished_run(cfg)
+    if finished:
+        print(f"slime-mt train: {finished}", file=sys.stderr)
+        return 0
+    stop = StopRequest()
     if cfg.debug.debug_rollout_only:
         train = rollout_only  # no model, no trainer ranks: this process rolls out
         if os.environ.get("RANK", "0") != "0":
@@ -162,28 +147,36 @@ def run_train(cfg) -> int:
         stops += (TrainerRankLost,)
     elif os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 writes the run folder
         try:
-            done = train(cfg, run_dir)
+            done = train(cfg, run_dir, stop)
         except (RolloutFailedError, RolloutRoleFailed):
             return 1  # rank 0 says why
-        return INTERRUPTED if done is not None and done < cfg.rollout.num_rollout else 0
-    lock = claim_run_dir(run_dir, cfg)  # noqa: F841 (held until this process ends)
-    write_config(run_dir, cfg)
-    with tee_output(run_dir / LOG_FILE):
-        print(f"slime-mt train: run folder {run_dir}", flush=True)
-        try:
-            done = train(cfg, run_dir)
-            if done is not None and done < cfg.rollout.num_rollout:
-                print(_interrupted(cfg, done), file=sys.stderr)
-                return INTERRUPTED
-        except stops as e:
-            print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return stop.exit_code if done is not None and done < cfg.rollout.num_rollout else 0
+    lock = claim_run_dir(run_dir, cfg)
+    try:
+        write_config(run_dir, cfg)
+        with tee_output(run_dir / LOG_FILE):
+            print(f"slime-mt train: run folder {run_dir}", flush=True)
+            return _train_in(cfg, run_dir, train, stop, stops)
+    finally:
+        release_run_dir(lock)
+
+
+def _train_in(cfg, run_dir, train, stop: StopRequest, stops: tuple[type, ...]) -> int:
+    """The run in its claimed folder -> the exit code."""
+    try:
+        done = train(cfg, run_dir, stop)
+        if done is not None and done < cfg.rollout.num_rollout:
+            print(_interrupted(cfg, done, stop), file=sys.stderr)
+            return stop.exit_code
+    except stops as e:
+        print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if not isinstance(e, USER_ERRORS):
+            traceback.print_exc()
             return 1
-        except Exception as e:
-            if not isinstance(e, USER_ERRORS):
-                traceback.print_exc()
-                return 1
-            print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
+        print(f"slime-mt train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -191,7 +184,7 @@ def run_check_template(ns) -> int:
     """Print one line per scenario and path, then the verdict; exit 0 (the check informs, it does not fail)."""
     from pathlib import Path
 
-    from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+    from slime_mt.processing import load_tokenizer_or_processor, use_chat_template
     from slime_mt.rollout.template_check import check_template, load_tools, report
 
     try:
@@ -199,7 +192,7 @@ def run_check_template(ns) -> int:
             raise ValueError(f"--hf-checkpoint {ns.hf_checkpoint}: not a folder")
         processor = load_tokenizer_or_processor(ns.hf_checkpoint)
         if ns.chat_template:
-            tokenizer_of(processor).chat_template = Path(ns.chat_template).read_text()
+            use_chat_template(processor, ns.chat_template)
         tools = load_tools(ns.tools)
     except (OSError, ValueError) as e:
         print(f"slime-mt check-template: error: {e}", file=sys.stderr)
@@ -285,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:
         cfg = config_from_namespace(argparse.Namespace(**values))
-        if dry_run:
+        if dry_run:  # the memory plan first, then the resolved settings, then what was checked
             from slime_mt.preflight import dry_run as check
 
+            plan, checks = check(cfg)
+            for line in plan:
+                print(f"# dry run: {line}")
             print(cfg.to_yaml(), end="")
-            for line in check(cfg):
+            for line in checks:
                 print(f"# dry run: {line}")
             if cfg.cluster.ray:
                 for line in dry_run_placement(cfg):

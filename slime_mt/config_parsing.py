@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from slime_mt.config import ALIASES, FIELDS, GROUPS, Config, flag_name, validate
+from slime_mt.config.slime_flags import refused
 from slime_mt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -266,8 +267,11 @@ def unrecognized(extras: list[str], options) -> str:
     hints = []
     for arg in extras:
         flag = arg.split("=", 1)[0]
-        best = closest(flag, options) if flag.startswith("--") else None
-        if best:
+        slimes = refused(flag) if flag.startswith("--") else None
+        best = closest(flag, options) if flag.startswith("--") and not slimes else None
+        if slimes:
+            hints.append(slimes)
+        elif best:
             hints.append(f"{flag}: did you mean {best}?")
     return "unrecognized arguments: " + " ".join(extras) + (" (" + "; ".join(hints) + ")" if hints else "")
 

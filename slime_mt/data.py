@@ -5,7 +5,8 @@ A row gives the prompt (``--input-key``: a string or a list of chat messages), t
 (``--multimodal-keys '{"image": "images"}'``: paths relative to the data file, base64 strings or data
 URIs). ``<image>`` placeholders in the prompt text are paired in order with the row's images and
 become image content parts. A row whose placeholders and images disagree, or whose image cannot be
-read, is a DatasetError naming the row and the file.
+read, is a DatasetError naming the row and the file. Rows are numbered from 1 in every message: a
+.jsonl row by its line (what an editor shows), a .parquet row by its position.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from slime_mt.errors import DatasetError
 from slime_mt.types import Sample
 
 IMAGE_PLACEHOLDER = "<image>"
-DEFAULT_LABEL_KEY = DataConfig.label_key  # a dataset without this key is one without labels
+DEFAULT_LABEL_KEY = "label"  # read where a row has it when --label-key is not given
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class PromptRow:
     label: Any = None
     metadata: dict = field(default_factory=dict)
     images: list[Any] = field(default_factory=list)
+    where: str = ""  # "row 3 of train.jsonl", as data errors name it
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
@@ -52,15 +54,16 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     return path
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """Rows of a .jsonl or .parquet file as dicts."""
+def read_records(path: str | Path) -> list[tuple[int, Any]]:
+    """Rows of a .jsonl or .parquet file -> (row number from 1, record): a .jsonl row's number is its
+    line (blank lines are skipped but counted)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"prompt data file not found: {path}")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
     if path.suffix not in (".jsonl", ".json"):
         raise DatasetError(f"{path}: unsupported prompt data format {path.suffix!r}; use .jsonl or .parquet")
     rows = []
@@ -69,7 +72,7 @@ def read_records(path: str | Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DatasetError(f"row {lineno} of {path.name}: not valid JSON ({e.msg})") from None
     return rows
@@ -135,7 +138,7 @@ def _count_placeholders(prompt: Any) -> int:
 def load_rows(path: str | Path, cfg: DataConfig, limit: int | None = None) -> list[PromptRow]:
     """Validate every row of ``path`` (the first ``limit``) into a PromptRow (images decoded,
     placeholders paired). Every key the flags name must be in every row: ``--input-key``, ``--tool-key``,
-    ``--label-key`` (only a warning for its default, ``label``: a dataset may have no labels) and the
+    ``--label-key`` (not given: ``label`` is read where a row has it, and a warning counts the rows without) and the
     image key of ``--multimodal-keys`` in a row with ``<image>`` placeholders."""
     path = Path(path)
     records = read_records(path)[:limit]
@@ -144,16 +147,17 @@ def load_rows(path: str | Path, cfg: DataConfig, limit: int | None = None) -> li
     image_key = (cfg.multimodal_keys or {}).get("image")
     rows = []
     unlabelled = 0
-    for i, record in enumerate(records):
-        where = f"row {i} of {path.name}"
+    label_key = cfg.label_key or DEFAULT_LABEL_KEY
+    for i, (number, record) in enumerate(records):
+        where = f"row {number} of {path.name}"
         if not isinstance(record, dict):
             raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
         for key, flag in ((cfg.input_key, "--input-key"), (cfg.tool_key, "--tool-key")):
             if key and key not in record:
                 raise DatasetError(f"{where}: no key '{key}' ({flag}); the row's keys: {sorted(record)}")
-        if cfg.label_key and cfg.label_key not in record:
-            if cfg.label_key != DEFAULT_LABEL_KEY:
-                raise DatasetError(f"{where}: no key '{cfg.label_key}' (--label-key); the row's keys: {sorted(record)}")
+        if label_key not in record:
+            if cfg.label_key:
+                raise DatasetError(f"{where}: no key '{label_key}' (--label-key); the row's keys: {sorted(record)}")
             unlabelled += 1
         prompt = record[cfg.input_key]
         if isinstance(prompt, str):
@@ -192,11 +196,12 @@ def load_rows(path: str | Path, cfg: DataConfig, limit: int | None = None) -> li
         if cfg.tool_key and record.get(cfg.tool_key):
             tools = record[cfg.tool_key]
             metadata["tools"] = json.loads(tools) if isinstance(tools, str) else tools
-        label = record.get(cfg.label_key) if cfg.label_key else None
-        rows.append(PromptRow(i, prompt, label, metadata, images))
+        label = record.get(label_key)
+        rows.append(PromptRow(i, prompt, label, metadata, images, where))
     if unlabelled:
         logger.warning(
-            "%s: %d of %d rows have no '%s' key (--label-key): their samples get label None",
+            "%s: %d of %d rows have no '%s' key: their samples get label None (--label-key names the key, "
+            "and makes it required)",
             path.name,
             unlabelled,
             len(records),

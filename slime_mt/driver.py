@@ -43,6 +43,7 @@ from slime_mt.errors import RolloutFailedError
 from slime_mt.roles.steps import StepTimes
 from slime_mt.roles.train import TrainRole
 from slime_mt.run_dir import run_dir_of
+from slime_mt.stop import StopRequest, on_stop_signals
 
 
 def run(cfg: Config, trainer: TrainRole, rollout, stop_requested: threading.Event) -> int:
@@ -99,29 +100,35 @@ def run(cfg: Config, trainer: TrainRole, rollout, stop_requested: threading.Even
     return max(start, r.num_rollout)
 
 
-def rollout_only(cfg: Config, run_dir: Path | None = None) -> None:
+def rollout_only(cfg: Config, run_dir: Path | None = None, stop: StopRequest | None = None) -> int:
     """``--debug-rollout-only``: every step's rollout, prepared as for training (finalized, advantages,
     metrics, dumps, turn records, trace) and never trained; no Megatron model is built and the
-    engines keep their starting weights."""
+    engines keep their starting weights. Ctrl-C or SIGTERM (``stop``) stops it after the step -> the
+    steps done."""
     from slime_mt.roles.rollout import RolloutRole  # the train loop's processes need not import it
 
     run_dir = run_dir or run_dir_of(cfg)
+    stop = stop or StopRequest()
     side = RolloutRole.start(cfg, run_dir, sends_weights=False)
     try:
         side.begin(0, split=None)
-        for step in range(cfg.rollout.num_rollout):
-            t0 = time.perf_counter()
-            batch = side.collect(step, side.batches)
-            if isinstance(batch, RolloutFailedError):
-                raise batch
-            metrics = {
-                **batch.rollout_metrics,
-                **batch.merge_metrics,
-                **batch.metrics,
-                "time/rollout_seconds": batch.rollout_seconds,
-                "time/rollout_started": batch.rollout_started,
-                "time/step_seconds": time.perf_counter() - t0,
-            }
-            side.write_step(step, batch, metrics)
+        with on_stop_signals(lambda signum, frame: stop.request(signum)):
+            for step in range(cfg.rollout.num_rollout):
+                t0 = time.perf_counter()
+                batch = side.collect(step, side.batches)
+                if isinstance(batch, RolloutFailedError):
+                    raise batch
+                metrics = {
+                    **batch.rollout_metrics,
+                    **batch.merge_metrics,
+                    **batch.metrics,
+                    "time/rollout_seconds": batch.rollout_seconds,
+                    "time/rollout_started": batch.rollout_started,
+                    "time/step_seconds": time.perf_counter() - t0,
+                }
+                side.write_step(step, batch, metrics)
+                if stop.is_set():
+                    return step + 1
+        return cfg.rollout.num_rollout
     finally:
         side.close()

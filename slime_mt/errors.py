@@ -232,3 +232,18 @@ class TurnRecordsError(ValueError):
 
 class InspectError(ValueError):
     """A run folder or dump that cannot be inspected; the message names it."""
+
+
+# errors caused by the user's inputs (a flag, a file, a row, a plug-in, a full disk): reported as one line,
+# exit code 2, no traceback; one raised in the rollout role during the run reaches every rank as it is
+USER_ERRORS = (
+    ConfigError,
+    DatasetError,
+    PluginError,
+    ModelConfigError,
+    LaunchError,
+    TrainSetupError,
+    AssetError,
+    CheckpointError,
+    DumpError,
+)

@@ -75,7 +75,7 @@ def convert_parquet(paths: list[str], out: Path) -> list[dict]:
         missing = [f for f in GEO3K_FIELDS if f not in table.column_names]
         if missing:
             raise ValueError(f"{path}: missing geo3k columns {missing} (has {table.column_names})")
-        for i, record in enumerate(table.to_pylist()):
+        for i, record in enumerate(table.to_pylist(), 1):
             files = []
             for image in record["images"] or []:
                 data = image.get("bytes") if isinstance(image, dict) else image

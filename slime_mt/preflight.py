@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 from pathlib import Path
 
+from slime_mt.backends.megatron.checkpoint import read_latest
 from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
@@ -20,6 +22,7 @@ from slime_mt.engine.weights.fp8 import check_rollout_checkpoint
 from slime_mt.errors import ConfigError, TrainSetupError
 from slime_mt.inspection.replay import checked_dump
 from slime_mt.plugins import judge_parser_prototype, load_function, load_module
+from slime_mt.processing import has_chat_template
 from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 from slime_mt.safetensors_files import CheckpointReader
 
@@ -63,9 +66,10 @@ def preflight(cfg: Config) -> None:
         memory_plan(cfg, spec)
     if not cfg.data.prompt_data:
         raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
-    load_rows(cfg.data.prompt_data, cfg.data)
+    rows = load_rows(cfg.data.prompt_data, cfg.data)
     if cfg.data.eval_prompt_data:
-        load_rows(cfg.data.eval_prompt_data, cfg.data)
+        rows += load_rows(cfg.data.eval_prompt_data, cfg.data)
+    check_chat_template(cfg, rows)
     check_plugins(cfg)
     d = cfg.debug
     if d.train_only and not cfg.checkpoint.load:
@@ -82,6 +86,46 @@ def preflight(cfg: Config) -> None:
             raise TrainSetupError(f"--engine-url {url} does not answer: {e}") from None
     if cfg.checkpoint.load and not (Path(cfg.checkpoint.load) / "latest").is_file():
         raise TrainSetupError(f"--load {cfg.checkpoint.load}: no checkpoint there (no 'latest' file)")
+
+
+def finished_run(cfg: Config) -> str | None:
+    """``--load`` of a run whose checkpoint is already at ``--num-rollout`` steps -> the line that says so
+    (None: there are steps to train). Such a run is not started, so a scheduler that requeues a job with
+    its ``--load`` finds it done, not failed."""
+    load = cfg.checkpoint.load
+    if not load or cfg.debug.debug_rollout_only:
+        return None
+    folder = read_latest(Path(load))
+    try:
+        step = int(json.loads((folder / "trainer_state.json").read_text())["extra"]["rollout_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # loading it names what is wrong with it
+    total = cfg.rollout.num_rollout
+    if step < total:
+        return None
+    return (
+        f"--load {load}: the run is finished ({folder.name} is after step {step}, --num-rollout {total}); "
+        f"nothing to train. Raise --num-rollout to train on from step {step}"
+    )
+
+
+def check_chat_template(cfg: Config, rows) -> None:
+    """A run that renders prompts with a chat template (``--apply-chat-template``, or rows whose prompt is
+    a list of messages) needs one: the model folder's or ``--chat-template``'s."""
+    d, model = cfg.data, cfg.train.hf_checkpoint
+    if d.chat_template:
+        if not Path(d.chat_template).is_file():
+            raise ConfigError(f"--chat-template {d.chat_template}: file not found")
+        return
+    messages = next((row.where for row in rows if not isinstance(row.prompt, str)), None)
+    if not (d.apply_chat_template or messages is not None) or has_chat_template(model):
+        return
+    why = "--apply-chat-template" if d.apply_chat_template else f"the prompt of {messages} is chat messages"
+    raise ConfigError(
+        f"--hf-checkpoint {model} has no chat template (no chat_template.jinja, none in tokenizer_config.json) "
+        f"and the prompts are rendered with one ({why}): pass a Jinja template with --chat-template FILE, "
+        "or train on text prompts as they are with --no-apply-chat-template"
+    )
 
 
 def _check_compat_images(cfg: Config) -> None:
@@ -121,12 +165,40 @@ def check_plugins(cfg: Config):
     if not r.rollout_interaction_env_path:
         return None
     module = load_module(r.rollout_interaction_env_path)
-    if not callable(getattr(module, "build_env", None)):
+    build_env = getattr(module, "build_env", None)
+    where = f"--rollout-interaction-env-path {r.rollout_interaction_env_path}"
+    if not callable(build_env):
+        raise TrainSetupError(f"{where}: the module defines no build_env(sample=None, args=None, **kw)")
+    try:  # the rollout calls build_env(sample=..., args=...) (rollout/context.py, rollout/env_workers.py)
+        inspect.signature(build_env).bind(sample=None, args=None)
+    except TypeError as e:
         raise TrainSetupError(
-            f"--rollout-interaction-env-path {r.rollout_interaction_env_path}: "
-            "the module defines no build_env(sample=None, args=None, **kw)"
-        )
+            f"{where}: build_env{inspect.signature(build_env)} cannot be called as build_env(sample=..., "
+            f"args=...) ({e}); define it as build_env(sample=None, args=None, **kw)"
+        ) from None
+    except ValueError:  # a callable without a signature (a builtin): called as it comes
+        pass
     return module
+
+
+def trainer_ranks(cfg: Config) -> tuple[int, str]:
+    """The run's trainer ranks and where the number comes from: slime's ``--actor-num-nodes`` x
+    ``--actor-num-gpus-per-node`` when given (or under ``--ray``), else torchrun's ``WORLD_SIZE``, else
+    one process. Under torchrun the flags, when given, must agree with its world."""
+    t, c = cfg.train, cfg.cluster
+    launched = os.environ.get("WORLD_SIZE")
+    if c.ray or c.actor_num_gpus_per_node is not None:
+        per_node = c.actor_num_gpus_per_node or t.tensor_model_parallel_size
+        world = c.actor_num_nodes * per_node
+        if launched is not None and not c.ray and int(launched) != world:
+            raise ConfigError(
+                f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node {per_node} = {world} trainer "
+                f"ranks, but torchrun started {launched} (WORLD_SIZE); make them agree"
+            )
+        return world, f"--actor-num-nodes {c.actor_num_nodes} x --actor-num-gpus-per-node {per_node}"
+    if launched is not None:
+        return int(launched), "torchrun's WORLD_SIZE"
+    return 1, "one process (--actor-num-nodes x --actor-num-gpus-per-node give more)"
 
 
 # what a device needs beyond the plan: the CUDA context, NCCL's buffers, the caching allocator's slack
@@ -136,11 +208,9 @@ DEVICE_RESERVE_BYTES = 2 * GIB
 def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     """The memory plan of one train rank (``backends/megatron/memory_plan.py``) -> report lines; a
     plan that cannot fit ``--gpu-memory-gb`` is refused, naming a layout that fits where one does."""
-    t, c = cfg.train, cfg.cluster
+    t = cfg.train
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.rollout_max_context_len
-    # the trainer's ranks: Ray's placement, else torchrun's world (one process: 1)
-    world = c.actor_num_nodes * (c.actor_num_gpus_per_node or t.tensor_model_parallel_size) if c.ray else None
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    world, ranks_from = trainer_ranks(cfg)
     dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size))
     kw = dict(
         vision=vision_parameters(CheckpointReader(t.hf_checkpoint)),
@@ -164,6 +234,13 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     )
     lines = [f"memory plan of each train rank ({layout}; {tokens} tokens per micro-batch from {source}):"]
     lines += [f"  {line}" for line in plan.lines()]
+    lines += [
+        f"  {world} train rank{'s' if world > 1 else ''} from {ranks_from}; log-probs planned for every token of a "
+        "micro-batch scored (the most: fewer with long prompts)",
+        "  tensors as a device's allocator holds them (on CPU: glibc's malloc mapping each on its own, "
+        "MALLOC_MMAP_THRESHOLD_=65536; its default keeps freed memory); a device also needs its CUDA context "
+        f"and the allocator's slack ({DEVICE_RESERVE_BYTES / GIB:g} GiB kept with --gpu-memory-gb)",
+    ]
     if t.gpu_memory_gb is None:
         return lines
     budget = int(t.gpu_memory_gb * GIB) - DEVICE_RESERVE_BYTES
@@ -178,20 +255,26 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     return lines + [f"  fits --gpu-memory-gb {t.gpu_memory_gb:g} ({(budget - plan.total) / GIB:.2f} GiB to spare)"]
 
 
-def dry_run(cfg: Config) -> list[str]:
-    """What ``--dry-run`` checks beyond the settings: the memory plan of a train rank (refused over
-    ``--gpu-memory-gb``), every plug-in imports and fits its contract, the first prompt row reads, and one
-    environment is built from it (reset, then closed) -> report lines."""
-    t, lines = cfg.train, []
+def dry_run(cfg: Config) -> tuple[list[str], list[str]]:
+    """What ``--dry-run`` checks beyond the settings -> (the memory plan of a train rank, refused over
+    ``--gpu-memory-gb``; the checks: every plug-in imports and fits its contract, the first prompt row
+    reads, and one environment is built from it, reset, then closed), as report lines."""
+    t, plan = cfg.train, []
     if t.hf_checkpoint and Path(t.hf_checkpoint).is_dir():
-        lines += memory_plan(cfg, decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"))
+        plan = memory_plan(cfg, decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"))
+    return plan, _dry_run_checks(cfg)
+
+
+def _dry_run_checks(cfg: Config) -> list[str]:
+    """The plug-ins, the first prompt row and one environment, checked -> report lines."""
+    lines = []
     module = check_plugins(cfg)
     lines.append("plug-ins: imported and checked")
     path = cfg.data.prompt_data
     if not path or not Path(path).is_file():
         return lines + [f"--prompt-data {path}: not there yet; no row read, no environment built"]
     rows = load_rows(path, cfg.data, limit=1)
-    lines.append(f"--prompt-data {path}: row 0 read")
+    lines.append(f"--prompt-data {path}: first row read")
     if module is None:
         return lines
     sample = PromptDataset(rows, 1).get_samples(1)[0][0]
@@ -209,6 +292,6 @@ def dry_run(cfg: Config) -> list[str]:
     except Exception as e:
         raise TrainSetupError(
             f"--rollout-interaction-env-path {cfg.rollout.rollout_interaction_env_path}: building the "
-            f"environment of row 0 raised {type(e).__name__}: {e}"
+            f"environment of the first row raised {type(e).__name__}: {e}"
         ) from e
-    return lines + [f"environment of row 0: {type(env).__name__} built, reset and closed"]
+    return lines + [f"environment of the first row: {type(env).__name__} built, reset and closed"]

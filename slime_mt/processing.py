@@ -122,5 +122,31 @@ def load_tokenizer_or_processor(path: str | Path) -> PreTrainedTokenizerBase | Q
     return AutoTokenizer.from_pretrained(str(path))
 
 
+# where transformers finds a folder's chat template (transformers.utils.hub and tokenization_utils_base)
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def has_chat_template(path: str | Path) -> bool:
+    """Whether the model folder carries a chat template, read from its files without loading it."""
+    path = Path(path)
+    if any((path / name).exists() for name in CHAT_TEMPLATE_FILES):
+        return True
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        try:
+            if json.loads((path / name).read_text()).get("chat_template"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def use_chat_template(tok_or_processor: Any, path: str | Path) -> None:
+    """Render with the Jinja template in ``path`` (``--chat-template``) instead of the folder's."""
+    template = Path(path).read_text()
+    tokenizer_of(tok_or_processor).chat_template = template
+    if hasattr(tok_or_processor, "chat_template"):
+        tok_or_processor.chat_template = template
+
+
 def tokenizer_of(tok_or_processor: Any) -> PreTrainedTokenizerBase:
     return getattr(tok_or_processor, "tokenizer", tok_or_processor)

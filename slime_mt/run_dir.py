@@ -52,8 +52,9 @@ def write_config(run_dir: Path, cfg: Config) -> Path:
 
 
 def claim_run_dir(run_dir: Path, cfg: Config):
-    """Lock ``run_dir`` for this run (the open lock file, held until the process ends) and refuse it
-    when it holds an earlier run that ``--load`` does not resume, unless ``--overwrite-run-dir``."""
+    """Lock ``run_dir`` for this run (the open lock file, held until ``release_run_dir`` or the process
+    ends; a lock file naming an owner that is gone is taken over, with a note) and refuse it when it holds
+    an earlier run that ``--load`` does not resume, unless ``--overwrite-run-dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK_FILE, "a+")
     try:
@@ -65,6 +66,10 @@ def claim_run_dir(run_dir: Path, cfg: Config):
         raise RunDirError(
             f"run folder {run_dir} is in use by another run ({owner}); give each run its own --log-dir"
         ) from None
+    lock.seek(0)
+    gone = lock.read().strip()
+    if gone:  # its owner ended without releasing it: killed, or its machine lost
+        print(f"slime-mt train: run folder {run_dir}: taking over the lock of {gone}, which is gone", file=sys.stderr)
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
@@ -87,6 +92,16 @@ def claim_run_dir(run_dir: Path, cfg: Config):
         )
     _move_aside(run_dir, save)
     return lock
+
+
+def release_run_dir(lock) -> None:
+    """The run ends: its lock file is emptied (no owner named) and released. The file stays: removing it
+    could let two later runs each lock a file of their own."""
+    with contextlib.suppress(OSError):
+        lock.seek(0)
+        lock.truncate()
+        lock.flush()
+    lock.close()
 
 
 def _move_aside(run_dir: Path, save: Path | None) -> Path:

@@ -9,6 +9,8 @@ checkpoints, exports) and the engines (weight folders, FP8 copies) both read and
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -153,10 +155,17 @@ class ShardWriter:
         self._size += size
 
     def _flush(self) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         path = self.folder / f".{self.prefix}-part{len(self._shards):05d}.safetensors"
-        save_file(self._pending, str(path))
+        try:
+            save_file(self._pending, str(path))
+        except SafetensorError as e:  # its I/O errors carry the OS's errno only in the text
+            found = re.search(r"os error (\d+)", str(e))
+            if found is None:
+                raise
+            raise OSError(int(found.group(1)), f"{os.strerror(int(found.group(1)))}: {path}") from e
         self._shards.append((path, list(self._pending)))
         self._pending, self._size = {}, 0
 

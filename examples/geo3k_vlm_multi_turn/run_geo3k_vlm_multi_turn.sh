@@ -77,6 +77,15 @@ DATA="$RUN_DIR/data"
 echo "[geo3k] run folder: $RUN_DIR" >&2
 DRY_RUN=0
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && DRY_RUN=1; done
+if [ ! -x "$PY" ]; then echo "[geo3k] no Python at $PY: run bash scripts/demo.sh first, or set PYTHON" >&2; exit 2; fi
+# a machine without GPUs (and no RAY_ADDRESS of a cluster that has them) runs the CPU recipe instead
+if [ "$DRY_RUN" = 0 ] && [ -z "${RAY_ADDRESS:-}" ] \
+    && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() else 1)' 2>/dev/null; then
+    echo "[geo3k] no GPU here (torch sees none): this recipe trains on GPUs. On CPU, run" \
+        "bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh; for a Ray cluster with GPUs," \
+        "set RAY_ADDRESS; to see the plan without GPUs, add --dry-run" >&2
+    exit 2
+fi
 if [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.jsonl" ]; then
     if [ -z "$GEO3K" ]; then echo "set GEO3K to the folder of the geo3k parquet files" >&2; exit 2; fi
     "$PY" scripts/prepare_geo3k.py --parquet "$GEO3K"/*.parquet --out "$DATA"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slime_mt.config.fields import group, option, require
+from slime_mt.errors import ConfigError
 
 
 @group("algo")
@@ -98,6 +99,13 @@ def validate_algo(cfg) -> None:
         a.tis_clip_low,
         f"must satisfy 0 <= --tis-clip-low <= 1 <= --tis-clip={a.tis_clip}",
     )
+    n = cfg.rollout.n_samples_per_prompt
+    if n == 1 and not cfg.debug.debug_rollout_only:
+        raise ConfigError(
+            f"--n-samples-per-prompt 1 with --advantage-estimator {a.advantage_estimator}: the estimator's baseline "
+            "is the group's other samples, so with one sample per prompt every advantage is 0 and nothing trains; "
+            "use --n-samples-per-prompt 2 or more (8 is usual)"
+        )
     _validate_decoupled_loss(a)
 
 

@@ -30,13 +30,22 @@ class DataConfig:
     prompt_data: str | None = option(None, "Training prompts: a .jsonl or .parquet file.")
     eval_prompt_data: str | None = option(None, "Held-out prompts evaluated every --eval-interval steps.")
     input_key: str = option("prompt", "Row key holding the prompt (text or chat messages).")
-    label_key: str | None = option("label", "Row key holding the reference answer.")
+    label_key: str | None = option(
+        None,
+        "Row key holding the reference answer; every row must have it. Not given: 'label', where a row has it "
+        "(rows without get label None, counted in a warning).",
+    )
     metadata_key: str = option("metadata", "Row key holding a dict passed to the env and reward.")
     tool_key: str | None = option(None, "Row key holding tool schemas for the chat template.")
     multimodal_keys: dict | None = option(
         None, 'JSON map from modality to row key, e.g. \'{"image": "images"}\'.', json=True
     )
     apply_chat_template: bool = option(False, "Render prompts with the tokenizer's chat template.")
+    chat_template: str | None = option(
+        None,
+        "A Jinja chat template file the rollout renders with instead of the model folder's (for a folder "
+        "without one, or to change it); 'slime-mt check-template --chat-template' checks it first.",
+    )
     rollout_shuffle: bool = option(False, "Shuffle prompts every epoch.")
     rollout_seed: int = option(42, "Seed of the prompt shuffle and of sampling.")
 

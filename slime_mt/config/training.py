@@ -64,7 +64,17 @@ class TrainConfig:
     recompute_modules: list[str] | None = option(None, "Selective recompute: what (default core_attn).", nargs="+")
     global_batch_size: int = option(256, "Samples per optimizer step (whole prompt groups).")
     micro_batch_size: int = option(1, "Samples per forward/backward pass.")
-    max_tokens_per_micro_batch: int | None = option(None, "Token budget of a packed micro-batch.")
+    max_tokens_per_micro_batch: int | None = option(
+        None, "Token budget of a packed micro-batch (a packed row, before context parallelism splits it)."
+    )
+    use_dynamic_batch_size: bool = option(
+        False,
+        "slime's flag: pack micro-batches by tokens, --max-tokens-per-gpu on each device, so a packed row holds "
+        "--max-tokens-per-gpu x --context-parallel-size (that is --max-tokens-per-micro-batch, set from it).",
+    )
+    max_tokens_per_gpu: int | None = option(
+        None, "slime's flag: with --use-dynamic-batch-size, the tokens of a micro-batch on one device."
+    )
     gpu_memory_gb: float | None = option(None, "Memory of one device: refuse a run whose memory plan cannot fit it.")
     use_distributed_optimizer: bool = option(
         False, "Shard the optimizer state and fp32 main weights over the data-parallel (x CP) ranks (ZeRO-1)."
@@ -112,7 +122,8 @@ def validate_training(cfg) -> None:
     _validate_sequence_parallel(t)
     parallel = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size")
     positive(t, (*parallel, "expert_model_parallel_size", "global_batch_size", "micro_batch_size"))
-    positive(t, ("max_tokens_per_micro_batch", "expert_tensor_parallel_size"), optional=True)
+    positive(t, ("max_tokens_per_micro_batch", "expert_tensor_parallel_size", "max_tokens_per_gpu"), optional=True)
+    _dynamic_batch_size(t)
     require(t.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", t.moe_aux_loss_coef, "must be >= 0")
     require(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "gpu_memory_gb", t.gpu_memory_gb, "must be > 0")
     require(t.lr > 0, "lr", t.lr, "must be > 0")
@@ -240,3 +251,31 @@ def _validate_recompute(t) -> None:
             t.recompute_modules,
             f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}",
         )
+
+
+def _dynamic_batch_size(t) -> None:
+    """slime's ``--use-dynamic-batch-size --max-tokens-per-gpu N``: packed rows of N x CP tokens (slime packs
+    ``max_tokens_per_gpu * cp_size`` per micro-batch), set as ``--max-tokens-per-micro-batch``."""
+    if not t.use_dynamic_batch_size:
+        require(
+            t.max_tokens_per_gpu is None,
+            "max_tokens_per_gpu",
+            t.max_tokens_per_gpu,
+            "packs by tokens only with --use-dynamic-batch-size (as in slime), or give --max-tokens-per-micro-batch",
+        )
+        return
+    require(
+        t.max_tokens_per_gpu is not None,
+        "use_dynamic_batch_size",
+        True,
+        "needs --max-tokens-per-gpu, the tokens of a micro-batch on one device (as in slime)",
+    )
+    budget = t.max_tokens_per_gpu * t.context_parallel_size
+    require(
+        t.max_tokens_per_micro_batch in (None, budget),
+        "max_tokens_per_micro_batch",
+        t.max_tokens_per_micro_batch,
+        f"disagrees with --max-tokens-per-gpu {t.max_tokens_per_gpu} x --context-parallel-size "
+        f"{t.context_parallel_size} = {budget} (--use-dynamic-batch-size); give one of them",
+    )
+    t.max_tokens_per_micro_batch = budget

@@ -11,7 +11,6 @@ then runs the same loop on each.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from slime_mt.driver import run
 from slime_mt.roles.link import RolloutHost, RolloutPeer
 from slime_mt.roles.train import TrainRole
 from slime_mt.run_dir import run_dir_of
+from slime_mt.stop import SIGNAL_NAMES, StopRequest, on_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,12 @@ def train(
     stop_requested: threading.Event | None = None,
     rollout_host: Callable[[object, TrainRole], RolloutHost] | None = None,
 ) -> int:
-    """This process's rank of the run -> the steps done when it stopped (``num_rollout`` unless Ctrl-C
-    stopped it early); ``run_dir``: the run folder (default: ``run_dir_of(cfg)``). ``stop_requested``
-    (``--ray``: the driver's Ctrl-C) acts as Ctrl-C does: the first rank's request, shared with every
-    rank after the step's weight export, finishes the step, saves and stops. ``rollout_host(info,
-    trainer)`` (``--ray``): the first rank's end of the rollout role, instead of hosting it here."""
+    """This process's rank of the run -> the steps done when it stopped (``num_rollout`` unless Ctrl-C or
+    SIGTERM stopped it early); ``run_dir``: the run folder (default: ``run_dir_of(cfg)``).
+    ``stop_requested`` (set by those signals here; ``--ray``: the driver's) acts as Ctrl-C does: the
+    first rank's request, shared with every rank after the step's weight export, finishes the step,
+    saves and stops. ``rollout_host(info, trainer)`` (``--ray``): the first rank's end of the rollout
+    role, instead of hosting it here."""
     t = cfg.train
     info = init_parallel(
         t.tensor_model_parallel_size,
@@ -48,29 +49,29 @@ def train(
         t.context_parallel_size,
         t.pipeline_model_parallel_size,
     )
-    stop_requested = stop_requested or threading.Event()
+    stop_requested = stop_requested or StopRequest()
 
     def request_stop(signum, frame):
-        stop_requested.set()
-        logger.warning("interrupt: finishing this step, saving, stopping engines")
+        if isinstance(stop_requested, StopRequest):
+            stop_requested.request(signum)
+        else:
+            stop_requested.set()
+        logger.warning("%s: finishing this step, saving, stopping engines", SIGNAL_NAMES.get(signum, signum))
 
-    in_main = threading.current_thread() is threading.main_thread()  # a Ray actor's task may not be
-    previous = signal.signal(signal.SIGINT, request_stop) if in_main else None
     rollout = None
     try:
-        trainer = TrainRole.build(cfg, info)
-        if info.rank != ROLLOUT_HOST:
-            rollout = RolloutPeer(info)
-        elif rollout_host is not None:
-            rollout = rollout_host(info, trainer)
-        else:
-            from slime_mt.roles.rollout import start_role  # a Ray rank never hosts it: not imported there
+        with on_stop_signals(request_stop):
+            trainer = TrainRole.build(cfg, info)
+            if info.rank != ROLLOUT_HOST:
+                rollout = RolloutPeer(info)
+            elif rollout_host is not None:
+                rollout = rollout_host(info, trainer)
+            else:
+                from slime_mt.roles.rollout import start_role  # a Ray rank never hosts it: not imported there
 
-            rollout = RolloutHost(start_role(cfg, run_dir or run_dir_of(cfg)), info, trainer.splitter())
-        return run(cfg, trainer, rollout, stop_requested)
+                rollout = RolloutHost(start_role(cfg, run_dir or run_dir_of(cfg)), info, trainer.splitter())
+            return run(cfg, trainer, rollout, stop_requested)
     finally:
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
         try:
             if rollout is not None:
                 rollout.close()

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from slime_mt.algo.batching import RankShare
-from slime_mt.errors import RolloutFailedError, RolloutRoleFailed
+from slime_mt.errors import USER_ERRORS, RolloutFailedError, RolloutRoleFailed
 from slime_mt.roles.steps import StepTimes, drain_weights
 
 logger = logging.getLogger(__name__)
 
-FAILURES = (RolloutFailedError, RolloutRoleFailed)
+FAILURES = (RolloutFailedError, RolloutRoleFailed, *USER_ERRORS)
 
 
 def gather(obj, info) -> list:
@@ -92,10 +92,12 @@ class RolloutHost:
     def next_share(self, step: int) -> RankShare:
         """Generate: the step's batch, split by DP rank, each rank sent its share -> this rank's share.
         The rollout's failure stops every rank: ``RolloutFailedError`` (every sample failed too often)
-        as it is, anything else it raised as ``RolloutRoleFailed`` naming the role and the step (its
-        traceback in the log)."""
+        and a user's mistake (``USER_ERRORS``: a plug-in returning the wrong shape) as they are, anything
+        else it raised as ``RolloutRoleFailed`` naming the role and the step (its traceback in the log)."""
         try:
             shares = self.role.shares(step)
+        except USER_ERRORS as e:  # a plug-in's or an input's mistake: one line on every rank
+            shares = e
         except Exception as e:
             logger.exception("the rollout role failed at step %d", step)
             cause = str(e).strip().splitlines()[0] if str(e).strip() else ""

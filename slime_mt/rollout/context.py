@@ -26,7 +26,7 @@ from slime_mt.engine.clients import client_for
 from slime_mt.engine.clients.sglang import EngineClient, output_of
 from slime_mt.errors import ConfigError, EngineError, PluginError
 from slime_mt.plugins import load_module
-from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
+from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of, use_chat_template
 from slime_mt.rollout.context_policy import ContextPolicy, load_policy
 from slime_mt.rollout.env_workers import EnvWorkerPool
 from slime_mt.rollout.template_check import path_of, warn_if_inexact
@@ -80,6 +80,8 @@ class RolloutContext:
             max_connections=e.sglang_server_concurrency * len(worker_urls or [url]),
         )
         processor = load_tokenizer_or_processor(model_path)
+        if cfg.data.chat_template:
+            use_chat_template(processor, cfg.data.chat_template)
         if e.engine == "vllm" and getattr(processor, "image_token_id", None) is not None:
             from slime_mt.engine.clients.vllm import IMAGES_REFUSED
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
 from typing import Any
 
 from tqdm import tqdm
 
 from slime_mt.engine.clients.priority import group_version
-from slime_mt.errors import RolloutError
+from slime_mt.errors import PluginError, RolloutError
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
 from slime_mt.rollout.failures import fail
@@ -58,13 +59,44 @@ def rollout_output(output) -> tuple[list[list[Sample]], dict[str, float]]:
     """What a rollout function returned -> (groups, metrics to log with the step): a list of groups,
     or slime's ``RolloutFnTrainOutput(samples, metrics)``."""
     if isinstance(output, list):
-        return output, {}
-    if not hasattr(output, "samples"):
-        raise RolloutError(
+        groups, metrics = output, {}
+    elif hasattr(output, "samples"):
+        groups, metrics = output.samples, {k: float(v) for k, v in (output.metrics or {}).items()}
+    else:
+        raise PluginError(
             f"--rollout-function-path returned a {type(output).__name__}; expected list[list[Sample]] "
             "or RolloutFnTrainOutput(samples, metrics)"
         )
-    return output.samples, {k: float(v) for k, v in (output.metrics or {}).items()}
+    _check_nesting(groups)
+    for sample in (s for g in groups for s in g):
+        if isinstance(sample.reward, (int, float)) and not math.isfinite(sample.reward):
+            fail(
+                sample,
+                "reward not finite",
+                f"the rollout function gave the reward {sample.reward} (not a finite number)",
+            )
+            sample.reward = 0.0
+    return groups, metrics
+
+
+def _check_nesting(groups) -> None:
+    """A rollout function's groups are a list of lists of Samples; anything else is named, with the fix."""
+    expected = "expected list[list[Sample]]: one list per prompt, of its samples (those sharing a group_index)"
+    if not isinstance(groups, list):
+        raise PluginError(f"--rollout-function-path returned samples as a {type(groups).__name__}; {expected}")
+    for g, group in enumerate(groups):
+        if isinstance(group, Sample):
+            raise PluginError(
+                f"--rollout-function-path returned a flat list: item {g} is a Sample, not a group; {expected}"
+            )
+        if not isinstance(group, list):
+            raise PluginError(f"--rollout-function-path: group {g} is a {type(group).__name__}; {expected}")
+        for k, sample in enumerate(group):
+            if not isinstance(sample, Sample):
+                raise PluginError(
+                    f"--rollout-function-path: item {k} of group {g} is a {type(sample).__name__}, not a Sample "
+                    f"(nested one level too deep?); {expected}"
+                )
 
 
 def load_plugins(r, evaluation: bool = False) -> tuple:
@@ -213,17 +245,21 @@ async def _assign_reward(ctx, sample: Sample, rm, shape: bool = True) -> None:
         return
     try:
         if rm is not None and not (ctx.compat is not None and sample.reward is not None):
-            value = await rm(ctx.args, sample)
+            value, source = await rm(ctx.args, sample), "the reward function"
         elif sample.reward is not None:
-            value = sample.reward
+            value, source = sample.reward, "the generate function"
         else:
-            value = sample.metadata.get("env_reward", 0.0)
+            value, source = sample.metadata.get("env_reward", 0.0), "the environment's info['reward']"
         if isinstance(value, dict):
             key = ctx.rollout.reward_key
             if key is None or key not in value:
                 raise RolloutError(f"reward function returned a dict {sorted(value)}; set --reward-key to one of them")
             sample.metadata["reward_dict"] = value
             value = value[key]
+        if not math.isfinite(float(value)):  # a NaN or infinite reward trains nothing sound: the sample fails
+            fail(sample, "reward not finite", f"{source} gave the reward {float(value)} (not a finite number)")
+            sample.reward = 0.0
+            return
         sample.reward = float(value)
         r = ctx.rollout
         if shape and r.overlong_buffer_len:

@@ -200,7 +200,7 @@ def test_bad_input_fails_fast_with_a_clear_error(geo3k, tmp_path, case):
         second["images"] = [str(geo3k / p) for p in second["images"]] * 2
         bad.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
         cmd[cmd.index("--prompt-data") + 1] = str(bad)
-        expected = "row 1 of bad.jsonl: 1 <image> placeholders but 2 images"
+        expected = "row 2 of bad.jsonl: 1 <image> placeholders but 2 images"
     elif case == "env import":
         env_file = tmp_path / "broken_env.py"
         env_file.write_text("import no_such_module_anywhere\n")

@@ -162,6 +162,30 @@ def test_unknown_cli_flag_is_an_error_with_did_you_mean():
         parse_config(["--zzz"])
 
 
+def test_slimes_dynamic_batch_flags_pack_by_tokens_and_its_other_flags_are_named():
+    """slime's --use-dynamic-batch-size --max-tokens-per-gpu N pack rows of N x CP tokens, as slime does;
+    a slime flag not taken here is named as slime's with what to use instead (issue 67)."""
+    dynamic = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "512"]
+    assert parse_config([*dynamic, "--context-parallel-size", "2"]).train.max_tokens_per_micro_batch == 1024
+    assert parse_config(dynamic).train.max_tokens_per_micro_batch == 512
+    with pytest.raises(ConfigError, match=r"--use-dynamic-batch-size=True: needs --max-tokens-per-gpu"):
+        parse_config(["--use-dynamic-batch-size"])
+    with pytest.raises(
+        ConfigError, match=r"--max-tokens-per-gpu=512: packs by tokens only with --use-dynamic-batch-size"
+    ):
+        parse_config(["--max-tokens-per-gpu", "512"])
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-micro-batch=100: disagrees with --max-tokens-per-gpu 512"):
+        parse_config([*dynamic, "--max-tokens-per-micro-batch", "100"])
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--kl-coef", "0.0", "--num-layers", "36", "--max-turns", "2"])
+    assert str(e.value) == (
+        "slime-mt train: unrecognized arguments: --kl-coef 0.0 --num-layers 36 (--kl-coef is slime's flag, not "
+        "taken here: a KL penalty in the reward is not implemented; the KL penalty is in the loss: --use-kl-loss "
+        "--kl-loss-coef; --num-layers is slime's flag, not taken here: the model's shape is read from "
+        "--hf-checkpoint's config.json; drop slime's MODEL_ARGS)"
+    )
+
+
 def test_the_resolved_config_reads_back_as_the_same_run(tmp_path):
     """What a run folder's config.yaml holds (Config.to_yaml, also --dry-run's output) is accepted by
     --config and gives the same settings, custom keys included."""
@@ -216,6 +240,11 @@ def test_yaml_typo_warns_did_you_mean(tmp_path, caplog, key, suggestion):
     [
         (["--rollout-batch-size", "-1"], r"--rollout-batch-size=-1: must be a positive integer"),
         (["--n-samples-per-prompt", "0"], r"--n-samples-per-prompt=0: must be a positive integer"),
+        (
+            ["--n-samples-per-prompt", "1", "--rollout-batch-size", "8", "--global-batch-size", "8"],
+            r"--n-samples-per-prompt 1 with --advantage-estimator grpo: .* every advantage is 0 and nothing trains; "
+            r"use --n-samples-per-prompt 2 or more",
+        ),
         (["--micro-batch-size", "0"], r"--micro-batch-size=0"),
         (["--max-turns", "0"], r"--max-turns=0"),
         (["--eps-clip", "0.2", "--eps-clip-high", "0.1"], r"--eps-clip-high=0.1: must be >= --eps-clip=0.2"),

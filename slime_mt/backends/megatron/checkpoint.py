@@ -15,6 +15,7 @@ the previous checkpoint loadable. At the same layout a resume is bitwise exact.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -113,26 +114,86 @@ def _hf_tensors(model, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
             yield name, t.detach().clone() if here else None
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+HF_WEIGHT_FILES = (".safetensors", ".safetensors.index.json")  # written here; the folder's other files copied
+
+
+class _Writes:
+    """One rank's writes of a save: the first OSError stops them, while the rank goes on taking part in
+    every gather (no rank waits forever); the bytes the checkpoint needs are counted either way."""
+
+    def __init__(self):
+        self.error: OSError | None = None
+        self.bytes = 0
+
+    def call(self, fn, *args, size: int = 0):
+        """``fn(*args)`` unless a write already failed -> its result (None after a failure)."""
+        self.bytes += size
+        if self.error is not None:
+            return None
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.error = e
+            return None
+
+
+def _settle(model, writes: _Writes, root: Path, tmp: Path, name: str) -> None:
+    """Every rank learns whether any rank's writes failed (collective); if one did, the temp folder goes
+    and every rank raises CheckpointError naming ``--save``, the bytes needed and the bytes free."""
+    code = 0 if writes.error is None else 2 if writes.error.errno in NO_SPACE else 1  # a full disk explains the rest
+    status = torch.tensor([code, writes.bytes, model.info.rank if code else -1], dtype=torch.int64, device=model.device)
+    dist.all_reduce(status, op=dist.ReduceOp.MAX)
+    code, needed, rank = status.tolist()
+    if not code:
+        return
+    if model.info.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    latest = root / "latest"
+    kept = f"checkpoint {latest.read_text().strip()} is unchanged" if latest.is_file() else "no checkpoint was there"
+    if code == 2:
+        free = shutil.disk_usage(root).free
+        raise CheckpointError(
+            f"--save {root}: no space left on its disk: checkpoint {name} needs {needed:,} bytes and "
+            f"{free:,} are free there; nothing of it was kept ({kept}). Free space or give --save a folder "
+            "with room, then resume with --load"
+        )
+    why = writes.error if writes.error is not None else f"rank {rank} could not write its part"
+    raise CheckpointError(f"--save {root}: writing checkpoint {name} failed: {why}; nothing of it was kept ({kept})")
+
+
 def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
+    """Every rank's part of a checkpoint of ``model`` into ``root`` (collective) -> its folder; a write
+    that fails (a full disk) leaves no part of it and raises CheckpointError on every rank."""
     root = Path(root)
     name = f"iter_{model.step:07d}"
     tmp = root / f".tmp_{name}"
     main = model.info.rank == 0
+    writes = _Writes()
+    copied = [f for f in Path(model.hf_path).iterdir() if f.is_file() and not f.name.endswith(HF_WEIGHT_FILES)]
     if main:
+        writes.bytes += sum(f.stat().st_size for f in copied)  # the whole need is named if a write fails
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        writes.call(lambda: (tmp / "rng").mkdir(parents=True))
     dist.barrier()
-    writer = ShardWriter(tmp, "model") if main else None
     sharded = _sharding(model)
+
+    def write_tensors(folder: Path, tensors) -> None:
+        """Rank 0 writes the gathered tensors; every rank iterates (the gathers are collective)."""
+        writer = writes.call(ShardWriter, folder, "model") if main else None
+        for hf_name, t in tensors:
+            if writer:
+                writes.call(writer.add, hf_name, t.float(), size=t.numel() * 4)
+            elif main:
+                writes.bytes += t.numel() * 4  # counted for the message after a failed write
+        if writer:
+            writes.call(writer.close)
 
     def weight(param):
         return _gathered(sharded[param], param, "param") if param in sharded else _main(param).detach()
 
-    for hf_name, t in _hf_tensors(model, weight):
-        if writer:
-            writer.add(hf_name, t.float())
-    if writer:
-        writer.close()
+    write_tensors(tmp, _hf_tensors(model, weight))
     states = _optimizer_state(model)
     keys = sorted({k for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
 
@@ -142,53 +203,62 @@ def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
         return states.get(id(_main(param)), {}).get(key)
 
     for key in keys:
-        writer = ShardWriter(tmp / "optimizer" / key, "model") if main else None
-        for hf_name, t in _hf_tensors(model, lambda p, k=key: state(p, k)):
-            if writer:
-                writer.add(hf_name, t.float())
-        if writer:
-            writer.close()
+        write_tensors(tmp / "optimizer" / key, _hf_tensors(model, lambda p, k=key: state(p, k)))
     from megatron.core.tensor_parallel import random as mp_random
 
     rng = {"torch": torch.get_rng_state(), "tracker": mp_random.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng" / f"rank_{model.info.rank:03d}.pt")
-    dist.barrier()
+    writes.call(torch.save, rng, tmp / "rng" / f"rank_{model.info.rank:03d}.pt")
+    _settle(model, writes, root, tmp, name)
     if main:
-        scalars = {k: float(v) for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 0}
-        groups = [
-            [
-                {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
-                for g in inner.optimizer.param_groups
-            ]
-            for inner in _inner_optimizers(model.optimizer)
-        ]
-        (tmp / "trainer_state.json").write_text(
-            json.dumps(
-                {
-                    "step": model.step,
-                    "scheduler": model.scheduler.state_dict(),
-                    "optimizer_keys": keys,
-                    "optimizer_scalars": scalars,
-                    "param_groups": groups,
-                    "layout": _layout(model),
-                    "extra": extra,
-                },
-                indent=1,
-            )
+        state_text = json.dumps(
+            {
+                "step": model.step,
+                "scheduler": model.scheduler.state_dict(),
+                "optimizer_keys": keys,
+                "optimizer_scalars": _optimizer_scalars(states),
+                "param_groups": _param_groups(model),
+                "layout": _layout(model),
+                "extra": extra,
+            },
+            indent=1,
         )
-        for file in Path(model.hf_path).iterdir():  # config, tokenizer, processor: an HF model folder
-            if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy2(file, tmp / file.name)
-        final = root / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        latest_tmp = root / ".latest.tmp"
+        writes.call((tmp / "trainer_state.json").write_text, state_text, size=len(state_text))
+        for file in copied:  # config, tokenizer, processor: an HF model folder
+            writes.call(shutil.copy2, file, tmp / file.name)
+        writes.call(_publish, root, tmp, name)
+    _settle(model, writes, root, tmp, name)
+    return root / name
+
+
+def _optimizer_scalars(states: dict[int, dict]) -> dict[str, float]:
+    return {k: float(v) for s in states.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 0}
+
+
+def _param_groups(model) -> list[list[dict]]:
+    return [
+        [
+            {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool))}
+            for g in inner.optimizer.param_groups
+        ]
+        for inner in _inner_optimizers(model.optimizer)
+    ]
+
+
+def _publish(root: Path, tmp: Path, name: str) -> None:
+    """The complete temp folder becomes ``root/name`` and ``latest`` names it (replaced atomically)."""
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    latest_tmp = root / ".latest.tmp"
+    try:
         latest_tmp.write_text(name)
         os.replace(latest_tmp, root / "latest")
-    dist.barrier()
-    return root / name
+    except OSError:
+        latest_tmp.unlink(missing_ok=True)
+        os.rename(final, tmp)  # not published: the temp folder goes with the others' parts
+        raise
 
 
 def _layout(model) -> dict[str, int]:
@@ -204,7 +274,9 @@ def _layout(model) -> dict[str, int]:
     return layout
 
 
-def _read_latest(root: Path) -> Path:
+def read_latest(root: Path) -> Path:
+    """The checkpoint folder ``--load root`` names: ``root`` itself (an ``iter_*`` folder), else the one
+    ``root/latest`` names; CheckpointError when there is none."""
     if root.name.startswith("iter_"):
         return root
     latest = root / "latest"
@@ -237,7 +309,7 @@ def _load_params(model, reader: CheckpointReader, target) -> None:
 def load_checkpoint(model, root: str | Path) -> dict:
     """Restore weights, optimizer state, LR schedule, step (and RNG at the same layout) from
     ``root/latest`` or an ``iter_*`` folder -> the saved ``extra`` dict."""
-    folder = _read_latest(Path(root))
+    folder = read_latest(Path(root))
     state_file = folder / "trainer_state.json"
     if not state_file.is_file():
         raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")

@@ -19,10 +19,13 @@ heads and f; CP splits the tokens, and each CP rank keeps its row's gathered key
     dense MLP  5f / tp                                       MoE: k (2h + 5 f_expert / etp) + 4 E
     recompute  full: h per recomputed chunk's input, and one chunk's whole activations while its
                backward runs; selective core_attn: 2d + nq / tp fewer; mlp/moe: the MLP's terms
-    outside    2h + 57 per token (final norm, log-prob bookkeeping)
+    outside    h per token (the final norm's output), h + 57 per scored token (its hidden state picked
+               out, its log-prob's bookkeeping)
 
-The peak adds the larger of two working sets on top of what is kept: the log-probs' backward (2.5
-chunks of fp32 logits) and a layer's backward (its activations, recomputed under full recompute, and
+The scored tokens are the response tokens, whose log-probs are computed (every token at most: the plan
+of ``--dry-run``; fewer when prompts are long). The peak adds the larger of two working sets on top of
+what is kept: the log-probs' backward (2.5 chunks of fp32 logits, a chunk at most the scored rows')
+and a layer's backward (its activations, recomputed under full recompute, and
 the gradients of them, about 0.3 of a layer's).
 
 Pipeline stages (``--pipeline-model-parallel-size P``): each stage holds its layers (Megatron's even
@@ -153,27 +156,50 @@ def layer_activations(
 
 
 def plan_rank(
-    spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
+    spec: DecoderSpec,
+    train,
+    tokens: int,
+    vision: int = 0,
+    use_reference: bool = False,
+    data_parallel: int = 1,
+    scored: int | None = None,
 ) -> RankMemory:
     """The peak of one train rank of ``train`` (a ``TrainConfig``) on micro-batches of ``tokens``, among
     ``data_parallel`` DP ranks (they share the optimizer's state under ``--use-distributed-optimizer``);
-    under pipeline parallelism, the busiest stage's."""
-    return max(plan_stages(spec, train, tokens, vision, use_reference, data_parallel), key=lambda plan: plan.total)
+    under pipeline parallelism, the busiest stage's. ``scored``: the micro-batch's tokens whose log-prob
+    is computed (its response tokens); None: every token, the most there can be."""
+    stages = plan_stages(spec, train, tokens, vision, use_reference, data_parallel, scored)
+    return max(stages, key=lambda plan: plan.total)
 
 
 def plan_stages(
-    spec: DecoderSpec, train, tokens: int, vision: int = 0, use_reference: bool = False, data_parallel: int = 1
+    spec: DecoderSpec,
+    train,
+    tokens: int,
+    vision: int = 0,
+    use_reference: bool = False,
+    data_parallel: int = 1,
+    scored: int | None = None,
 ) -> list[RankMemory]:
     """``plan_rank`` of a rank of each pipeline stage, in stage order (one without PP)."""
     split = PipelineSplit.of(train)
+    scored = tokens if scored is None else min(scored, tokens)
     return [
-        _plan_stage(spec, train, tokens, vision, use_reference, data_parallel, stage, in_flight=split.size - s)
+        _plan_stage(spec, train, tokens, vision, use_reference, data_parallel, stage, split.size - s, scored)
         for s, stage in enumerate(split.stages(spec.num_layers))
     ]
 
 
 def _plan_stage(
-    spec: DecoderSpec, train, tokens: int, vision: int, use_reference: bool, data_parallel: int, stage, in_flight: int
+    spec: DecoderSpec,
+    train,
+    tokens: int,
+    vision: int,
+    use_reference: bool,
+    data_parallel: int,
+    stage,
+    in_flight: int,
+    scored: int,
 ) -> RankMemory:
     tp, cp = train.tensor_model_parallel_size, train.context_parallel_size
     sp = train.sequence_parallel and tp > 1
@@ -208,10 +234,13 @@ def _plan_stage(
             recomputed = max(sum(whole[i : i + n]) for i in range(0, layers, n))
     else:
         kept, recomputed = sum(whole), 0
-    outside = (2 * spec.hidden_size + 57) * local * stage.last  # the gathered rows under SP
+    rows = math.ceil(scored / cp)  # this rank's scored tokens: each CP rank scores its own positions
+    # the final norm's output for every local token (the gathered rows under SP); the scored rows' hidden
+    # states, log-probs and their bookkeeping
+    outside = (spec.hidden_size * local + (spec.hidden_size + 57) * rows) * stage.last
     kept *= in_flight  # 1F1B: the micro-batches whose backward has not run yet
     vocab = padded_vocab(spec.vocab_size, tp) // tp
-    logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * local) * stage.last
+    logits = LOGIT_PHASE_CHUNKS * min(LOGIT_CHUNK_BYTES, 4 * vocab * rows) * stage.last
     layer = (recomputed + LAYER_BACKWARD * max(whole)) * b
     return RankMemory(
         params=weights * b,

@@ -25,6 +25,7 @@ from pathlib import Path
 from slime_mt.config import Config
 from slime_mt.errors import ConfigError, RolloutFailedError, RolloutRoleFailed, TrainerRankLost
 from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
+from slime_mt.stop import StopRequest, on_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,9 @@ def dry_run_placement(cfg: Config) -> list[str]:
         ray.shutdown()
 
 
-def run(cfg: Config, run_dir: Path) -> int:
+def run(cfg: Config, run_dir: Path, stop: StopRequest | None = None) -> int:
     """Train ``cfg`` on the Ray cluster -> the steps done (rank 0's); raises what the first failing rank
-    raised."""
+    raised. ``stop``: set by the driver's Ctrl-C or SIGTERM (which every rank then acts on)."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -124,23 +125,20 @@ def run(cfg: Config, run_dir: Path) -> int:
         ray.get(rollout.start.remote(cfg, str(run_dir), engines))
         master = ray.get(ranks[0].rendezvous.remote())
         logger.info("trainer ranks rendezvous at %s:%d", *master)
-        forward = _forward_interrupt(ranks)
         refs = [
             r.train.remote(cfg, str(run_dir), i, len(ranks), master, rollout if i == 0 else None)
             for i, r in enumerate(ranks)
         ]
-        previous = signal.signal(signal.SIGINT, forward)
-        try:
-            _wait_all(refs)
-            return ray.get(refs[0])
-        except ray.exceptions.RayActorError as e:
-            raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
-        except ray.exceptions.RayTaskError as e:
-            if not isinstance(e.cause, RolloutFailedError | RolloutRoleFailed):
-                raise
-            raise type(e.cause)(f"{e.cause}; {_stopped_with(refs, type(e.cause))}") from None
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        with on_stop_signals(_forward_interrupt(ranks, stop or StopRequest())):
+            try:
+                _wait_all(refs)
+                return ray.get(refs[0])
+            except ray.exceptions.RayActorError as e:
+                raise TrainerRankLost(_lost_rank_message(cfg, placement, refs, e)) from None
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, RolloutFailedError | RolloutRoleFailed):
+                    raise
+                raise type(e.cause)(f"{e.cause}; {_stopped_with(refs, type(e.cause))}") from None
     finally:
         for rank in ranks:
             ray.kill(rank)
@@ -247,13 +245,20 @@ def _start_engines(cfg: Config, placement: Placement, run_dir: Path) -> tuple[li
     return actors, urls
 
 
-def _forward_interrupt(ranks: list):
-    """The driver's Ctrl-C handler: the first one asks rank 0 to stop as Ctrl-C under ``torchrun``
-    does (every rank finishes the step, saves and stops); a second one stops the driver at once."""
+def _forward_interrupt(ranks: list, stop: StopRequest):
+    """The driver's Ctrl-C and SIGTERM handler: the first signal asks rank 0 to stop as under ``torchrun``
+    (every rank finishes the step, saves and stops; ``stop`` records which); a second one stops the
+    driver at once."""
 
     def forward(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        print("slime-mt train: interrupt: every rank finishes its step, saves and stops", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.request(signum)
+        print(
+            f"slime-mt train: {stop.signal_name}: every rank finishes its step, saves and stops",
+            file=sys.stderr,
+            flush=True,
+        )
         ranks[0].request_stop.remote()
 
     return forward

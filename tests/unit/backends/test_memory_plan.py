@@ -10,6 +10,7 @@ from train_helpers import REPO
 
 from slime_mt.assets import SIZED_MODELS
 from slime_mt.backends.megatron.families import MoeOptions, decoder_spec, read_hf_config
+from slime_mt.backends.megatron.logprobs import LOGIT_CHUNK_BYTES
 from slime_mt.backends.megatron.memory_plan import (
     GIB,
     fitting_layout,
@@ -176,6 +177,36 @@ def test_moe_experts_split_over_ep_and_their_tokens_count_top_k_times(tiny_paths
     assert plan_rank(spec, TrainConfig(), 4096).activations != plan_rank(dense, TrainConfig(), 4096).activations
 
 
+def test_the_log_prob_working_set_counts_the_scored_tokens():
+    """Only response tokens are projected to logits: with few of them (long prompts) the log-probs'
+    working set is their chunk, not a full one; without a count the plan assumes every token scored."""
+    bench = load_module(str(REPO / "benchmarks/memory_plan.py"))  # a small Llama with a 32k vocabulary
+    spec, train = decoder_spec({"model_type": "llama", **bench.LLAMA}), bench.train_config(2, "full", 8192)
+    every, same, few = (plan_rank(spec, train, 8192, scored=n) for n in (None, 8192, 128))
+    assert every == same
+    rows = 64  # each CP rank scores its own positions
+    # 160 MiB of logit chunks for every token; for 64 rows 20 MiB, below a recomputed layer's backward
+    assert every.working == int(2.5 * LOGIT_CHUNK_BYTES) > few.working > int(2.5 * 4 * 32768 * rows)
+    assert every.activations - few.activations == (spec.hidden_size + 57) * (4096 - rows) * 4
+
+
+def test_the_plans_data_parallel_size_comes_from_the_flags_not_a_hand_set_world(tiny_paths, monkeypatch):
+    """slime's --actor-num-nodes x --actor-num-gpus-per-node give the trainer ranks in any launch (the
+    dry run by hand plans the torchrun run); torchrun's WORLD_SIZE without them; they must agree."""
+    base = ["--hf-checkpoint", str(tiny_paths["qwen3"]), "--use-distributed-optimizer"]
+    spec = decoder_spec(read_hf_config(tiny_paths["qwen3"]))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = memory_plan(parse_config([*base, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"]), spec)
+    assert "DP=8, distributed optimizer;" in flags[0]
+    assert flags[4].startswith("  8 train ranks from --actor-num-nodes 2 x --actor-num-gpus-per-node 4; ")
+    assert "DP=1, distributed optimizer;" in memory_plan(parse_config(base), spec)[0]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun = memory_plan(parse_config(base), spec)
+    assert "DP=2" in torchrun[0] and torchrun[4].startswith("  2 train ranks from torchrun's WORLD_SIZE;")
+    with pytest.raises(ConfigError, match=r"= 8 trainer ranks, but torchrun started 2 \(WORLD_SIZE\)"):
+        memory_plan(parse_config([*base, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"]), spec)
+
+
 def test_gpu_memory_gb_refuses_a_plan_that_cannot_fit_and_names_what_fits(tiny_paths):
     model = ["--hf-checkpoint", str(tiny_paths["qwen3"]), "--max-tokens-per-micro-batch", "1048576"]
     spec = decoder_spec(read_hf_config(tiny_paths["qwen3"]))
@@ -185,7 +216,7 @@ def test_gpu_memory_gb_refuses_a_plan_that_cannot_fit_and_names_what_fits(tiny_p
         "memory plan of each train rank (TP=1 CP=1 EP=1 DP=1; 1048576 tokens per micro-batch from "
         "--max-tokens-per-micro-batch):"
     )
-    assert lines[-1] == f"  peak {need / GIB:.2f} GiB"
+    assert lines[3] == f"  peak {need / GIB:.2f} GiB"
     just_short = (need + DEVICE_RESERVE_BYTES) / GIB - 0.01
     with pytest.raises(ConfigError) as refused:
         memory_plan(parse_config([*model, "--gpu-memory-gb", f"{just_short}"]), spec)

@@ -9,7 +9,7 @@ import pytest
 
 from slime_mt.compat import SlimeCompat, install, rebuild_turns, text_drift
 from slime_mt.config_parsing import parse_config
-from slime_mt.errors import ConfigError, RewardError, RolloutError
+from slime_mt.errors import ConfigError, PluginError, RewardError
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_output
 from slime_mt.rollout.rewards import GRADERS, rule_based_rm
@@ -42,8 +42,26 @@ def test_slime_modules_are_the_compat_modules_and_sample_is_a_slime_mt_sample():
     output = base_types.RolloutFnTrainOutput(samples=[same], metrics={"custom/x": 2})
     assert rollout_output(output) == ([same], {"custom/x": 2.0})
     assert rollout_output([same]) == ([same], {})
-    with pytest.raises(RolloutError, match="returned a dict; expected list"):
+    with pytest.raises(PluginError, match="returned a dict; expected list"):
         rollout_output({"samples": []})
+
+
+def test_a_rollout_functions_groups_are_checked_and_a_reward_not_finite_fails_its_sample():
+    """What a --rollout-function-path returns is named when it is not list[list[Sample]] (issue 67):
+    a flat list, a group of groups, a tuple; a sample whose reward is NaN or infinite is FAILED, reward 0."""
+    samples = [slime_sample([1], reward=r) for r in (1.0, 0.0)]
+    with pytest.raises(PluginError, match=r"returned a flat list: item 0 is a Sample, not a group; expected "):
+        rollout_output(samples)
+    with pytest.raises(PluginError, match=r"item 0 of group 0 is a list, not a Sample \(nested one level too deep"):
+        rollout_output([[samples]])
+    with pytest.raises(PluginError, match=r"group 1 is a tuple; expected list\[list\[Sample\]\]: one list per prompt"):
+        rollout_output([samples, tuple(samples)])
+    bad = [slime_sample([1], reward=r) for r in (float("nan"), float("inf"), 0.5)]
+    groups, _ = rollout_output([bad])
+    assert groups == [bad] and [s.reward for s in bad] == [0.0, 0.0, 0.5]
+    assert [s.status for s in bad] == [Sample.Status.FAILED, Sample.Status.FAILED, Sample.Status.PENDING]
+    assert bad[1].metadata["error"] == "the rollout function gave the reward inf (not a finite number)"
+    assert bad[0].metadata["error_cause"] == "reward not finite"
 
 
 def test_append_response_tokens_keeps_masks_log_probs_versions_and_status_as_slime():

@@ -1,7 +1,7 @@
 """The rollout role as the rank that hosts it sees it (slime_mt/roles/link.py), in a world of one rank, on
 a train-only run's real rollout role (``ReplayRole``: saved dumps, a real metrics log): the step's share
 is its batch as dumped, the step's log line holds the rollout's, the train step's and the driver's
-figures, and a rollout that raises ends the step with one error naming the rollout role and the step.
+figures, and a user's mistake in the rollout ends the step as itself.
 Unit tier, milliseconds (no process group: one rank sends itself its share; the scatter to other
 ranks runs in tests/integration/test_rank_shares.py, the whole driver in tests/e2e/test_launchers.py)."""
 
@@ -13,7 +13,7 @@ from slime_mt.algo.batching import split_by_dp
 from slime_mt.backends.megatron.parallel import ParallelInfo
 from slime_mt.config import Config, DebugConfig, RolloutConfig, TrainConfig
 from slime_mt.config.checkpoint import dump_path
-from slime_mt.errors import RolloutRoleFailed
+from slime_mt.errors import DumpError
 from slime_mt.inspection.dumps import save_dump, settings_of
 from slime_mt.metrics import read_metrics
 from slime_mt.roles.link import RolloutHost
@@ -75,9 +75,12 @@ def test_the_host_sends_itself_the_dumped_batch_and_logs_every_part_of_the_step(
     assert "train/batch_bytes" not in row  # one rank: nothing sent to another
 
 
-def test_a_rollout_that_raises_ends_the_step_with_one_error_naming_the_role_and_the_step(tmp_path):
+def test_a_users_mistake_in_the_rollout_reaches_every_rank_as_it_is(tmp_path):
+    """A user's error (here the dump of step 1 missing: DumpError) ends the step as itself, one line
+    naming the file (exit 2 at the CLI); any other exception becomes RolloutRoleFailed naming the role
+    and the step (tests/e2e/test_ray_faults.py: a reward function's ValueError)."""
     rollout = _hosted(tmp_path, steps_dumped=1)
     rollout.next_share(0)
-    with pytest.raises(RolloutRoleFailed, match=r"^the rollout role failed at step 1: DumpError: .*rollout_1\.pt"):
+    with pytest.raises(DumpError, match=r"rollout_1\.pt"):
         rollout.next_share(1)  # no dump of step 1: the replayed rollout raises
     rollout.close()

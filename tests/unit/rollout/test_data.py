@@ -92,37 +92,37 @@ def test_chat_message_prompts_get_image_parts(tmp_path):
     [
         (
             [{"problem": "<image><image>", "answer": 1, "images": ["a.png"]}],
-            r"row 0 of bad.jsonl: 2 <image> placeholders but 1 images",
+            r"row 1 of bad.jsonl: 2 <image> placeholders but 1 images",
         ),
         (
             [{"problem": "ok", "answer": 1}, {"problem": "none", "answer": 1, "images": ["a.png"]}],
-            r"row 1 of bad.jsonl: 0 <image> placeholders but 1",
+            r"row 2 of bad.jsonl: 0 <image> placeholders but 1",
         ),
         (
             [{"problem": "<image>", "answer": 1, "images": ["missing.png"]}],
-            r"row 0 of bad.jsonl, image 0: cannot read image",
+            r"row 1 of bad.jsonl, image 0: cannot read image",
         ),
         (
             [{"problem": "<image>", "answer": 1, "images": ["data:image/png;base64,AAAA"]}],
-            r"row 0 of bad.jsonl, image 0: cannot read",
+            r"row 1 of bad.jsonl, image 0: cannot read",
         ),
         (
             [{"question": "x", "answer": 1}],
-            r"row 0 of bad.jsonl: no key 'problem' \(--input-key\); the row's keys: \['answer', 'question'\]",
+            r"row 1 of bad.jsonl: no key 'problem' \(--input-key\); the row's keys: \['answer', 'question'\]",
         ),
-        ([{"problem": "x", "answer": 1}, {"problem": "y"}], r"row 1 of bad.jsonl: no key 'answer' \(--label-key\)"),
+        ([{"problem": "x", "answer": 1}, {"problem": "y"}], r"row 2 of bad.jsonl: no key 'answer' \(--label-key\)"),
         (
             [{"problem": "<image>", "answer": 1, "pictures": ["a.png"]}],
-            r"row 0 of bad.jsonl: 1 <image> placeholders but no key 'images' \(--multimodal-keys\); the row's "
+            r"row 1 of bad.jsonl: 1 <image> placeholders but no key 'images' \(--multimodal-keys\); the row's "
             r"keys: \['answer', 'pictures', 'problem'\]",
         ),
         (
             [{"problem": 5, "answer": 1}],
-            r"row 0 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages",
+            r"row 1 of bad.jsonl: prompt 'problem' must be a string or a list of chat messages",
         ),
         (
             [{"problem": "x", "answer": 1, "metadata": "not json"}],
-            r"row 0 of bad.jsonl: metadata 'metadata' is a string but not JSON",
+            r"row 1 of bad.jsonl: metadata 'metadata' is a string but not JSON",
         ),
     ],
 )
@@ -132,13 +132,27 @@ def test_bad_rows_name_row_and_file(tmp_path, rows, message):
         load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), CFG)
 
 
-def test_a_tool_key_must_be_there_and_a_missing_default_label_only_warns(tmp_path, caplog):
-    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "tools": []}, {"prompt": "b"}])
-    with pytest.raises(DatasetError, match=r"row 1 of rows.jsonl: no key 'tools' \(--tool-key\)"):
+def test_a_tool_key_must_be_there_and_a_missing_label_warns_unless_the_key_is_given(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "tools": [], "label": 1}, {"prompt": "b"}])
+    with pytest.raises(DatasetError, match=r"row 2 of rows.jsonl: no key 'tools' \(--tool-key\)"):
         load_rows(path, DataConfig(tool_key="tools"))
     rows = load_rows(path, DataConfig())
-    assert [r.label for r in rows] == [None, None]
-    assert "2 of 2 rows have no 'label' key (--label-key): their samples get label None" in caplog.text
+    assert [r.label for r in rows] == [1, None]
+    assert "1 of 2 rows have no 'label' key: their samples get label None" in caplog.text
+    with pytest.raises(DatasetError, match=r"row 2 of rows.jsonl: no key 'label' \(--label-key\)"):
+        load_rows(path, DataConfig(label_key="label"))  # given, even as the default's name: required
+
+
+def test_rows_are_numbered_from_one_as_lines_and_parquet_positions(tmp_path):
+    """Every data error counts rows the same way: a .jsonl row by its line (blank lines counted), a
+    .parquet row by its position, both from 1."""
+    (tmp_path / "gaps.jsonl").write_text('{"problem": "a", "answer": 1}\n\n{"problem": "b"}\n')
+    with pytest.raises(DatasetError, match=r"row 3 of gaps.jsonl: no key 'answer' \(--label-key\)"):
+        load_rows(tmp_path / "gaps.jsonl", CFG)
+    rows = [{"problem": "a", "answer": 1, "metadata": "{}"}, {"problem": "b", "answer": 2, "metadata": "oops"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    with pytest.raises(DatasetError, match=r"row 2 of t.parquet: metadata 'metadata' is a string but not JSON"):
+        load_rows(tmp_path / "t.parquet", CFG)
 
 
 def test_bad_json_line_and_missing_file(tmp_path):
