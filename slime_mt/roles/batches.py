@@ -131,6 +131,8 @@ def _manager_metrics(batch) -> dict[str, float]:
         "async/dropped_groups": batch.dropped_groups,
         "async/stale_groups": batch.stale_groups,
         "async/filtered_groups": len(batch.filtered),
+        "async/groups_started": batch.groups_started,  # since the run (or its resume) started
+        "async/groups_running": batch.groups_running,
         "async/partial_resumes": sum(s.metadata.get("partial_resumes", 0) for s in samples),
         "async/regenerated_turns": sum(s.metadata.get("regenerated_turns", 0) for s in samples),
         "time/trainer_idle_seconds": batch.trainer_wait_seconds,

@@ -52,6 +52,8 @@ class Batch:
     trainer_wait_seconds: float  # the trainer waiting for groups
     rollout_idle_seconds: float  # no group in flight, since the last take
     tokens_in_flight: int | None = None  # what the running trajectories held when the step took its groups
+    groups_started: int = 0  # since the manager started, when the step took its groups
+    groups_running: int = 0  # in flight then
 
     @property
     def dropped_groups(self) -> int:
@@ -78,6 +80,7 @@ class RolloutManager:
         self.version = version  # weights the engines serve
         self.first_version = version
         self.trained = 0  # groups taken since the manager started
+        self.started = 0  # groups started since the manager started
         self.buffer: list[list[Sample]] = []
         self.running: dict[int, list[Sample]] = {}  # group index -> its samples, in flight
         self._tasks: set[asyncio.Task] = set()
@@ -131,6 +134,7 @@ class RolloutManager:
                     s.metadata["rollout_id"] = self.version
                     s.metadata["start_version"] = self.version
                 self.running[group[0].group_index] = group
+                self.started += 1
                 self._set_idle()
                 task = asyncio.get_running_loop().create_task(
                     self._one(group, generate, rm, keep, sampling_params, semaphore)
@@ -218,7 +222,8 @@ class RolloutManager:
             self._changed.notify_all()
             # trajectories run in rollout processes grow there, not here: nothing to count
             in_flight = self.tokens_in_flight() if self.ctx.rollout.rollout_num_processes == 1 else None
-        return Batch(groups, dropped, stale, filtered, self._now() - started, idle, in_flight)
+            counts = (self.started, len(self.running))
+        return Batch(groups, dropped, stale, filtered, self._now() - started, idle, in_flight, *counts)
 
     async def set_version(self, version: int) -> None:
         """The engines now serve ``version``: the throttle lets more groups start."""
