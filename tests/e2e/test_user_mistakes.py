@@ -37,7 +37,8 @@ class Env(BaseInteractionEnv):
             raise ValueError("boom")
         if self.index == 5:
             return "not a tuple"
-        return {"text": "ok"}, True, {"reward": float("nan") if self.index == 7 else float(self.index == 6), "tool_ok": self.index == 6}
+        reward = float("nan") if self.index == 7 else float(self.index == 6)
+        return {"text": "ok"}, True, {"reward": reward, "tool_ok": self.index == 6}
 
 
 def build_env(sample=None, args=None, **kw):

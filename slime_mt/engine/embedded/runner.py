@@ -65,7 +65,7 @@ class Sequence:
 
 
 # fp32 logits of a prefill's input log-probs alive at once (a chunk of positions: this many bytes)
-LOGPROB_CHUNK_BYTES = 64 * 1024 * 1024
+LOGPROB_CHUNK_BYTES = 128 * 1024 * 1024
 
 
 class ModelRunner:

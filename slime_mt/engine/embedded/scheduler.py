@@ -514,8 +514,8 @@ class Scheduler:
 
     def _advance_input_logprobs(self) -> None:
         """Between two decode steps: the finishing jobs aborted meanwhile answered, then one chunk of the
-        input log-probs of the earliest job that owes them (a job done with them and with generating
-        answered); a failure there fails that job alone."""
+        input log-probs of the earliest job that owes them, more while nothing else waits or generates
+        (a job done with them and with generating answered); a failure there fails that job alone."""
         for key in [k for k in self._finishing if self._running[k].abort_reason()]:
             job = self._running.pop(key)
             del self._finishing[key]
@@ -525,6 +525,12 @@ class Scheduler:
             return
         try:
             self.runner.advance_input_logprobs(job.seq)
+            while (
+                job.seq.pending_logprobs is not None
+                and not self._waiting
+                and self._running.keys() <= self._finishing.keys()
+            ):
+                self.runner.advance_input_logprobs(job.seq)
         except Exception as e:
             logger.exception("input log-probs of request %s failed", job.request.rid)
             self._fail_one(job, EngineFault(f"request {job.request.rid} failed in the engine: {type(e).__name__}: {e}"))
