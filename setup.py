@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["slime_mt", "slime_mt.*", "rollouts", "rollouts.*", "envs", "envs.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.13",
+        "megatron-core>=0.13,<0.17",  # 0.17+ needs Python 3.12 (README "Running on GPUs")
         "transformers>=4.57",
         "tokenizers>=0.21",
         "pillow",

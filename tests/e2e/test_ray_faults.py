@@ -259,7 +259,12 @@ def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_withou
     rows, reference = metrics(tmp_path), metrics(straight)[:2]
     assert [r["step"] for r in rows] == [0, 1]
     assert sum(r["env/worker_restarts"] for r in rows) == 1
-    assert sum(r["rollout/env_retries"] for r in rows) == 1  # the killed step, tried again
+    # the killed step is tried again (RetryableEnvError: the worker died during it); an episode of the
+    # same group held by that worker retries its own call too, as that one did or EpisodeLost, when it
+    # had one more to make: how many did depends on the timing, and each at most once
+    causes = {k.rsplit("/", 1)[1]: v for k, v in rows[0].items() if k.startswith("rollout/env_retries_by/")}
+    assert set(causes) <= {"RetryableEnvError", "EpisodeLost"} and causes.get("RetryableEnvError", 0) >= 1
+    assert 1 <= sum(r["rollout/env_retries"] for r in rows) == sum(causes.values()) <= 4  # a step's samples
     assert all(r["rollout/env_failures"] == 0 for r in rows)
     trained = [g for r in rows for g in r["trained_groups"]]
     assert len(trained) == len(set(trained)) == 4
