@@ -8,7 +8,13 @@ import os
 import sys
 import traceback
 
-from slime_mt.config_parsing import add_config_arguments, config_from_namespace, option_strings, unrecognized
+from slime_mt.config_parsing import (
+    add_config_arguments,
+    config_from_namespace,
+    option_strings,
+    pass_sglang_args,
+    unrecognized,
+)
 from slime_mt.errors import (
     USER_ERRORS,
     ConfigError,
@@ -238,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = build_cli()
     ns, extras = parser.parse_known_args(argv)
+    if getattr(ns, "command", None) == "train":
+        extras = pass_sglang_args(ns, extras)
     if extras:
         command = getattr(ns, "command", None)
         options = option_strings(parser.subcommands[command] if command else parser)
@@ -277,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:
-        cfg = config_from_namespace(argparse.Namespace(**values))
+        from slime_mt.preflight import slime_load
+
+        cfg = slime_load(config_from_namespace(argparse.Namespace(**values)))
         if dry_run:  # the memory plan first, then the resolved settings, then what was checked
             from slime_mt.preflight import dry_run as check
 

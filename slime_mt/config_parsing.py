@@ -15,6 +15,7 @@ import difflib
 import json
 import logging
 import os
+import shlex
 import types
 import typing
 from typing import Any
@@ -136,7 +137,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 kw["type"] = scalar
                 if is_list:
                     kw["nargs"] = f.metadata.get("nargs", "+")
-            arg_group.add_argument(flag_name(f.name), **kw)
+            slimes = [f.metadata["slime_flag"]] if "slime_flag" in f.metadata else []  # slime's name for it
+            arg_group.add_argument(flag_name(f.name), *slimes, **kw)
     parser.add_argument(
         "--custom-config-path",
         dest="custom_config_path",
@@ -154,9 +156,31 @@ class _StrictParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
+        extras = pass_sglang_args(ns, extras)
         if extras:
             self.error(unrecognized(extras, option_strings(self)))
         return ns
+
+
+def pass_sglang_args(ns: argparse.Namespace, extras: list[str]) -> list[str]:
+    """slime's ``--sglang-<arg> [VALUE ...]`` flags (slime takes every SGLang server argument so): each is
+    SGLang's ``--<arg>``, appended to ``ns.sglang_extra_args`` for every SGLang server the run launches
+    (SGLang itself refuses one it does not know). Returns the extras that are not such flags."""
+    sglang: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for token in extras:
+        if token.startswith("--sglang-"):
+            sglang.append("--" + token.removeprefix("--sglang-"))
+            taking = "=" not in token
+        elif taking and not token.startswith("--"):
+            sglang.append(token)
+        else:
+            taking = False
+            rest.append(token)
+    if sglang:
+        ns.sglang_extra_args = " ".join(filter(None, [getattr(ns, "sglang_extra_args", None), shlex.join(sglang)]))
+    return rest
 
 
 def build_parser(prog: str = "slime-mt train") -> argparse.ArgumentParser:

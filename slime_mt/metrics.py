@@ -20,6 +20,20 @@ SUMMARY_KEYS = [
 ]
 
 
+def _wandb_names(options: dict | None) -> dict:
+    """slime's W&B naming: ``--wandb-group`` (plus ``_`` and a random id unless the suffix is off) as the
+    group and the run's name; ``--wandb-key`` logs in first."""
+    import wandb
+
+    options = options or {}
+    if options.get("key"):
+        wandb.login(key=options["key"])
+    if not options.get("group"):
+        return {}
+    group = options["group"] + ("_" + wandb.util.generate_id() if options.get("suffix", True) else "")
+    return {"group": group, "name": group}
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -28,6 +42,7 @@ class MetricsLogger:
         use_wandb: bool = False,
         wandb_project: str | None = None,
         config: dict | None = None,
+        wandb_options: dict | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +61,12 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("--use-wandb needs the wandb package: pip install wandb") from e
-            self._wandb = wandb.init(project=wandb_project or "slime_mt", config=config or {}, dir=str(self.run_dir))
+            self._wandb = wandb.init(
+                project=wandb_project or "slime_mt",
+                config=config or {},
+                dir=str(self.run_dir),
+                **_wandb_names(wandb_options),
+            )
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps >= ``step`` (a resumed run rewrites them)."""

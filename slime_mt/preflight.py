@@ -4,9 +4,11 @@ report; nothing is launched or written."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 
 from slime_mt.backends.megatron.checkpoint import read_latest
@@ -86,6 +88,21 @@ def preflight(cfg: Config) -> None:
             raise TrainSetupError(f"--engine-url {url} does not answer: {e}") from None
     if cfg.checkpoint.load and not (Path(cfg.checkpoint.load) / "latest").is_file():
         raise TrainSetupError(f"--load {cfg.checkpoint.load}: no checkpoint there (no 'latest' file)")
+
+
+def slime_load(cfg: Config) -> Config:
+    """slime's ``--load`` of a folder that holds no checkpoint yet, where slime's recipes point it (the
+    ``--save`` folder, to resume when there is something to resume, or the ``--hf-checkpoint`` folder):
+    the run starts from ``--hf-checkpoint``, as slime's does. Any other ``--load`` without a checkpoint
+    stays an error (preflight names it)."""
+    c = cfg.checkpoint
+    if not c.load or (Path(c.load) / "latest").is_file():
+        return cfg
+    same = {os.path.realpath(p) for p in (c.save, cfg.train.hf_checkpoint) if p}
+    if os.path.realpath(c.load) not in same:
+        return cfg
+    print(f"slime-mt train: --load {c.load} holds no checkpoint yet: starting from --hf-checkpoint", file=sys.stderr)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=None))
 
 
 def finished_run(cfg: Config) -> str | None:

@@ -99,7 +99,15 @@ class Config:
 FIELDS: dict[str, tuple[str, dataclasses.Field]] = {
     f.name: REGISTERED[f.name] for cls in GROUPS.values() for f in dataclasses.fields(cls)
 }
-ALIASES = {alias: name for name, (_, f) in FIELDS.items() for alias in f.metadata.get("aliases", [])}
+
+
+def _aliases(f) -> list[str]:
+    """A field's other YAML keys: its ``aliases`` and slime's flag name for it (as a key)."""
+    slimes = [f.metadata["slime_flag"].removeprefix("--").replace("-", "_")] if "slime_flag" in f.metadata else []
+    return [*f.metadata.get("aliases", []), *slimes]
+
+
+ALIASES = {alias: name for name, (_, f) in FIELDS.items() for alias in _aliases(f)}
 
 
 def validate(cfg: Config) -> None:

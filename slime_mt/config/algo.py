@@ -36,6 +36,11 @@ class AlgoConfig:
     eps_clip_c: float | None = option(None, "Dual-clip constant c > 1 for negative advantages.")
     use_kl_loss: bool = option(False, "Add a KL penalty against a frozen reference model.")
     kl_loss_coef: float = option(0.0, "KL penalty coefficient.")
+    kl_coef: float = option(
+        0.0,
+        "slime's flag: a KL penalty folded into the reward; not implemented here, so 0 only (slime's "
+        "recipes give 0.00); the KL penalty is in the loss: --use-kl-loss --kl-loss-coef.",
+    )
     kl_loss_type: str = option("low_var_kl", "KL estimator.", choices=["k1", "k2", "k3", "low_var_kl"])
     entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
     use_tis: bool = option(False, "Truncated importance sampling against the rollout log-probs.")
@@ -92,6 +97,12 @@ def validate_algo(cfg) -> None:
     if a.eps_clip_c is not None:
         require(a.eps_clip_c > 1, "eps_clip_c", a.eps_clip_c, "dual-clip constant must be > 1")
     require(a.kl_loss_coef >= 0, "kl_loss_coef", a.kl_loss_coef, "must be >= 0")
+    require(
+        a.kl_coef == 0,
+        "kl_coef",
+        a.kl_coef,
+        "a KL penalty in the reward is not implemented here: use --use-kl-loss --kl-loss-coef (a KL term in the loss)",
+    )
     require(a.tis_clip > 0, "tis_clip", a.tis_clip, "must be > 0")
     require(
         0 <= a.tis_clip_low <= 1 <= a.tis_clip,

@@ -29,6 +29,15 @@ class CheckpointConfig:
     )
     use_wandb: bool = option(False, "Log metrics to Weights & Biases.")
     wandb_project: str | None = option(None, "W&B project.")
+    wandb_group: str | None = option(
+        None, "slime's flag: W&B group; the run is named after it, with a random suffix (slime's naming)."
+    )
+    wandb_key: str | None = option(None, "slime's flag: W&B API key to log in with (else wandb's own login).")
+    disable_wandb_random_suffix: bool = option(False, "slime's flag: the W&B group and run name without the suffix.")
+
+    def wandb_options(self) -> dict:
+        """What ``MetricsLogger`` passes W&B: slime's group and run name, and the key to log in with."""
+        return {"group": self.wandb_group, "key": self.wandb_key, "suffix": not self.disable_wandb_random_suffix}
 
 
 @group("debug")

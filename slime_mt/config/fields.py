@@ -17,7 +17,8 @@ GROUP_CLASSES: dict[str, type] = {}
 
 def option(default: Any, help: str, **meta: Any) -> Any:
     """A config field: its default, its help text and argparse extras (``choices``, ``metavar``, ``nargs``;
-    ``flag``: a flag name other than the field's; ``aliases``: other YAML keys; ``json``: a JSON value)."""
+    ``flag``: a flag name other than the field's; ``slime_flag``: slime's flag for it, also taken;
+    ``aliases``: other YAML keys; ``json``: a JSON value)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})

@@ -27,7 +27,9 @@ class TrainConfig:
     moe_token_dispatcher_type: str = option(
         "alltoall", "MoE: how tokens reach their experts' ranks.", choices=["alltoall", "allgather"]
     )
-    moe_aux_loss_coef: float = option(0.0, "MoE: coefficient of the router's load-balancing loss (0: none).")
+    moe_aux_loss_coef: float = option(
+        0.0, "MoE: coefficient of the router's load-balancing loss (0: none).", slime_flag="--moe-aux-loss-coeff"
+    )
     moe_router_load_balancing_type: str = option(
         "aux_loss",
         "MoE: the load-balancing loss (aux_loss per micro-batch, seq_aux_loss per sequence, none).",
@@ -81,8 +83,30 @@ class TrainConfig:
     )
     lr: float = option(1e-6, "Learning rate.")
     min_lr: float = option(0.0, "Final learning rate of the decay schedule.")
-    lr_warmup_steps: int = option(0, "Linear warm-up steps.")
+    lr_warmup_steps: int = option(0, "Linear warm-up steps.", slime_flag="--lr-warmup-iters")
     weight_decay: float = option(0.0, "AdamW weight decay.")
+    optimizer: str = option("adam", "slime's flag: the optimizer, Adam with decoupled weight decay.", choices=["adam"])
+    adam_beta1: float = option(0.9, "slime's flag: Adam's beta1.")
+    adam_beta2: float = option(0.98, "slime's flag: Adam's beta2.")
+    lr_decay_style: str | None = option(
+        None,
+        "slime's flag: the LR after warm-up, from --lr down to --min-lr over the run's optimizer steps "
+        "(Megatron's schedules); none: cosine when 0 < --min-lr < --lr, else constant.",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+    )
+    train_backend: str = option("megatron", "slime's flag: the trainer (Megatron-core here).", choices=["megatron"])
+    attention_dropout: float = option(0.0, "slime's flag (Megatron's): dropout is off in training here: 0 only.")
+    hidden_dropout: float = option(0.0, "slime's flag (Megatron's): dropout is off in training here: 0 only.")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        True, "slime's flag (Megatron's): gradients are reduced in fp32 here, always."
+    )
+    attention_softmax_in_fp32: bool = option(True, "slime's flag (Megatron's): the attention softmax is fp32 here.")
+    attention_backend: str = option(
+        "auto",
+        "slime's flag (Megatron's): a kernel choice, the same math; here --transformer-impl and "
+        "--local-attention pick the attention, and this is recorded only.",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+    )
     clip_grad: float = option(1.0, "Gradient norm clip.")
     seed: int = option(1234, "Seed of model init, dropout and Megatron RNG.")
     freeze_vision_tower: bool = option(True, "VLMs: keep the vision tower frozen.")
@@ -127,6 +151,7 @@ def validate_training(cfg) -> None:
     require(t.moe_aux_loss_coef >= 0, "moe_aux_loss_coef", t.moe_aux_loss_coef, "must be >= 0")
     require(t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "gpu_memory_gb", t.gpu_memory_gb, "must be > 0")
     require(t.lr > 0, "lr", t.lr, "must be > 0")
+    _slime_optimizer_flags(t)
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     require(
         samples % t.global_batch_size == 0,
@@ -279,3 +304,18 @@ def _dynamic_batch_size(t) -> None:
         f"{t.context_parallel_size} = {budget} (--use-dynamic-batch-size); give one of them",
     )
     t.max_tokens_per_micro_batch = budget
+
+
+def _slime_optimizer_flags(t) -> None:
+    """slime's optimizer and Megatron flags, taken where this project does the same math."""
+    for key in ("adam_beta1", "adam_beta2"):
+        require(0 <= getattr(t, key) < 1, key, getattr(t, key), "must be in [0, 1)")
+    for key in ("attention_dropout", "hidden_dropout"):
+        require(
+            getattr(t, key) == 0,
+            key,
+            getattr(t, key),
+            "dropout is not implemented in training here (slime's recipes set 0.0): drop the flag or give 0",
+        )
+    for key in ("accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32"):
+        require(getattr(t, key), key, False, "fp32 is the only precision here for this (the flag's default)")

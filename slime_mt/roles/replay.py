@@ -23,7 +23,9 @@ class ReplayRole(RolloutSteps):
     def __init__(self, cfg, run_dir: Path) -> None:
         self.cfg = cfg
         c = cfg.checkpoint
-        self.metrics = MetricsLogger(run_dir, use_wandb=c.use_wandb, wandb_project=c.wandb_project)
+        self.metrics = MetricsLogger(
+            run_dir, use_wandb=c.use_wandb, wandb_project=c.wandb_project, wandb_options=c.wandb_options()
+        )
         self.records = RunRecords(cfg, run_dir)
         self.timeline = Timeline("rollout side") if cfg.debug.trace != "off" else None
 

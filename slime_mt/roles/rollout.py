@@ -138,8 +138,9 @@ class RolloutRole(RolloutSteps):
                     if dataset is not None:
                         compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
             rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
+            c = cfg.checkpoint
             metrics = MetricsLogger(
-                run_dir, use_wandb=cfg.checkpoint.use_wandb, wandb_project=cfg.checkpoint.wandb_project
+                run_dir, use_wandb=c.use_wandb, wandb_project=c.wandb_project, wandb_options=c.wandb_options()
             )
             weights = None
             if sends_weights:

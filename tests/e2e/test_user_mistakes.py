@@ -297,9 +297,9 @@ def _misspelled_flag(tmp_path: Path, cmd: list[str]) -> tuple[list[str], str]:
 
 
 def _slime_flag(tmp_path: Path, cmd: list[str]) -> tuple[list[str], str]:
-    return cmd + ["--kl-coef", "0.0"], (
-        "slime-mt train: error: unrecognized arguments: --kl-coef 0.0 (--kl-coef is slime's flag, not taken here: a "
-        "KL penalty in the reward is not implemented; the KL penalty is in the loss: --use-kl-loss --kl-loss-coef)"
+    return cmd + ["--kl-coef", "0.05"], (
+        "slime-mt train: error: ConfigError: --kl-coef=0.05: a KL penalty in the reward is not implemented here: "
+        "use --use-kl-loss --kl-loss-coef (a KL term in the loss)"
     )
 
 

@@ -177,13 +177,16 @@ def test_slimes_dynamic_batch_flags_pack_by_tokens_and_its_other_flags_are_named
     with pytest.raises(ConfigError, match=r"--max-tokens-per-micro-batch=100: disagrees with --max-tokens-per-gpu 512"):
         parse_config([*dynamic, "--max-tokens-per-micro-batch", "100"])
     with pytest.raises(ConfigError) as e:
-        parse_config(["--kl-coef", "0.0", "--num-layers", "36", "--max-turns", "2"])
+        parse_config(["--use-opd", "--num-layers", "36", "--max-turns", "2"])
     assert str(e.value) == (
-        "slime-mt train: unrecognized arguments: --kl-coef 0.0 --num-layers 36 (--kl-coef is slime's flag, not "
-        "taken here: a KL penalty in the reward is not implemented; the KL penalty is in the loss: --use-kl-loss "
-        "--kl-loss-coef; --num-layers is slime's flag, not taken here: the model's shape is read from "
-        "--hf-checkpoint's config.json; drop slime's MODEL_ARGS)"
+        "slime-mt train: unrecognized arguments: --use-opd --num-layers 36 (--use-opd is slime's flag, not "
+        "taken here: on-policy distillation is not implemented yet; drop the --opd flags; --num-layers is slime's "
+        "flag, not taken here: part of slime's model preset (scripts/models/*.sh MODEL_ARGS): the model's shape is "
+        "read from --hf-checkpoint's config.json here; drop MODEL_ARGS)"
     )
+    assert parse_config(["--kl-coef", "0.0"]).algo.kl_coef == 0  # slime's recipes: the KL in the loss only
+    with pytest.raises(ConfigError, match=r"^--kl-coef=0\.05: a KL penalty in the reward is not implemented here"):
+        parse_config(["--kl-coef", "0.05"])
 
 
 def test_the_resolved_config_reads_back_as_the_same_run(tmp_path):

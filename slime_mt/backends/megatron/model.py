@@ -276,7 +276,7 @@ class MegatronModel:
 def _optimizer(module: torch.nn.Module, train: TrainConfig, dtype: torch.dtype, total_steps: int):
     """(Megatron's DDP around ``module``, its Adam optimizer, the LR schedule) of a trainable model."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     ddp = DistributedDataParallel(
@@ -286,36 +286,48 @@ def _optimizer(module: torch.nn.Module, train: TrainConfig, dtype: torch.dtype, 
         ),
         module,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=train.lr,
-            min_lr=train.min_lr,
-            weight_decay=train.weight_decay,
-            clip_grad=train.clip_grad,
-            bf16=train.bf16,
-            params_dtype=dtype,
-            use_distributed_optimizer=train.use_distributed_optimizer,
-            adam_beta1=0.9,
-            adam_beta2=0.98,
-            adam_eps=1e-8,
-        ),
-        [ddp],
-    )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if train.lr_warmup_steps else train.lr,
-        max_lr=train.lr,
-        min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_steps,
-        lr_decay_steps=max(total_steps, train.lr_warmup_steps + 1),
-        lr_decay_style="cosine" if 0 < train.min_lr < train.lr else "constant",
-        start_wd=train.weight_decay,
-        end_wd=train.weight_decay,
-        wd_incr_steps=max(total_steps, 1),
-        wd_incr_style="constant",
-    )
+    optimizer = get_megatron_optimizer(optimizer_config(train, dtype), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, **lr_schedule(train, total_steps))
     return ddp, optimizer, scheduler
+
+
+def optimizer_config(train: TrainConfig, dtype: torch.dtype):
+    """Megatron's ``OptimizerConfig``: Adam with decoupled weight decay (--optimizer adam, the only one),
+    --adam-beta1 and --adam-beta2, the gradient clip, fp32 main weights under bf16."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=train.optimizer,
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        clip_grad=train.clip_grad,
+        bf16=train.bf16,
+        params_dtype=dtype,
+        use_distributed_optimizer=train.use_distributed_optimizer,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=1e-8,
+    )
+
+
+def lr_schedule(train: TrainConfig, total_steps: int) -> dict:
+    """Megatron's ``OptimizerParamScheduler`` settings: a linear warm-up from 0 over --lr-warmup-steps,
+    then --lr-decay-style (slime's flag; none: cosine when 0 < --min-lr < --lr, else constant) down to
+    --min-lr over the run's optimizer steps; the weight decay constant."""
+    style = train.lr_decay_style or ("cosine" if 0 < train.min_lr < train.lr else "constant")
+    return {
+        "init_lr": 0.0 if train.lr_warmup_steps else train.lr,
+        "max_lr": train.lr,
+        "min_lr": train.min_lr,
+        "lr_warmup_steps": train.lr_warmup_steps,
+        "lr_decay_steps": max(total_steps, train.lr_warmup_steps + 1),
+        "lr_decay_style": style,
+        "start_wd": train.weight_decay,
+        "end_wd": train.weight_decay,
+        "wd_incr_steps": max(total_steps, 1),
+        "wd_incr_style": "constant",
+    }
 
 
 def check_layout(model: MegatronModel) -> None:
