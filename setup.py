@@ -47,7 +47,8 @@ setup(
         "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20", "websockets>=13"],  # the built-in environments' own needs
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)
-        "gpu": ["sglang>=0.5", "sglang-router>=0.2"],
+        # qwen-vl-utils imports torchvision (which sglang brings); on CPU --slime-compat maps the name
+        "gpu": ["sglang>=0.5", "sglang-router>=0.2", "qwen-vl-utils>=0.0.14"],
     },
     package_data={"slime_mt.inspection": ["viewer.html"]},
     entry_points={"console_scripts": ["slime-mt=slime_mt.cli:main"]},

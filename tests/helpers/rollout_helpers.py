@@ -214,24 +214,50 @@ def chain_model(src, out, tokenizer_dir, transitions: dict[int, list[int]], logi
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    hidden = model.config.hidden_size
-    tokens = sorted({t for a, nxt in transitions.items() for t in [a, *nxt]})
-    assert len(tokens) <= hidden, f"{len(tokens)} chain tokens need a hidden size of at least that"
-    model.config.tie_word_embeddings = False
-    with torch.no_grad():
-        model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.model.embed_tokens.weight))
-        direction = {t: k for k, t in enumerate(tokens)}
-        for t in tokens:
-            model.model.embed_tokens.weight[t] = torch.nn.functional.one_hot(torch.tensor(direction[t]), hidden)
-        model.model.norm.weight.fill_(1.0)
-        for a, nxt in transitions.items():
-            for b in nxt:  # normalised one-hot: sqrt(hidden) on direction a
-                model.lm_head.weight[b, direction[a]] = logit / hidden**0.5
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+    _chain(model, model.model, transitions, logit)
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if name != "chat_template.jinja" or (Path(tokenizer_dir) / name).is_file():
             shutil.copy(f"{tokenizer_dir}/{name}", f"{out}/{name}")
     return out
+
+
+def chain_vlm(src, out, transitions: dict[int, list[int]], logit: float = 40.0):
+    """``chain_model`` of a tiny VLM (Qwen2.5-VL): its language model made a chain, its vision tower as
+    it is (images reach the model, and its output depends only on the current token); the processor,
+    tokenizer and slime_mt's asset files of ``src`` copied beside the weights."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(src), dtype=torch.float32)
+    model.config.text_config.tie_word_embeddings = False
+    _chain(model, model.model.language_model, transitions, logit)
+    model.save_pretrained(out, safe_serialization=True)
+    for path in Path(src).iterdir():
+        if path.suffix != ".safetensors" and not (Path(out) / path.name).exists():
+            shutil.copy(path, Path(out) / path.name)
+    return out
+
+
+def _chain(model, language_model, transitions: dict[int, list[int]], logit: float) -> None:
+    import torch
+
+    hidden = model.config.get_text_config().hidden_size
+    tokens = sorted({t for a, nxt in transitions.items() for t in [a, *nxt]})
+    assert len(tokens) <= hidden, f"{len(tokens)} chain tokens need a hidden size of at least that"
+    model.config.tie_word_embeddings = False
+    embed = language_model.embed_tokens
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(embed.weight))
+        direction = {t: k for k, t in enumerate(tokens)}
+        for t in tokens:
+            embed.weight[t] = torch.nn.functional.one_hot(torch.tensor(direction[t]), hidden)
+        language_model.norm.weight.fill_(1.0)
+        for a, nxt in transitions.items():
+            for b in nxt:  # normalised one-hot: sqrt(hidden) on direction a
+                model.lm_head.weight[b, direction[a]] = logit / hidden**0.5
+        for layer in language_model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()

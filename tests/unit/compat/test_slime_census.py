@@ -85,3 +85,32 @@ def test_slimes_geo3k_env_graders_behave_as_slimes():
     assert not grade_answer_verl("\\boxed{3}", "") and not grade_answer_verl("\\boxed{3}", None)
     assert compute_score("... Answer: 12", "12") == {"score": 1.0, "acc": True, "pred": "12"}
     assert compute_score("... Answer: 11", "12")["score"] == -1.0
+
+
+# every top-level name slime's examples/**/*.py import (same commit) that is neither the standard library,
+# slime nor examples: what provides it here (issue 75 item 1)
+THIRD_PARTY_MAPPED = ["qwen_vl_utils"]  # slime_mt/compat/qwen_vl_utils.py where the published one cannot load
+THIRD_PARTY_INSTALLED = [  # installed with slime_mt
+    *("torch", "transformers", "numpy", "jinja2", "aiohttp", "fastapi", "uvicorn", "pydantic", "psutil", "tqdm"),
+    *("huggingface_hub", "orjson"),
+]
+THIRD_PARTY_EXAMPLES_OWN = [  # the examples' own requirements (README: install them as their READMEs say)
+    *("datasets", "faiss", "pyserini", "chardet", "strands", "strands_sglang", "swebench", "tau_bench", "sglang"),
+    "wandb",
+]
+SIBLING_MODULES = [  # modules of the example's own folder, found in the working directory as in slime
+    *("google_search_server", "local_search_server", "qa_em_format", "openai_tool_adapter", "sglang_tool_parser"),
+    *("token_delta", "tool_sandbox", "trainable_agents"),
+]
+
+
+def test_every_third_party_name_slimes_examples_import_is_provided_or_named_in_the_readme():
+    install()
+    for name in THIRD_PARTY_MAPPED + THIRD_PARTY_INSTALLED:
+        assert importlib.import_module(name) is not None, name
+    text = README.read_text()
+    section = text[text.index("### slime's geo3k example and recipes, unchanged") : text.index("## When something")]
+    for name in THIRD_PARTY_MAPPED + THIRD_PARTY_INSTALLED + THIRD_PARTY_EXAMPLES_OWN:
+        assert f"`{name}`" in section, name
+    assert "sibling modules" in section and "`qa_em_format`" in section
+    assert len(set(THIRD_PARTY_MAPPED + THIRD_PARTY_INSTALLED + THIRD_PARTY_EXAMPLES_OWN + SIBLING_MODULES)) == 31

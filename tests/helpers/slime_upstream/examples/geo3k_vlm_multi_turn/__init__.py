@@ -1,0 +1,1 @@
+# Multi-turn VLM Sokoban example package
