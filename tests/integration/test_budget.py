@@ -2,9 +2,12 @@
 its budget fails the run after its summary, a listed debt passes within its own limit, a test over its
 budget within the noise allowance passes listed as over, the time the host stole from the machine is not
 counted, a unit test that starts a subprocess fails naming where it belongs, and a test outside a tier
-folder is refused.
-Integration tier: eight pytest runs in subprocesses, about 28 s."""
+folder is refused; the budget gates CI=true runs only (elsewhere a warning, the tests' own exit code), the
+summary names the CPU seconds and the machine's load, --tier-profile writes the per-test table, and a
+test skipped for a missing tool fails under CI=true.
+Integration tier: nine pytest runs in subprocesses, about 32 s."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -39,10 +42,12 @@ OWN_STAT = (
 )
 
 
-def run_project(root: Path, files: dict[str, str], ini: str) -> subprocess.CompletedProcess:
+def run_project(
+    root: Path, files: dict[str, str], ini: str, ci: bool = True, *args: str
+) -> subprocess.CompletedProcess:
     """A project with the tiers plugin (``tests/helpers/tiers.py``), ``files`` under it and ``ini`` as
-    its pytest.ini options; pytest run in it. Its CPU counters are its own (tests/stat): nothing is
-    stolen from it unless its tests say so."""
+    its pytest.ini options; pytest run in it (``args`` after), as CI runs it (``CI=true``) or not. Its CPU
+    counters are its own (tests/stat): nothing is stolen from it unless its tests say so."""
     (root / "tests" / "helpers").mkdir(parents=True)
     shutil.copy(HELPERS / "tiers.py", root / "tests" / "helpers" / "tiers.py")
     (root / "tests" / "conftest.py").write_text(OWN_STAT)
@@ -52,7 +57,9 @@ def run_project(root: Path, files: dict[str, str], ini: str) -> subprocess.Compl
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    return subprocess.run([sys.executable, "-m", "pytest", "tests"], cwd=root, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if ci else {})
+    cmd = [sys.executable, "-m", "pytest", "tests", *args]
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
 
 
 def took(stdout: str, line: str) -> float:
@@ -125,3 +132,44 @@ def test_a_unit_test_that_starts_a_process_fails_and_a_test_outside_the_tiers_is
     outside = run_project(tmp_path / "outside", {"tests/test_loose.py": SLOW}, "")
     assert outside.returncode == 4, outside.stdout[-2000:] + outside.stderr[-2000:]  # usage error
     assert "test_loose.py: a test lives in tests/unit, tests/integration or tests/e2e" in outside.stderr
+
+
+def test_the_budget_warns_outside_ci_and_the_profile_counts_cpu_and_processes(tmp_path):
+    """Issue 68 item 6: the over-budget run of the first test, outside CI, prints the same line as a warning
+    and exits with the tests' own code; the summary has each tier's CPU seconds and the machine's load;
+    --tier-profile writes wall, CPU and processes started per test (item 4)."""
+    files = {"tests/unit/test_slow.py": SLOW, "tests/integration/test_p.py": STARTS_A_PROCESS}
+    busy = (
+        "import time\n\n\ndef test_busy():\n    t = time.process_time()\n"
+        "    while time.process_time() - t < 0.3:\n        pass\n"
+    )
+    files["tests/unit/test_busy.py"] = busy
+    files["tests/unit/test_tool.py"] = (
+        "import tiers\n\n\ndef test_needs_chromium():\n    tiers.skip_missing('Chromium')\n"
+    )
+    profile = tmp_path / "profile.tsv"
+    budget = "budget_test_seconds = 0.5\nbudget_unit_seconds = 100"
+    proc = run_project(tmp_path / "dev", files, budget, False, "--tier-profile", str(profile))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "3 passed, 1 skipped" in proc.stdout and "OVER BUDGET" not in proc.stdout  # item 7: a skip here
+    warning = "over the budget (a warning: it fails CI=true runs): tests/unit/test_slow.py::test_slow took {t} s"
+    assert took(proc.stdout, warning + " (budget_test_seconds = 0.5)") >= 0.8
+    assert took(proc.stdout, "unit            3 tests      {t} s") >= 1.1
+    unit_cpu = re.search(r"unit            3 tests +\d+\.\d s +(\d+\.\d) CPU-s", proc.stdout)
+    assert unit_cpu and float(unit_cpu.group(1)) >= 0.3, proc.stdout[-2000:]
+    assert re.search(r"the machine: load average [\d.]+ [\d.]+ [\d.]+ \(1, 5, 15 min\) on \d+ CPUs", proc.stdout)
+    rows = [line.split("\t") for line in profile.read_text().splitlines()]
+    assert rows[0] == ["test", "tier", "seconds", "cpu_seconds", "processes"]
+    by_test = {r[0]: r[1:] for r in rows[1:]}
+    assert (
+        by_test["tests/unit/test_slow.py::test_slow"][0] == "unit"
+        and float(by_test["tests/unit/test_slow.py::test_slow"][1]) >= 0.8
+    )
+    assert float(by_test["tests/unit/test_busy.py::test_busy"][2]) >= 0.3
+    assert by_test["tests/integration/test_p.py::test_starts_a_process"][3] == "1"
+    assert by_test["tests/unit/test_slow.py::test_slow"][3] == "0"
+    # the same run under CI=true fails on the budget
+    gated = run_project(tmp_path / "ci", files, budget, True)
+    assert gated.returncode == 1 and "OVER BUDGET: tests/unit/test_slow.py::test_slow" in gated.stdout
+    assert "1 failed, 3 passed" in gated.stdout  # item 7: under CI=true the missing tool fails, named
+    assert "CI=true: a test may not skip for a missing tool: missing on this machine: Chromium" in gated.stdout

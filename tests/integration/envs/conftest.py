@@ -1,7 +1,7 @@
 """The sandbox tests' two modes."""
 
 import pytest
-from sandbox_helpers import ISOLATED
+from sandbox_helpers import ISOLATED, NO_USERNS
 
 import envs.sandbox as sandbox
 
@@ -10,6 +10,6 @@ import envs.sandbox as sandbox
 def mode(request, monkeypatch):
     """Each test in both modes: namespaces where this machine allows them, and the fallback."""
     if request.param == "isolated" and not ISOLATED:
-        pytest.skip("no unprivileged user namespaces on this machine")
+        pytest.skip(NO_USERNS)
     monkeypatch.setattr(sandbox, "sandbox_mode", lambda: request.param)
     return request.param

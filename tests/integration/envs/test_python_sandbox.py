@@ -9,7 +9,7 @@ import asyncio
 from textwrap import dedent
 
 import pytest
-from sandbox_helpers import ISOLATED, LIMITS, run
+from sandbox_helpers import ISOLATED, LIMITS, NO_USERNS, run
 
 import envs.sandbox as sandbox
 from envs.python_sandbox import PythonSandboxEnv, build_env, code_block, grade
@@ -17,7 +17,7 @@ from envs.sandbox import SandboxLimits
 from slime_mt.errors import InvalidActionError
 from slime_mt.types import Sample
 
-needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no unprivileged user namespaces on this machine")
+needs_isolation = pytest.mark.skipif(not ISOLATED, reason=NO_USERNS)
 
 
 @needs_isolation  # the env's default: no model code without isolation

@@ -12,13 +12,13 @@ import tempfile
 import time
 
 import pytest
-from sandbox_helpers import ISOLATED, LIMITS, run, sandbox_processes
+from sandbox_helpers import ISOLATED, LIMITS, NO_USERNS, run, sandbox_processes
 
 import envs.sandbox as sandbox
 from envs.python_sandbox import grade
 from envs.sandbox import SandboxLimits, run_python
 
-needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no unprivileged user namespaces on this machine")
+needs_isolation = pytest.mark.skipif(not ISOLATED, reason=NO_USERNS)
 
 
 def test_clean_code_runs_in_an_empty_folder_with_a_cleared_environment(mode):
