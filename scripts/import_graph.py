@@ -79,7 +79,8 @@ def imports(known: dict[str, Path]) -> list[Import]:
     return sorted(found, key=lambda i: (i.source, i.line, i.target))
 
 
-def _imports_of(module: str, path: Path, known: dict[str, Path]) -> set[Import]:
+def _imports_of(module: str, path: Path, known: dict[str, Path], source: str | None = None) -> set[Import]:
+    """The project imports of ``module`` (its file ``path``, or ``source`` when given)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[Import] = set()
 
@@ -102,7 +103,7 @@ def _imports_of(module: str, path: Path, known: dict[str, Path]) -> set[Import]:
             guarded = typing_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
             visit(child, inner, guarded)
 
-    visit(ast.parse(path.read_text(), str(path)), False, False)
+    visit(ast.parse(path.read_text() if source is None else source, str(path)), False, False)
     return found
 
 

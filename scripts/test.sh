@@ -9,6 +9,9 @@
 #   bash scripts/test.sh tests/unit/algo -k grpo   other arguments go to pytest
 #   bash scripts/test.sh --profile       also write test-profile.tsv: each test's seconds, CPU seconds and
 #                                        the processes it started (the summary prints the tiers' totals)
+#   bash scripts/test.sh --affected [REF]  only the tests whose imports reach a file changed since REF
+#                                        (default: the merge base with the last commit whose whole suite
+#                                        passed here, recorded after a full green run; scripts/affected.py)
 #
 # The time budget (pyproject.toml) fails the run under CI=true (.ci/run sets it); elsewhere it prints as
 # a warning and the exit code is the tests' own. Under CI=true a test skipped for a missing tool fails.
@@ -22,13 +25,38 @@ source scripts/_venv.sh
 source scripts/_browser.sh
 tiers=()
 args=()
+affected=0
+ref=""
 for arg in "$@"; do
+    if [ "$affected" = 1 ] && [ -z "$ref" ] && [[ "$arg" != -* ]] && [ ! -e "${arg%%::*}" ] &&
+        git rev-parse -q --verify "$arg^{commit}" >/dev/null 2>&1; then
+        ref="$arg"  # --affected's REF
+        continue
+    fi
     case "$arg" in
         --unit | --integration | --e2e) tiers+=("tests/${arg#--}") ;;
         --profile) args+=("--tier-profile=test-profile.tsv") ;;
+        --affected) affected=1 ;;
         *) args+=("$arg") ;;
     esac
 done
+full=0  # every tier, nothing else asked: a green run is recorded for --affected
+[ "${#tiers[@]}" -eq 0 ] && [ "${#args[@]}" -eq 0 ] && [ "$affected" = 0 ] && full=1
+if [ "$affected" = 1 ]; then
+    selection="$(python3 scripts/affected.py ${ref:+"$ref"})"
+    case "$selection" in
+        all) ;;
+        unit) tiers=(tests/unit) ;;
+        "")
+            echo "[affected] no test reaches the change"
+            exit 0
+            ;;
+        *)
+            mapfile -t chosen <<<"$selection"
+            args=("${chosen[@]}" "${args[@]}")
+            ;;
+    esac
+fi
 if [ "${#tiers[@]}" -eq 1 ] && [ "${tiers[0]}" = "tests/unit" ]; then
     ensure_venv "test"
 else
@@ -63,4 +91,9 @@ if [ "${#tiers[@]}" -eq 0 ]; then
     done
     tiers=(tests/unit tests/integration tests/e2e)
 fi
-exec .venv/bin/python -m pytest -n "$workers" "${tiers[@]}" "${args[@]}"
+status=0
+.venv/bin/python -m pytest -n "$workers" "${tiers[@]}" "${args[@]}" || status=$?
+if [ "$status" -eq 0 ] && [ "$full" = 1 ]; then
+    git rev-parse HEAD >"$(git rev-parse --git-path slime-mt-last-green)" 2>/dev/null || true
+fi
+exit "$status"
