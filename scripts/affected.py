@@ -157,19 +157,8 @@ def select(changed: list[str], root: Path = ROOT, edges: dict[str, set[str]] | N
             targets |= set(owners)
         else:
             targets.add(node)
-    selected = []
-    for node in edges:
-        if not node.startswith("tests/") or node.endswith("conftest.py") or not Path(node).name.startswith("test_"):
-            continue
-        seen, todo = {node}, [node]
-        while todo:
-            for nxt in edges.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        if seen & targets:
-            selected.append(node)
-    return sorted(selected)
+    tests = [n for n in edges if n.startswith("tests/") and Path(n).name.startswith("test_")]
+    return sorted(n for n in tests if import_graph._reach(n, edges) & targets)
 
 
 def changed_since(ref: str | None) -> list[str] | None:
