@@ -29,8 +29,17 @@ from slime_mt.safetensors_files import load_hf_state
 R3 = ["--use-rollout-routing-replay", "--log-routing-replay-gap"]
 
 
+# A reward that differs within every group whatever the tiny model writes, so that every step trains: the
+# geo3k plugin's reward reads the response, and on a loaded machine the engine batches requests otherwise,
+# so a step whose groups all drew equal rewards (grad norm 0) came up in one CI run
+BY_INDEX_RM = "async def rm(args, sample):\n    return float(sample.index % 2)\n"
+
+
 def _cmd(geo3k, run_dir, *flags, ranks: int = 1):
-    return geo3k_train_cmd(geo3k, run_dir, *R3, *flags, model="qwen3-vl-moe", ranks=ranks)
+    cmd = geo3k_train_cmd(geo3k, run_dir, *R3, *flags, model="qwen3-vl-moe", ranks=ranks)
+    (run_dir / "by_index.py").write_text(BY_INDEX_RM)
+    cmd[cmd.index("--custom-rm-path") + 1] = f"{run_dir}/by_index.py:rm"
+    return cmd
 
 
 def _check_run(run_dir, steps: int, exact_routes: bool, kind: str = "qwen3-vl-moe") -> list[dict]:
