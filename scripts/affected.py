@@ -63,11 +63,10 @@ def _named_by(text: str, known: dict[str, Path], by_path: dict[str, str], helper
     found = set()
     for word in text.replace(":", " ").replace("/", " / ").split():
         name = word.strip("'\",()")
-        while name and "." in name or name in known:
-            if name in known:
-                found.add(name)
-                break
+        while name and name not in known and "." in name:  # a function of a module: the module
             name = name.rpartition(".")[0]
+        if name in known:
+            found.add(name)
     if ".py" in text:
         found |= {node for path, node in by_path.items() if path in text}
         found |= {node for file_name, node in helper_files.items() if file_name in text}
@@ -88,7 +87,7 @@ def _fixtures(conftest: Path, known: dict[str, Path], named) -> dict[str, set[st
 
 
 def _body_imports(tree: ast.AST, known: dict[str, Path]) -> set[import_graph.Import]:
-    return import_graph._imports_of("tests", Path("conftest.py"), known, ast.unparse(tree))
+    return import_graph._imports_of("tests", Path("conftest.py"), known, tree)
 
 
 def graph(root: Path = ROOT) -> dict[str, set[str]]:
@@ -103,7 +102,7 @@ def graph(root: Path = ROOT) -> dict[str, set[str]]:
         text = path.read_text()
         tree = ast.parse(text, str(path))
         package_module = node if not node.startswith("tests/") else "tests"
-        found = import_graph._imports_of(package_module, path, known)
+        found = import_graph._imports_of(package_module, path, known, tree)
         if path.name == "conftest.py":  # its fixtures' imports count for the tests that take them (below)
             edges[node] = {i.target for i in found if not i.nested}
             continue

@@ -79,8 +79,8 @@ def imports(known: dict[str, Path]) -> list[Import]:
     return sorted(found, key=lambda i: (i.source, i.line, i.target))
 
 
-def _imports_of(module: str, path: Path, known: dict[str, Path], source: str | None = None) -> set[Import]:
-    """The project imports of ``module`` (its file ``path``, or ``source`` when given)."""
+def _imports_of(module: str, path: Path, known: dict[str, Path], tree: ast.AST | None = None) -> set[Import]:
+    """The project imports of ``module`` (its file ``path``, or ``tree`` when already parsed)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[Import] = set()
 
@@ -103,7 +103,7 @@ def _imports_of(module: str, path: Path, known: dict[str, Path], source: str | N
             guarded = typing_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
             visit(child, inner, guarded)
 
-    visit(ast.parse(path.read_text() if source is None else source, str(path)), False, False)
+    visit(ast.parse(path.read_text(), str(path)) if tree is None else tree, False, False)
     return found
 
 
