@@ -26,7 +26,7 @@ from inspection_helpers import (
     lanes_by_name,
     open_page,
 )
-from train_helpers import PLUGINS, REPO, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
+from train_helpers import PLUGINS, REPO, STOPS, TWO_SMALL_STEPS, demo_train_cmd, geo3k_train_cmd, make_geo3k, repo_env
 
 from slime_mt.config.checkpoint import dump_path
 from slime_mt.inspection.dumps import load_dump, samples_of, train_batch_of
@@ -273,17 +273,22 @@ def dump_and_replay(root: Path, model: Path, *extra: str) -> tuple[Path, Path]:
     return original, replay
 
 
+# The dump and replay checks are plumbing: the tiny random Qwen2 (its turns end early at STOPS) runs them
+# in bf16 in ~85 s where SmolLM2-135M took 520-630 s (bf16 matmuls on CPUs without bf16 instructions);
+# SmolLM2 runs them on a GPU (test_a_replayed_dump_trains_alike_on_cuda_in_bf16).
+TINY_BF16 = ("--bf16", "--rollout-stop-token-ids", *STOPS)
+
+
 @pytest.fixture(scope="module")
-def demo_dumped(tmp_path_factory, smollm2_path):
-    """The demo recipe in bf16 (the run the bf16 test reads too), and its replay."""
-    return dump_and_replay(tmp_path_factory.mktemp("demo_dumped"), smollm2_path, "--bf16")
+def demo_dumped(tmp_path_factory, tiny_paths):
+    """The demo recipe in bf16 on the tiny Qwen2 (the run the bf16 test reads too), and its replay."""
+    return dump_and_replay(tmp_path_factory.mktemp("demo_dumped"), tiny_paths["qwen2"], *TINY_BF16)
 
 
 def test_the_demo_recipe_trains_in_bf16(demo_dumped):
-    """The CPU demo's recipe (SmolLM2-135M, real weights) for two steps with --bf16, at a quarter of
-    its samples (bf16 matmuls run ~30x slower than fp32 on CPUs without bf16 instructions): bf16
-    parameters and activations, fp32 main parameters, gradients and log-softmax; the engine keeps
-    serving the pushed weights, and the bf16-vs-engine log-prob gap is logged."""
+    """The CPU demo's recipe (on the tiny Qwen2) for two steps with --bf16, at a quarter of its
+    samples: bf16 parameters and activations, fp32 main parameters, gradients and log-softmax; the
+    engine keeps serving the pushed weights, and the bf16-vs-engine log-prob gap is logged."""
     original, _ = demo_dumped
     rows = [json.loads(line) for line in (original / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
@@ -332,16 +337,16 @@ def test_a_replayed_dump_trains_with_the_same_loss_and_gradients(demo_dumped):
     assert [e["args"]["step"] for e in lanes[("trainer rank 0", "train")] if e["name"] == "train step"] == [0, 1]
 
 
-def test_a_replay_with_other_settings_or_no_dump_stops_naming_it(demo_dumped, smollm2_path, tmp_path):
+def test_a_replay_with_other_settings_or_no_dump_stops_naming_it(demo_dumped, tiny_paths, tmp_path):
     original, _ = demo_dumped
     prompts = original.parent / "data/train.jsonl"
 
     def replay(template: str, *extra: str) -> subprocess.CompletedProcess:
-        cmd = demo_train_cmd(smollm2_path, prompts, tmp_path / "replay", *TWO_SMALL_STEPS, *extra)
+        cmd = demo_train_cmd(tiny_paths["qwen2"], prompts, tmp_path / "replay", *TWO_SMALL_STEPS, *extra)
         cmd += ["--load-debug-rollout-data", template]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=repo_env(), cwd=REPO)
 
-    other = replay(dump_template(original), "--bf16", "--advantage-estimator", "rloo")
+    other = replay(dump_template(original), *TINY_BF16, "--advantage-estimator", "rloo")
     assert other.returncode == 2, other.stderr[-2000:]
     assert "advantage_estimator='grpo' (now 'rloo')" in other.stderr
     missing = replay(str(tmp_path / "x_{rollout_id}.pt"))

@@ -449,12 +449,17 @@ class Budget:
             self.write_profile(Path(self.profile))
 
     def write_profile(self, path: Path) -> None:
-        """One line per test, the longest first: node id, tier, seconds, CPU seconds, processes started."""
-        rows = sorted(self.seconds, key=lambda n: -self.seconds[n])
-        lines = ["test\ttier\tseconds\tcpu_seconds\tprocesses"]
-        for n in rows:
-            lines.append(f"{n}\t{_tier_of_nodeid(n)}\t{self.seconds[n]:.2f}\t{self.cpu[n]:.2f}\t{self.processes[n]}")
-        path.write_text("\n".join(lines) + "\n")
+        """One line per test, the longest first: node id, tier, seconds, CPU seconds, processes started.
+        The lines of tests this session did not run are kept (scripts/test.sh runs the unit tier in a
+        session of its own, then the others, into one table; it removes the table before a run)."""
+        header = "test\ttier\tseconds\tcpu_seconds\tprocesses"
+        rows = {}
+        if path.exists():
+            rows = {line.split("\t", 1)[0]: line for line in path.read_text().splitlines()[1:] if line}
+        for n in self.seconds:
+            rows[n] = f"{n}\t{_tier_of_nodeid(n)}\t{self.seconds[n]:.2f}\t{self.cpu[n]:.2f}\t{self.processes[n]}"
+        lines = sorted(rows.values(), key=lambda line: -float(line.split("\t")[2]))
+        path.write_text("\n".join([header, *lines]) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter):
         tiers = self.by_tier()

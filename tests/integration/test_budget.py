@@ -168,6 +168,16 @@ def test_the_budget_warns_outside_ci_and_the_profile_counts_cpu_and_processes(tm
     assert float(by_test["tests/unit/test_busy.py::test_busy"][2]) >= 0.3
     assert by_test["tests/integration/test_p.py::test_starts_a_process"][3] == "1"
     assert by_test["tests/unit/test_slow.py::test_slow"][3] == "0"
+    # a second session into the same table (scripts/test.sh runs the unit tier alone, then the others):
+    # the rows of its tests are its own, the other rows stay
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    again = [sys.executable, "-m", "pytest", "tests", "-k", "starts_a_process", "--tier-profile", str(profile)]
+    assert subprocess.run(again, cwd=tmp_path / "dev", capture_output=True, env=env).returncode == 0
+    merged = {line.split("\t")[0]: line for line in profile.read_text().splitlines()[1:]}
+    assert sorted(merged) == sorted(by_test)
+    assert merged["tests/unit/test_slow.py::test_slow"] == "\t".join(
+        ["tests/unit/test_slow.py::test_slow", *by_test["tests/unit/test_slow.py::test_slow"]]
+    )
     # the same run under CI=true fails on the budget
     gated = run_project(tmp_path / "ci", files, budget, True)
     assert gated.returncode == 1 and "OVER BUDGET: tests/unit/test_slow.py::test_slow" in gated.stdout
