@@ -34,6 +34,9 @@ HELPERS = TESTS / "helpers"
 RECORD = "slime-mt-last-green"  # under the git directory: the last commit whose whole suite passed
 EVERYTHING = ("setup.py", "pyproject.toml", "scripts/", ".ci/", "tests/helpers/tiers.py")
 CLI_MARKS = ("slime_mt.cli", '"slime-mt"', "geo3k_train_cmd", "train_cmd(")
+# names slime_mt.cli without starting it: the fork server forks the runs the tests ask for (every test
+# imports it through tests/conftest.py; the tests that start slime-mt say so themselves)
+NOT_A_START = {"forkserver"}
 
 
 def known_files(root: Path = ROOT) -> dict[str, Path]:
@@ -106,7 +109,11 @@ def graph(root: Path = ROOT) -> dict[str, set[str]]:
         if path.name == "conftest.py":  # its fixtures' imports count for the tests that take them (below)
             edges[node] = {i.target for i in found if not i.nested}
             continue
-        out = {i.target for i in found} | {n for s in _strings(tree) for n in named(s)}
+        out = {i.target for i in found}
+        if node in NOT_A_START:  # its imports only
+            edges[node] = out - {node}
+            continue
+        out |= {n for s in _strings(tree) for n in named(s)}
         if any(mark in text for mark in CLI_MARKS):  # it starts slime-mt: the command's own path
             if '"serve"' in text and '"train"' not in text and "train_cmd" not in text:  # the engine's server
                 out.discard("slime_mt.cli")

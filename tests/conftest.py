@@ -31,12 +31,16 @@ import tempfile  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import forkserver  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from inspection_helpers import CHROMIUM_ARGS  # noqa: E402
 from vllm_helpers import VLLM_ARGS, vllm_python  # noqa: E402
 
 torch.set_num_threads(1)
+# the suite's `python -m slime_mt.cli` runs fork from a process that imported torch, transformers and
+# megatron-core once (tests/helpers/forkserver.py; SLIME_MT_TEST_FORKSERVER=0: plain processes)
+forkserver.install()
 
 pytest_plugins = ["tiers"]
 

@@ -67,10 +67,14 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
+FORKED_CPU = [0.0]  # CPU seconds of the runs forked for this process that have ended (forkserver.py)
+
+
 def cpu_seconds() -> float:
-    """CPU time of this process and of the children it has waited for (user and system)."""
+    """CPU time of this process and of the children it has waited for (user and system), the runs the
+    fork server started for it counted as children."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + FORKED_CPU[0]
 
 
 def busy_seconds() -> float:
@@ -102,6 +106,7 @@ def _count_starts() -> None:
     import multiprocessing.process
 
     for owner, name in ((subprocess.Popen, "__init__"), (multiprocessing.process.BaseProcess, "start")):
+        owner = next(c for c in owner.__mro__ if name in c.__dict__)  # forkserver.Popen: the one it extends
         original = owner.__dict__[name]
 
         def counted(self, *args, __original=original, **kwargs):
@@ -272,11 +277,11 @@ class SetupClock:
         self.shared = 0.0  # this phase's shared set-ups, outermost only, counted
         self.fixtures: dict[str, float] = {}  # this phase's: "fixture NAME (scope, where)" -> own counted time
         self.phase_stolen = stolen_seconds()  # the counter when this phase began
-        self.phase_cpu, self.phase_started = cpu_seconds(), STARTED[0]
+        self.phase_cpu, self.phase_started, self.phase_forked = cpu_seconds(), STARTED[0], FORKED_CPU[0]
 
     def start_phase(self) -> None:
         self.phase_stolen = stolen_seconds()
-        self.phase_cpu, self.phase_started = cpu_seconds(), STARTED[0]
+        self.phase_cpu, self.phase_started, self.phase_forked = cpu_seconds(), STARTED[0], FORKED_CPU[0]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
@@ -318,8 +323,9 @@ class SetupClock:
         cpu = cpu_seconds()
         report.user_properties.append(("budget_cpu_seconds", cpu - self.phase_cpu))
         report.user_properties.append(("budget_processes", STARTED[0] - self.phase_started))
+        report.user_properties.append(("budget_forked_cpu_seconds", FORKED_CPU[0] - self.phase_forked))
         self.shared, self.fixtures, self.phase_stolen = 0.0, {}, now
-        self.phase_cpu, self.phase_started = cpu, STARTED[0]
+        self.phase_cpu, self.phase_started, self.phase_forked = cpu, STARTED[0], FORKED_CPU[0]
         return report
 
 
@@ -374,7 +380,9 @@ class Budget:
         self.cpu: dict[str, float] = defaultdict(float)  # test -> CPU seconds of its phases (children waited for)
         self.processes: dict[str, int] = defaultdict(int)  # test -> processes its phases started themselves
         self.busy_at_start, self.cpu_at_start = busy_seconds(), cpu_seconds()
-        self.workers_cpu = 0.0  # the tests' CPU seconds that pytest-xdist workers reported
+        # the CPU seconds of the runs forked for pytest-xdist workers (forkserver.py): this process waits
+        # for the workers, so its children's CPU time holds theirs and their children's, not those runs'
+        self.workers_forked_cpu = 0.0
         self.profile = config.getoption("tier_profile")
         self.gates = under_ci()
 
@@ -387,8 +395,9 @@ class Budget:
                 self.stolen[report.nodeid] += value
             elif key == "budget_cpu_seconds":
                 self.cpu[report.nodeid] += value
+            elif key == "budget_forked_cpu_seconds":
                 if getattr(report, "node", None) is not None:  # a pytest-xdist worker's, not this process's
-                    self.workers_cpu += value
+                    self.workers_forked_cpu += value
             elif key == "budget_processes":
                 self.processes[report.nodeid] += value
             elif key == "budget_fixture":
@@ -470,7 +479,7 @@ class Budget:
         for tier, (count, seconds, cpu) in tiers.items():
             write(f"{tier:<12} {count:4d} tests {seconds:8.1f} s {cpu:8.1f} CPU-s")
         wall = time.perf_counter() - self.started
-        suite_cpu = self.workers_cpu + cpu_seconds() - self.cpu_at_start  # this process's own includes its tests'
+        suite_cpu = cpu_seconds() - self.cpu_at_start + self.workers_forked_cpu
         count = sum(c for c, _, _ in tiers.values())
         write(f"{'session':<12} {count:4d} tests {wall:8.1f} s {suite_cpu:8.1f} CPU-s (collection included)")
         outside = max(0.0, busy_seconds() - self.busy_at_start - suite_cpu)

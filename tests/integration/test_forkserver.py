@@ -1,0 +1,76 @@
+"""The suite's pre-imported process (tests/helpers/forkserver.py, issue 68 item 2): a `python -m` run
+forked from it is the command it stands for: its arguments, folder, environment, ``sys.path``, streams,
+pid and exit code; a timeout kills it; a setting a preloaded package reads at import starts a plain
+process instead. Integration tier: the server of this pytest process (started here if no run started it
+before, about 8 s) and seven short runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import forkserver
+import pytest
+import tiers
+
+PROBE = """
+import json, os, sys, time
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "show":
+        print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:], "x": os.environ.get("PROBE_X"),
+                          "torch": "torch" in sys.modules, "path": sys.path[:2], "stdin": sys.stdin.read()}))
+        print("to stderr", file=sys.stderr)
+        sys.exit(3)
+    if mode == "raise":
+        raise ValueError("boom")
+    if mode == "sleep":
+        print("sleeping", flush=True)
+        time.sleep(60)
+"""
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """``python -m forkserver_probe MODE``, routed to the server, with its folder on PYTHONPATH."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "forkserver_probe.py").write_text(PROBE)
+    monkeypatch.setattr(forkserver, "ROUTED", forkserver.ROUTED | {"forkserver_probe"})
+    monkeypatch.setattr(subprocess, "Popen", forkserver.Popen)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "code"), PROBE_X="42")
+    return [sys.executable, "-m", "forkserver_probe"], env
+
+
+def test_a_forked_run_is_the_command_it_stands_for(probe, tmp_path):
+    cmd, env = probe
+    cpu = tiers.FORKED_CPU[0]
+    proc = subprocess.run([*cmd, "show", "a b"], input="in", capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 3 and proc.stderr == "to stderr\n", proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["torch"]  # it came from the server, which imported torch
+    assert (seen["cwd"], seen["argv"], seen["x"], seen["stdin"]) == (str(tmp_path), ["show", "a b"], "42", "in")
+    assert seen["path"] == [str(tmp_path), str(tmp_path / "code")]  # as `python -m` puts them
+    assert seen["pid"] != os.getpid() and tiers.FORKED_CPU[0] > cpu  # its CPU time counts as a child's
+    failed = subprocess.run([*cmd, "raise"], capture_output=True, text=True, env=env)
+    assert failed.returncode == 1 and failed.stderr.rstrip().endswith("ValueError: boom")
+
+
+def test_signals_reach_the_run_and_a_timeout_kills_it(probe):
+    cmd, env = probe
+    child = subprocess.Popen([*cmd, "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert child.stdout.readline() == "sleeping\n" and child.poll() is None
+    assert os.path.exists(f"/proc/{child.pid}")  # the run's own pid
+    child.send_signal(signal.SIGINT)
+    assert child.wait(timeout=30) == -signal.SIGINT  # KeyboardInterrupt uncaught, as python -m exits
+    assert "KeyboardInterrupt" in child.stderr.read()
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([*cmd, "sleep"], capture_output=True, env=env, timeout=2)
+
+
+def test_a_setting_read_at_import_starts_a_plain_process(probe):
+    cmd, env = probe
+    plain = subprocess.run([*cmd, "show"], capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="7"))
+    assert plain.returncode == 3 and not json.loads(plain.stdout)["torch"]
+    elsewhere = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True)
+    assert elsewhere.stdout == b"False\n"  # not a routed module: a plain process
