@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import atexit
 import importlib
+import io
 import json
 import os
 import runpy
@@ -178,9 +179,10 @@ def _run(request: dict, fds: list[int], base_path: list[str]) -> None:
         os.environ.update(request["env"])
         sys.path[:] = [os.getcwd(), *_pythonpath(os.environ), *base_path]
         tempfile.tempdir = None
+        if "numpy" in sys.modules:  # a fresh process draws numpy's global state anew (random reseeds itself)
+            sys.modules["numpy"].random.seed()
         sys.stdin = open(0, encoding="utf-8", closefd=False)
-        sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1 if os.isatty(1) else -1)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+        sys.stdout, sys.stderr = _stream(1, line_buffering=os.isatty(1)), _stream(2, line_buffering=True)
         sys.argv = ["-m", *request["args"]]
         code = 0
         try:
@@ -196,8 +198,20 @@ def _run(request: dict, fds: list[int], base_path: list[str]) -> None:
             traceback.print_exc()
             code = 1
         _finish()
+    except BaseException:  # the run could not be set up: said on its stderr
+        os.write(2, traceback.format_exc().encode())
     finally:
         os._exit(code)
+
+
+def _stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
+    """stdout or stderr as Python opens them (unbuffered under PYTHONUNBUFFERED, the same in the server)."""
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    binary = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+    errors = "backslashreplace" if fd == 2 else "strict"
+    return io.TextIOWrapper(
+        binary, encoding="utf-8", errors=errors, line_buffering=line_buffering, write_through=unbuffered
+    )
 
 
 def _exit_code(value) -> int:

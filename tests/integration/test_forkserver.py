@@ -2,7 +2,7 @@
 forked from it is the command it stands for: its arguments, folder, environment, ``sys.path``, streams,
 pid and exit code; a timeout kills it; a setting a preloaded package reads at import starts a plain
 process instead. Integration tier: the server of this pytest process (started here if no run started it
-before, about 8 s) and seven short runs."""
+before, about 8 s) and eight short runs."""
 
 import json
 import os
@@ -19,8 +19,11 @@ import json, os, sys, time
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "show":
-        print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:], "x": os.environ.get("PROBE_X"),
-                          "torch": "torch" in sys.modules, "path": sys.path[:2], "stdin": sys.stdin.read()}))
+        torch = "torch" in sys.modules
+        import numpy
+        seen = {"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv[1:], "x": os.environ.get("PROBE_X")}
+        seen |= {"torch": torch, "path": sys.path[:2], "stdin": sys.stdin.read(), "np": numpy.random.random()}
+        print(json.dumps(seen))
         print("to stderr", file=sys.stderr)
         sys.exit(3)
     if mode == "raise":
@@ -52,6 +55,8 @@ def test_a_forked_run_is_the_command_it_stands_for(probe, tmp_path):
     assert (seen["cwd"], seen["argv"], seen["x"], seen["stdin"]) == (str(tmp_path), ["show", "a b"], "42", "in")
     assert seen["path"] == [str(tmp_path), str(tmp_path / "code")]  # as `python -m` puts them
     assert seen["pid"] != os.getpid() and tiers.FORKED_CPU[0] > cpu  # its CPU time counts as a child's
+    again = json.loads(subprocess.run([*cmd, "show"], capture_output=True, text=True, env=env).stdout)
+    assert again["pid"] != seen["pid"] and again["np"] != seen["np"]  # numpy's global state drawn anew
     failed = subprocess.run([*cmd, "raise"], capture_output=True, text=True, env=env)
     assert failed.returncode == 1 and failed.stderr.rstrip().endswith("ValueError: boom")
 
