@@ -84,6 +84,9 @@ IMPORT_TIME = (
     "LC_",
     "PATH",
 )
+# read when used, not at import: PYTHONPATH becomes the run's sys.path; ray.init() sets PYTHONBREAKPOINT in
+# the process that calls it (a pytest worker, for the tests that drive a cluster themselves)
+READ_LATER = {"PYTHONPATH", "PYTHONBREAKPOINT"}
 READY = b"ready\n"
 
 
@@ -266,7 +269,7 @@ class Server:
         """Whether a run with ``env`` (None: this process's) may fork from the server."""
         env = os.environ if env is None else env
         keys = set(env) | set(self.env)
-        changed = [k for k in keys if env.get(k) != self.env.get(k) and k != "PYTHONPATH"]
+        changed = [k for k in keys - READ_LATER if env.get(k) != self.env.get(k)]
         return self.ok and not any(k.startswith(IMPORT_TIME) for k in changed)
 
     def start(self, request: dict, fds: list[int]) -> tuple[int, Channel]:

@@ -73,8 +73,11 @@ def test_signals_reach_the_run_and_a_timeout_kills_it(probe):
         subprocess.run([*cmd, "sleep"], capture_output=True, env=env, timeout=2)
 
 
-def test_a_setting_read_at_import_starts_a_plain_process(probe):
+def test_a_setting_read_at_import_starts_a_plain_process(probe, monkeypatch):
     cmd, env = probe
+    monkeypatch.setenv("PYTHONBREAKPOINT", "ray.util.rpdb.set_trace")  # as ray.init() sets it: read when used
+    forked = subprocess.run([*cmd, "show"], capture_output=True, text=True, env=dict(os.environ, **env))
+    assert forked.returncode == 3 and json.loads(forked.stdout)["torch"]
     plain = subprocess.run([*cmd, "show"], capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="7"))
     assert plain.returncode == 3 and not json.loads(plain.stdout)["torch"]
     elsewhere = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True)
