@@ -84,9 +84,10 @@ echo "[checks] ruff check, ruff format --check"
 # server) reads their bytecode, also where PYTHONDONTWRITEBYTECODE is set (0.35 s less per process here).
 .venv/bin/python -m compileall -q -j 0 slime_mt tests envs examples >/dev/null
 # Two pytest workers (pytest-xdist) share this machine's two cores, the integration and e2e tiers in one run
-# so that neither waits at the other's end (the unit tier runs first, alone: below); tests that share a session set-up (a Megatron world, the vLLM server, the e2e runs
-# and their Ray cluster) run on one worker (pyproject.toml worker_groups), and each worker's runs use its
-# share of the cores. SLIME_MT_TEST_WORKERS changes the count (0: in this process).
+# so that neither waits at the other's end (the unit tier runs first, alone: below); tests that share a
+# session set-up (a Megatron world, the vLLM server, the e2e runs and their Ray cluster) run on one worker
+# (pyproject.toml worker_groups), and each worker's runs use its share of the cores. SLIME_MT_TEST_WORKERS
+# changes the count (0: in this process).
 workers="${SLIME_MT_TEST_WORKERS:-2}"
 if [ "${#tiers[@]}" -eq 0 ]; then
     for arg in "${args[@]}"; do

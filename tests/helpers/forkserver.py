@@ -376,8 +376,8 @@ class Popen(subprocess.Popen):
         self.returncode = status["code"]
 
     def _internal_poll(self, _deadstate=None, **kwargs):
-        if self._channel is None:
-            return super()._internal_poll(_deadstate, **kwargs) if self.returncode is None else self.returncode
+        if self._channel is None:  # a plain child, or a forked run whose exit is known
+            return super()._internal_poll(_deadstate, **kwargs)
         try:
             self._status(0)
         except subprocess.TimeoutExpired:
@@ -386,7 +386,7 @@ class Popen(subprocess.Popen):
 
     def _wait(self, timeout):
         if self._channel is None:
-            return super()._wait(timeout) if self.returncode is None else self.returncode
+            return super()._wait(timeout)
         self._status(timeout)
         return self.returncode
 
