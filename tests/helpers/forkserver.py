@@ -16,9 +16,12 @@ A command starts as a plain process instead when the fork could differ from it: 
 -m slime_mt.cli``, a ``preexec_fn``, ``pass_fds``, a user, group or umask, or an environment that differs
 from the server's in a variable that a preloaded package may read at import (``IMPORT_TIME``: OMP,
 CUDA, HF, torch and Python settings, the temp folder...). ``SLIME_MT_TEST_FORKSERVER=0`` turns it off.
+Where the pytest process's own environment changed in such a variable (a test or a library set it for
+good), its next run starts a second server with the environment as it is now.
 
 The runs are not children of the pytest process, so their CPU time is added to ``tiers.FORKED_CPU``,
-which the budget's CPU seconds count as the children's."""
+which the budget's CPU seconds count as the children's; the budget's summary says how many runs forked
+and why the others did not (``tiers.FORKED``, ``tiers.PLAIN``)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,7 +60,8 @@ PRELOAD = (
     "jinja2",
 )
 # environment variables a preloaded package may read at import: a run that sets one otherwise than the
-# server starts as a plain process
+# server starts as a plain process. (Not NVTE_*: transformer-engine is not preloaded, and megatron-core reads
+# them when it builds a model, setting them in the process that does.)
 IMPORT_TIME = (
     "OMP_",
     "MKL_",
@@ -75,7 +80,6 @@ IMPORT_TIME = (
     "PYTHON",
     "LD_",
     "MEGATRON",
-    "NVTE_",
     "TMP",
     "TEMP",
     "HOME",
@@ -245,7 +249,7 @@ def _pythonpath(env) -> list[str]:
 
 
 class Server:
-    """The server of this pytest process, started at its first run."""
+    """A server of this pytest process, started with its environment as it is then."""
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="slime-mt-fork-"))
@@ -265,12 +269,14 @@ class Server:
         if not self.ok:
             print(f"forkserver: not started, runs start as plain processes: {self.folder}/server.log", file=sys.stderr)
 
-    def takes(self, env) -> bool:
-        """Whether a run with ``env`` (None: this process's) may fork from the server."""
-        env = os.environ if env is None else env
-        keys = set(env) | set(self.env)
-        changed = [k for k in keys - READ_LATER if env.get(k) != self.env.get(k)]
-        return self.ok and not any(k.startswith(IMPORT_TIME) for k in changed)
+    def refuses(self, env) -> str | None:
+        """Why a run with ``env`` (None: this process's) may not fork from this server; None if it may."""
+        if not self.ok:
+            log = (self.folder / "server.log").read_text(errors="replace").strip().splitlines()
+            return f"the server did not start: {log[-1] if log else f'exit code {self.process.poll()}'}"
+        run, own = _import_time(env), _import_time(self.env)
+        changed = sorted(k for k in run.keys() | own.keys() if run.get(k) != own.get(k))
+        return f"its environment sets {', '.join(changed)} otherwise than the server's" if changed else None
 
     def start(self, request: dict, fds: list[int]) -> tuple[int, Channel]:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -288,9 +294,13 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for name in ("socket", "server.log"):
-            (self.folder / name).unlink(missing_ok=True)
-        self.folder.rmdir()
+        shutil.rmtree(self.folder, ignore_errors=True)  # its socket and log (closed once more at exit)
+
+
+def _import_time(env) -> dict[str, str]:
+    """The variables of ``env`` (None: this process's) that a preloaded package may read at import."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in READ_LATER}
 
 
 class Channel:
@@ -315,14 +325,23 @@ class Channel:
 
 
 PLAIN_POPEN = subprocess.Popen
-_SERVER: list[Server] = []
+SERVERS: list[Server] = []  # this process's, the first started at its first run
+# a test or a library may change this process's own environment for good in a setting read at import: the
+# next run then starts a server with the environment as it is, up to this many
+MAX_SERVERS = 2
 
 
 def _server() -> Server:
-    if not _SERVER:
-        _SERVER.append(Server())
-        atexit.register(_SERVER[0].close)
-    return _SERVER[0]
+    """The server started with this process's environment as it is now (in what is read at import),
+    started if there is none and fewer than ``MAX_SERVERS`` are; else the last one."""
+    now = _import_time(None)
+    for server in SERVERS:
+        if _import_time(server.env) == now:
+            return server
+    if len(SERVERS) < MAX_SERVERS:
+        SERVERS.append(Server())
+        atexit.register(SERVERS[-1].close)
+    return SERVERS[-1]
 
 
 class Popen(subprocess.Popen):
@@ -340,7 +359,12 @@ class Popen(subprocess.Popen):
             and args[1] == "-m" and args[2] in ROUTED and executable in (None, sys.executable)
             and not (shell or preexec_fn or pass_fds) and (gid, gids, uid, umask) == (None, None, None, -1)
         )  # fmt: skip
-        if not (routed and _server().takes(env)):
+        import tiers
+
+        refused = routed and _server().refuses(env)
+        if refused:
+            tiers.PLAIN.append(refused)
+        if not routed or refused:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals,
@@ -358,6 +382,7 @@ class Popen(subprocess.Popen):
         try:
             self.pid, self._channel = _server().start(request, fds)
             self._child_created = True
+            tiers.FORKED[0] += 1
         finally:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 

@@ -36,7 +36,7 @@ import resource
 import socket
 import subprocess
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -68,6 +68,8 @@ def under_ci() -> bool:
 
 
 FORKED_CPU = [0.0]  # CPU seconds of the runs forked for this process that have ended (forkserver.py)
+FORKED = [0]  # the slime-mt runs forked for this process (forkserver.py)
+PLAIN: list[str] = []  # why each slime-mt run the fork server could not take started as a plain process
 
 
 def cpu_seconds() -> float:
@@ -277,11 +279,12 @@ class SetupClock:
         self.shared = 0.0  # this phase's shared set-ups, outermost only, counted
         self.fixtures: dict[str, float] = {}  # this phase's: "fixture NAME (scope, where)" -> own counted time
         self.phase_stolen = stolen_seconds()  # the counter when this phase began
-        self.phase_cpu, self.phase_started, self.phase_forked = cpu_seconds(), STARTED[0], FORKED_CPU[0]
+        self.start_phase()
 
     def start_phase(self) -> None:
         self.phase_stolen = stolen_seconds()
         self.phase_cpu, self.phase_started, self.phase_forked = cpu_seconds(), STARTED[0], FORKED_CPU[0]
+        self.phase_forks = (FORKED[0], len(PLAIN))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
@@ -324,8 +327,11 @@ class SetupClock:
         report.user_properties.append(("budget_cpu_seconds", cpu - self.phase_cpu))
         report.user_properties.append(("budget_processes", STARTED[0] - self.phase_started))
         report.user_properties.append(("budget_forked_cpu_seconds", FORKED_CPU[0] - self.phase_forked))
+        forked, plain = self.phase_forks
+        report.user_properties.append(("budget_forks", (FORKED[0] - forked, PLAIN[plain:])))
         self.shared, self.fixtures, self.phase_stolen = 0.0, {}, now
         self.phase_cpu, self.phase_started, self.phase_forked = cpu, STARTED[0], FORKED_CPU[0]
+        self.phase_forks = (FORKED[0], len(PLAIN))
         return report
 
 
@@ -383,6 +389,7 @@ class Budget:
         # the CPU seconds of the runs forked for pytest-xdist workers (forkserver.py): this process waits
         # for the workers, so its children's CPU time holds theirs and their children's, not those runs'
         self.workers_forked_cpu = 0.0
+        self.forked, self.plain = 0, Counter()  # slime-mt runs forked; why the others started plain
         self.profile = config.getoption("tier_profile")
         self.gates = under_ci()
 
@@ -398,6 +405,9 @@ class Budget:
             elif key == "budget_forked_cpu_seconds":
                 if getattr(report, "node", None) is not None:  # a pytest-xdist worker's, not this process's
                     self.workers_forked_cpu += value
+            elif key == "budget_forks":
+                self.forked += value[0]
+                self.plain.update(value[1])
             elif key == "budget_processes":
                 self.processes[report.nodeid] += value
             elif key == "budget_fixture":
@@ -488,6 +498,10 @@ class Budget:
             f"the machine: load average {load} (1, 5, 15 min) on {os.cpu_count()} CPUs; {outside:.1f} CPU-s "
             "outside the suite's processes (other work, and processes the tests started but did not wait for: Ray's)"
         )
+        if self.forked or self.plain:
+            why = "; ".join(f"{reason} ({n})" for reason, n in self.plain.most_common(4))
+            plain = f", {sum(self.plain.values())} started as plain processes: {why}" if self.plain else ""
+            write(f"fork server (tests/helpers/forkserver.py): {self.forked} runs forked{plain}")
         stolen = stolen_seconds() - self.stolen_at_start
         if stolen >= 0.05:  # the tiers' and tests' times above and below are counted without it
             share = f"{stolen:.1f} s of each CPU, {stolen / wall:.0%} of the run"

@@ -1,8 +1,9 @@
 """The suite's pre-imported process (tests/helpers/forkserver.py, issue 68 item 2): a `python -m` run
 forked from it is the command it stands for: its arguments, folder, environment, ``sys.path``, streams,
 pid and exit code; a timeout kills it; a setting a preloaded package reads at import starts a plain
-process instead. Integration tier: the server of this pytest process (started here if no run started it
-before, about 8 s) and eight short runs."""
+process instead, and where the pytest process itself set one for good, a second server. Integration tier:
+the server of this pytest process (started here if no run started it before, about 8 s), a second one
+(about 8 s) and nine short runs."""
 
 import json
 import os
@@ -47,7 +48,8 @@ def probe(tmp_path, monkeypatch):
 
 def test_a_forked_run_is_the_command_it_stands_for(probe, tmp_path):
     cmd, env = probe
-    cpu = tiers.FORKED_CPU[0]
+    assert forkserver._server().refuses(env) is None, forkserver._server().refuses(env)
+    cpu, forked = tiers.FORKED_CPU[0], tiers.FORKED[0]
     proc = subprocess.run([*cmd, "show", "a b"], input="in", capture_output=True, text=True, cwd=tmp_path, env=env)
     assert proc.returncode == 3 and proc.stderr == "to stderr\n", proc.stderr
     seen = json.loads(proc.stdout)
@@ -55,6 +57,7 @@ def test_a_forked_run_is_the_command_it_stands_for(probe, tmp_path):
     assert (seen["cwd"], seen["argv"], seen["x"], seen["stdin"]) == (str(tmp_path), ["show", "a b"], "42", "in")
     assert seen["path"] == [str(tmp_path), str(tmp_path / "code")]  # as `python -m` puts them
     assert seen["pid"] != os.getpid() and tiers.FORKED_CPU[0] > cpu  # its CPU time counts as a child's
+    assert tiers.FORKED[0] == forked + 1  # counted for the budget's summary
     again = json.loads(subprocess.run([*cmd, "show"], capture_output=True, text=True, env=env).stdout)
     assert again["pid"] != seen["pid"] and again["np"] != seen["np"]  # numpy's global state drawn anew
     failed = subprocess.run([*cmd, "raise"], capture_output=True, text=True, env=env)
@@ -80,5 +83,21 @@ def test_a_setting_read_at_import_starts_a_plain_process(probe, monkeypatch):
     assert forked.returncode == 3 and json.loads(forked.stdout)["torch"]
     plain = subprocess.run([*cmd, "show"], capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="7"))
     assert plain.returncode == 3 and not json.loads(plain.stdout)["torch"]
+    assert "sets OMP_NUM_THREADS otherwise than the server's" in tiers.PLAIN[-1]  # said in the budget's summary
     elsewhere = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True)
     assert elsewhere.stdout == b"False\n"  # not a routed module: a plain process
+
+
+def test_this_process_set_for_good_starts_a_server_as_it_is_now(probe, monkeypatch):
+    cmd, env = probe
+    first = forkserver._server()
+    monkeypatch.setenv("OMP_SCHEDULE", "static")  # as a library may set a variable read at import, for good
+    try:
+        seen = json.loads(subprocess.run([*cmd, "show"], capture_output=True, env=dict(os.environ, **env)).stdout)
+        assert seen["torch"] and forkserver.SERVERS[-1] is not first
+        assert forkserver.SERVERS[-1].env["OMP_SCHEDULE"] == "static"
+        monkeypatch.delenv("OMP_SCHEDULE")
+        assert forkserver._server() is first  # as it was: the first server again
+    finally:
+        if forkserver.SERVERS[-1] is not first:  # the later runs of this process keep one server
+            forkserver.SERVERS.pop().close()
