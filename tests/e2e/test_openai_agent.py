@@ -1,5 +1,9 @@
-"""examples/openai_agent (an agent on the plain openai client, behind the gateway) trained for two steps
-with SmolLM2-135M-Instruct, as a function in the rollout process and as a separate program."""
+"""examples/openai_agent (an agent on the plain openai client, behind the gateway) trained for two steps,
+as a function in the rollout process and as a separate program. What these runs check is plumbing (every
+call a turn, the answers sent back as the model's own ids, the merge, the mode), so they train the tiny
+Qwen2 (random weights, the Qwen chat template and tool-call format of the recipe's parser) in place of the
+recipe's SmolLM2-135M-Instruct (issue 68: about 105-120 s each on this machine before). Every session
+makes two calls or more (after its first the agent either sends a tool's result or nudges)."""
 
 import json
 import os
@@ -23,7 +27,7 @@ def agent_data(tmp_path_factory):
 # training, the function in fully-async training (a function agent in a sync rollout is covered,
 # without training, by tests/gateway/test_agent_rollout.py); a third run would cost a minute of CI
 @pytest.mark.parametrize("way", ["command", "fully-async"])
-def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, way):
+def test_the_example_agent_trains_two_steps(tmp_path, agent_data, tiny_paths, way):
     run = tmp_path / "run"
     extra = []
     if way == "command":
@@ -37,7 +41,7 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
         extra = ["--fully-async", "--partial-rollout", "--max-staleness", "1", "--use-tis"]
     cmd = [
         sys.executable, "-m", "slime_mt.cli", "train", "--config", str(REPO / "examples/openai_agent/config.yaml"),
-        "--hf-checkpoint", str(smollm2_path), "--prompt-data", str(agent_data), "--log-dir", str(run),
+        "--hf-checkpoint", str(tiny_paths["qwen2"]), "--prompt-data", str(agent_data), "--log-dir", str(run),
         *TWO_SMALL_STEPS, "--n-samples-per-prompt", str(SESSIONS), "--global-batch-size", str(SESSIONS),
         "--micro-batch-size", str(SESSIONS), *extra,
     ]  # fmt: skip
@@ -48,7 +52,8 @@ def test_the_example_agent_trains_two_steps(tmp_path, agent_data, smollm2_path, 
     for row in rows:
         assert "rollout/status/failed" not in row, proc.stderr[-3000:]
         calls = row["gateway/calls"]
-        assert calls == row["rollout/turns_mean"] * SESSIONS and calls >= SESSIONS  # every call is a turn of its sample
+        assert calls == row["rollout/turns_mean"] * SESSIONS  # every call is a turn of its sample
+        assert calls >= 2 * SESSIONS  # the agent calls again after a tool call or an answer without one
         assert row["train/sequences_before_merge"] == calls  # one step-wise sample per call
         assert row["train/sequences_after_merge"] == SESSIONS  # the agent only appends: one sequence per session
         assert row["gateway/kept_messages"] == calls - SESSIONS  # every answer went back as the model's own ids

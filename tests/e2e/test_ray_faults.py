@@ -1,7 +1,10 @@
 """On Ray: the placement a dry run prints, weights that reach an engine on another node exactly, and
-faults survived: a lost trainer node (the run stops naming it; ``--load`` resumes), a rollout role that
-raises (the run stops naming it and the step), an engine killed mid-rollout and an environment worker
-killed mid-step (both restarted; the run trains as without)."""
+faults survived: a lost trainer node (the run stops naming it; ``--load`` resumes), and in one run
+(``faults``, issue 68: three runs before) an environment worker killed mid-step and an engine killed
+mid-rollout (both restarted; the run trains as without), then a rollout role that raises (the run stops
+naming it and the step). The environment worker's fault ran under the one-process launcher with workers
+on Ray and compared with ``straight``; it now runs under ``--ray`` and the run compares with
+``torchrun_tp2``, the reference of the Ray run (the pool and its restarts are the same code)."""
 
 import contextlib
 import json
@@ -22,7 +25,6 @@ from train_helpers import (
     ENV_WORKERS,
     HELPERS,
     REPO,
-    geo3k_train_cmd,
     metrics,
     placement_lines,
     ray_cmd,
@@ -154,67 +156,15 @@ def engine_processes(cluster) -> list[int]:
     return found
 
 
-def test_a_rollout_role_that_raises_ends_the_run_naming_itself_and_the_step(geo3k, three_nodes, tmp_path):
-    """The rollout role runs in its own actor: a rollout function that raises in step 1 ends the run
-    (exit 1) with one line naming the rollout role, the step and the cause, once both trainer ranks have
-    stopped with it (their tasks ended with that error: none was killed or lost); step 0 is logged."""
-    plugin = tmp_path / "flaky_rollout.py"
-    plugin.write_text(
-        "from slime_mt.rollout.group_rollout import generate_rollout\n\n\n"
-        "def generate_rollout_then_fail(args, rollout_id, data_source, evaluation=False):\n"
-        "    if rollout_id == 1:\n"
-        "        raise ValueError('the reward server is gone')\n"
-        "    return generate_rollout(args, rollout_id, data_source, evaluation)\n"
-    )
-    flaky = ["--rollout-function-path", f"{plugin}:generate_rollout_then_fail", "--rollout-num-gpus", "1"]
-    proc = run(ray_cmd(geo3k, tmp_path / "run", three_nodes, *flaky, steps=2))
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "slime-mt train: error: RolloutRoleFailed: the rollout role failed at step 1: ValueError: the reward "
-        "server is gone; trainer ranks 0, 1 of 2 stopped with it"
-    ), proc.stderr[-3000:]
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [0]
+FLAKY_ROLLOUT = """
+from slime_mt.rollout.group_rollout import generate_rollout
 
 
-def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(
-    geo3k, three_nodes, torchrun_tp2, tmp_path
-):
-    """TP=2 on two nodes, two engines on two more behind the router, 6 steps: one engine's process is
-    killed in the middle of step 1's rollout. Its requests fail over to the other engine (each is the same
-    request again), Ray restarts its actor, the engine starts again outside the rotation and joins it
-    at the next weight update with the current weights: nothing fails, no token comes from weights
-    the run did not mean, every group is trained once, the restart is counted, and the run trains as
-    the same run under torchrun (its 3 steps)."""
-    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
-    three_nodes.wait_for_nodes()
-    try:
-        cmd = ray_cmd(geo3k, tmp_path, three_nodes, *DETERMINISTIC, "--rollout-num-gpus", "2", steps=6)
-        out = tmp_path / "driver.out"
-        with out.open("w") as stdout:
-            env = repo_env()
-            child = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
-            deadline = time.time() + 300
-            while not (tmp_path / "metrics.jsonl").is_file() and child.poll() is None:
-                assert time.time() < deadline, "no step was logged"
-                time.sleep(0.05)
-            (victim, _) = engine_processes(three_nodes)
-            os.kill(victim, signal.SIGKILL)
-            _, stderr = child.communicate(timeout=600)
-        assert child.returncode == 0, stderr[-3000:]
-    finally:
-        three_nodes.remove_node(fourth)
-    assert "(started again)" in out.read_text() and "is back in the rotation" in out.read_text()
-    rows, reference = metrics(tmp_path), metrics(torchrun_tp2)
-    assert [r["step"] for r in rows] == list(range(6))
-    assert sum(r["engine/restarts"] for r in rows) == 1
-    assert all(r["rollout/env_failures"] == 0 for r in rows)
-    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
-    trained = [g for r in rows for g in r["trained_groups"]]
-    assert len(trained) == len(set(trained)) == 12
-    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
-    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean"):
-        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
-
+def generate_rollout_then_fail(args, rollout_id, data_source, evaluation=False):
+    if rollout_id == {step}:
+        raise ValueError("the reward server is gone")
+    return generate_rollout(args, rollout_id, data_source, evaluation)
+"""
 
 DIES_ONCE_ENV = """
 import os
@@ -242,22 +192,76 @@ def build_env(sample=None, args=None, **kw):
 """
 
 
-def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_without(
-    geo3k, three_nodes, straight, tmp_path
-):
-    """One environment worker's process is killed in the middle of a step, on the three-node cluster:
-    Ray restarts it, the episode is rebuilt there and its earlier steps replayed, the step is tried
-    again; nothing fails, every group is trained once, the restart is counted, and the run trains
-    exactly as the in-process run with the same seed."""
-    marker = tmp_path / "killed"
-    env_file = tmp_path / "dies_once.py"
-    env_file.write_text(DIES_ONCE_ENV.format(path=REPO / "envs/geo3k.py", marker=marker))
-    flags = ["--rollout-interaction-env-path", str(env_file), *ENV_WORKERS, "--ray-address", three_nodes.address]
-    proc = run(geo3k_train_cmd(geo3k, tmp_path, *DETERMINISTIC, *flags))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert marker.exists()
-    rows, reference = metrics(tmp_path), metrics(straight)[:2]
-    assert [r["step"] for r in rows] == [0, 1]
+@pytest.fixture(scope="module")
+def faults(geo3k, three_nodes, tmp_path_factory):
+    """One Ray run with three faults: TP=2 on two nodes, two engines on two more behind the router, two
+    environment workers, 7 steps. An environment worker's process is killed in the middle of step 0, one
+    engine's process in the middle of step 1's rollout, and the rollout function raises in step 6 ->
+    (run folder, the driver's stdout, its stderr, its exit code)."""
+    run_dir = tmp_path_factory.mktemp("faults")
+    (run_dir / "flaky_rollout.py").write_text(FLAKY_ROLLOUT.format(step=6))
+    env_file = run_dir / "dies_once.py"
+    env_file.write_text(DIES_ONCE_ENV.format(path=REPO / "envs/geo3k.py", marker=run_dir / "killed"))
+    flags = [*DETERMINISTIC, "--rollout-num-gpus", "2", "--rollout-interaction-env-path", str(env_file), *ENV_WORKERS]
+    flags += ["--rollout-function-path", f"{run_dir / 'flaky_rollout.py'}:generate_rollout_then_fail"]
+    fourth = three_nodes.add_node(num_cpus=2, num_gpus=1)
+    three_nodes.wait_for_nodes()
+    try:
+        out = run_dir / "driver.out"
+        with out.open("w") as stdout:
+            cmd = ray_cmd(geo3k, run_dir, three_nodes, *flags, steps=7)
+            child = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=stdout, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 300
+            while not (run_dir / "metrics.jsonl").is_file() and child.poll() is None:
+                assert time.time() < deadline, "no step was logged"
+                time.sleep(0.05)
+            (victim, _) = engine_processes(three_nodes)
+            os.kill(victim, signal.SIGKILL)
+            _, stderr = child.communicate(timeout=600)
+    finally:
+        three_nodes.remove_node(fourth)
+    return run_dir, out.read_text(), stderr, child.returncode
+
+
+def test_a_rollout_role_that_raises_ends_the_run_naming_itself_and_the_step(faults):
+    """The rollout role runs in its own actor: a rollout function that raises in step 6 ends the run
+    (exit 1) with one line naming the rollout role, the step and the cause, once both trainer ranks have
+    stopped with it (their tasks ended with that error: none was killed or lost); steps 0-5 are logged."""
+    run_dir, _, stderr, code = faults
+    assert code == 1, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "slime-mt train: error: RolloutRoleFailed: the rollout role failed at step 6: ValueError: the reward "
+        "server is gone; trainer ranks 0, 1 of 2 stopped with it"
+    ), stderr[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(6))
+
+
+def test_an_engine_killed_mid_rollout_is_started_again_and_the_run_trains_as_without(faults, torchrun_tp2):
+    """The engine killed in step 1: its requests fail over to the other engine (each is the same request
+    again), Ray restarts its actor, the engine starts again outside the rotation and joins it at the
+    next weight update with the current weights: nothing fails, no token comes from weights the run did
+    not mean, every group is trained once, the restart is counted, and the run trains as the same run
+    under torchrun (its 3 steps)."""
+    run_dir, stdout, _, _ = faults
+    assert "(started again)" in stdout and "is back in the rotation" in stdout
+    rows, reference = metrics(run_dir), metrics(torchrun_tp2)
+    assert sum(r["engine/restarts"] for r in rows) == 1
+    assert all(r["rollout/env_failures"] == 0 for r in rows)
+    assert [r["rollout/sample_weight_version_min"] for r in rows] == [float(step) for step in range(6)]
+    trained = [g for r in rows for g in r["trained_groups"]]
+    assert len(trained) == len(set(trained)) == 12
+    assert [r["rollout/reward_mean"] for r in rows[:3]] == [r["rollout/reward_mean"] for r in reference]
+    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
+        assert [r[key] for r in rows[:3]] == pytest.approx([r[key] for r in reference], abs=1e-6), key
+
+
+def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_without(faults):
+    """The environment worker killed in step 0: Ray restarts it, the episode is rebuilt there and its
+    earlier steps replayed, the step is tried again; nothing fails, the restart is counted (the run
+    trains as without: the test above), and the workers' calls are in the trace."""
+    run_dir, _, _, _ = faults
+    rows = metrics(run_dir)
+    assert (run_dir / "killed").exists()
     assert sum(r["env/worker_restarts"] for r in rows) == 1
     # the killed step is tried again (RetryableEnvError: the worker died during it); an episode of the
     # same group held by that worker retries its own call too, as that one did or EpisodeLost, when it
@@ -265,14 +269,8 @@ def test_an_env_worker_killed_mid_step_is_restarted_and_the_run_trains_as_withou
     causes = {k.rsplit("/", 1)[1]: v for k, v in rows[0].items() if k.startswith("rollout/env_retries_by/")}
     assert set(causes) <= {"RetryableEnvError", "EpisodeLost"} and causes.get("RetryableEnvError", 0) >= 1
     assert 1 <= sum(r["rollout/env_retries"] for r in rows) == sum(causes.values()) <= 4  # a step's samples
-    assert all(r["rollout/env_failures"] == 0 for r in rows)
-    trained = [g for r in rows for g in r["trained_groups"]]
-    assert len(trained) == len(set(trained)) == 4
-    assert [r["rollout/reward_mean"] for r in rows] == [r["rollout/reward_mean"] for r in reference]
-    for key in ("train/loss", "train/grad_norm", "rollout/response_tokens_mean", "rollout/turns_mean"):
-        assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference], abs=1e-6), key
     # the workers' calls in the trace: each worker a process, each episode's calls on its trajectory's lane
-    events = json.loads((tmp_path / "trace.json").read_text())
+    events = json.loads((run_dir / "trace.json").read_text())
     assert_nested(events)
     workers = {process for process, _ in lanes_by_name(events) if process.startswith("env worker ")}
     assert workers == {"env worker 0", "env worker 1"}
