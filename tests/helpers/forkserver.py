@@ -94,16 +94,16 @@ READ_LATER = {"PYTHONPATH", "PYTHONBREAKPOINT"}
 READY = b"ready\n"
 
 
-def serve(path: str) -> None:
-    """Import ``PRELOAD``, listen on the unix socket ``path`` and fork a keeper per request, until
-    stdin closes (the pytest process that started it is gone)."""
-    for name in PRELOAD:
-        importlib.import_module(name)
+def serve(name: str) -> None:
+    """Import ``PRELOAD``, listen on the abstract unix socket ``name`` and fork a keeper per request,
+    until stdin closes (the pytest process that started it is gone)."""
+    for module in PRELOAD:
+        importlib.import_module(module)
     if threading.active_count() != 1:  # a fork would lose the other threads
         sys.exit(f"forkserver: {threading.active_count()} threads after the preload; not serving")
     base_path = [p for p in sys.path if p not in _pythonpath(os.environ)][1:]  # without this script's folder
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(_address(name))
     listener.listen(16)
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
@@ -241,6 +241,12 @@ def _finish() -> None:
             pass
 
 
+def _address(name: str) -> str:
+    """A socket in Linux's abstract namespace: a file's path is limited to 107 bytes, which a long temp
+    folder (TMPDIR) passes, and then no server could start."""
+    return "\0" + name
+
+
 def _pythonpath(env) -> list[str]:
     return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
@@ -253,11 +259,11 @@ class Server:
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="slime-mt-fork-"))
-        self.path = str(self.folder / "socket")
+        self.name = self.folder.name  # of its socket (abstract: _address)
         self.env = dict(os.environ)
         log = open(self.folder / "server.log", "wb")
         self.process = PLAIN_POPEN(
-            [sys.executable, __file__, self.path],
+            [sys.executable, __file__, self.name],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -280,7 +286,7 @@ class Server:
 
     def start(self, request: dict, fds: list[int]) -> tuple[int, Channel]:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
+        conn.connect(_address(self.name))
         data = json.dumps(request).encode() + b"\n"
         conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         channel = Channel(conn)
@@ -294,7 +300,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)  # its socket and log (closed once more at exit)
+        shutil.rmtree(self.folder, ignore_errors=True)  # its log (closed once more at exit)
 
 
 def _import_time(env) -> dict[str, str]:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import forkserver
 import pytest
@@ -88,15 +89,21 @@ def test_a_setting_read_at_import_starts_a_plain_process(probe, monkeypatch):
     assert elsewhere.stdout == b"False\n"  # not a routed module: a plain process
 
 
-def test_this_process_set_for_good_starts_a_server_as_it_is_now(probe, monkeypatch):
+def test_this_process_set_for_good_starts_a_server_as_it_is_now(probe, monkeypatch, tmp_path):
+    """Here the temp folder, set for good, and long: a socket's file path may not pass 107 bytes, which
+    a CI machine's TMPDIR can (the server's socket is abstract, so it starts there too)."""
     cmd, env = probe
     first = forkserver._server()
-    monkeypatch.setenv("OMP_SCHEDULE", "static")  # as a library may set a variable read at import, for good
+    long = tmp_path / ("t" * 110)
+    long.mkdir()
     try:
-        seen = json.loads(subprocess.run([*cmd, "show"], capture_output=True, env=dict(os.environ, **env)).stdout)
-        assert seen["torch"] and forkserver.SERVERS[-1] is not first
-        assert forkserver.SERVERS[-1].env["OMP_SCHEDULE"] == "static"
-        monkeypatch.delenv("OMP_SCHEDULE")
+        with monkeypatch.context() as patch:
+            patch.setenv("TMPDIR", str(long))  # as a library may set a variable read at import, for good
+            patch.setattr(tempfile, "tempdir", str(long))
+            seen = json.loads(subprocess.run([*cmd, "show"], capture_output=True, env=dict(os.environ, **env)).stdout)
+            assert forkserver.SERVERS[-1] is not first and forkserver.SERVERS[-1].env["TMPDIR"] == str(long)
+            assert len(str(forkserver.SERVERS[-1].folder / "socket")) > 107
+            assert seen["torch"], forkserver.SERVERS[-1].refuses(None)
         assert forkserver._server() is first  # as it was: the first server again
     finally:
         if forkserver.SERVERS[-1] is not first:  # the later runs of this process keep one server
