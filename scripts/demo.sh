@@ -22,15 +22,15 @@ echo "[demo] training SmolLM2-135M-Instruct on the secret-word game (20 steps, a
 .venv/bin/slime-mt train "${TRAIN_ARGS[@]}"
 .venv/bin/slime-mt plot "$RUN_DIR" >/dev/null
 .venv/bin/python - "$RUN_DIR" "$SEEDS" <<'PY'
-import json, sys, statistics
+import json, os, sys, statistics
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
 rewards = [r["rollout/reward_mean"] for r in rows]
 q = max(len(rewards) // 4, 1)
 print("[demo] reward per step: " + " ".join(f"{x:.2f}" for x in rewards))
 first, last = statistics.fmean(rewards[:q]), statistics.fmean(rewards[-q:])
 print(f"[demo] mean reward, first quarter: {first:.3f}  last quarter: {last:.3f}  ({sys.argv[2]})")
-evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+evals = [json.loads(l) for l in open(f"{sys.argv[1]}/eval.jsonl")] if os.path.exists(f"{sys.argv[1]}/eval.jsonl") else []
 if evals:
-    print("[demo] held-out reward: " + ", ".join(f"step {s}: {v:.2f}" for s, v in evals))
+    print("[demo] held-out reward: " + ", ".join(f"after {e['step']} steps: {e['eval/eval/reward_mean']:.2f}" for e in evals))
 print(f"[demo] plots in {sys.argv[1]}/plots/")
 PY

@@ -32,6 +32,8 @@ from slime_mt.stop import StopRequest
 
 COMMANDS = {
     "train": "Run multi-turn RL training (flags below; --dry-run prints the resolved config).",
+    "eval": "Evaluate the held-out datasets (--eval-config, --eval-prompt-data) on a checkpoint (--load) or an HF "
+    "folder (--hf-checkpoint) with the flags of 'train', no trainer: RUN_DIR/eval.jsonl.",
     "serve": "Serve a HF model folder with the embedded engine (SGLang's HTTP API) on 127.0.0.1.",
     "plot": "Write PNG curves (reward, turns, lengths, timings) of a run directory's metrics.",
     "prepare-data": "Convert geo3k parquet, or draw synthetic geo3k-style problems, into prompt jsonl.",
@@ -59,6 +61,8 @@ def build_cli() -> argparse.ArgumentParser:
         help="Print the resolved configuration as YAML and exit.",
     )
     add_config_arguments(train)
+    evaluate = sub.add_parser("eval", help=COMMANDS["eval"], description=COMMANDS["eval"])
+    add_config_arguments(evaluate)
     serve = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"])
     serve.add_argument("--model-path", required=True, help="Hugging Face model folder.")
     serve.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
@@ -186,6 +190,23 @@ def _train_in(cfg, run_dir, train, stop: StopRequest, stops: tuple[type, ...]) -
     return 0
 
 
+def run_eval(cfg) -> int:
+    """``slime-mt eval``: the held-out datasets' rows and plug-ins checked first (exit 2 naming what is
+    wrong), then the evaluation, its figures printed and appended to ``RUN_DIR/eval.jsonl``."""
+    from slime_mt.driver import eval_only
+    from slime_mt.preflight import check_plugins
+    from slime_mt.rollout.evaluation import load_eval_sets
+
+    load_eval_sets(cfg)
+    check_plugins(cfg)
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tee_output(run_dir / "eval.log"):
+        steps = eval_only(cfg, run_dir)
+    print(f"slime-mt eval: the weights after {steps} steps, evaluated into {run_dir / 'eval.jsonl'}")
+    return 0
+
+
 def run_check_template(ns) -> int:
     """Print one line per scenario and path, then the verdict; exit 0 (the check informs, it does not fail)."""
     from pathlib import Path
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = build_cli()
     ns, extras = parser.parse_known_args(argv)
-    if getattr(ns, "command", None) == "train":
+    if getattr(ns, "command", None) in ("train", "eval"):
         extras = pass_sglang_args(ns, extras)
     if extras:
         command = getattr(ns, "command", None)
@@ -301,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 for line in dry_run_placement(cfg):
                     print(f"# placement: {line}")
             return 0
+        if ns.command == "eval":
+            return run_eval(cfg)
         return run_train(cfg)
     except Exception as e:
         if not isinstance(e, USER_ERRORS):

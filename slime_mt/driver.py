@@ -34,12 +34,15 @@ they change, whatever a rollout function left running.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
 
+from slime_mt.backends.megatron.checkpoint import read_latest
 from slime_mt.config import Config
-from slime_mt.errors import RolloutFailedError
+from slime_mt.errors import ConfigError, RolloutFailedError
 from slime_mt.roles.steps import StepTimes
 from slime_mt.roles.train import TrainRole
 from slime_mt.run_dir import run_dir_of
@@ -132,3 +135,27 @@ def rollout_only(cfg: Config, run_dir: Path | None = None, stop: StopRequest | N
         return cfg.rollout.num_rollout
     finally:
         side.close()
+
+
+def eval_only(cfg: Config, run_dir: Path | None = None) -> int:
+    """``slime-mt eval``: the held-out datasets on the weights of ``--load`` (a checkpoint: the one its
+    ``latest`` names, or an ``iter_*`` folder) or else of ``--hf-checkpoint``, with the training run's
+    settings and no trainer; the evaluation goes to ``RUN_DIR/eval.jsonl`` as the run logs one (its
+    ``step``: the checkpoint's steps trained, 0 for an HF folder) -> that step count. The same seeds as
+    the run's evaluation after that many steps: the same figures, where the engine is deterministic."""
+    from slime_mt.roles.rollout import RolloutRole  # the train loop's processes need not import it
+
+    steps_trained, served = 0, cfg.train.hf_checkpoint
+    if cfg.checkpoint.load:
+        folder = read_latest(Path(cfg.checkpoint.load))
+        steps_trained = int(json.loads((folder / "trainer_state.json").read_text())["step"])
+        served = str(folder)
+    if not cfg.evaluation.eval_prompt_data and not cfg.evaluation.eval_config:
+        raise ConfigError("slime-mt eval needs held-out datasets: --eval-config or --eval-prompt-data")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hf_checkpoint=served))
+    side = RolloutRole.start(cfg, run_dir or run_dir_of(cfg), sends_weights=False)
+    try:
+        side.evaluate(steps_trained)
+    finally:
+        side.close()
+    return steps_trained

@@ -1,5 +1,7 @@
 """Metrics sinks: one JSONL line per step (always), TensorBoard when installed, W&B when asked, a
-console summary line; and ``slime-mt plot RUN_DIR`` curves (reward, turns, lengths, timings)."""
+console summary line; each evaluation one line of ``eval.jsonl`` (its ``step``: the steps trained
+before it, 0 for the baseline), the same sinks against that count (W&B: ``eval/step``, as slime logs it);
+and ``slime-mt plot RUN_DIR`` curves (reward with each eval dataset's, turns, lengths, timings)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        self.eval_path = self.run_dir / EVAL_FILE
         self._tb = None
         self._wandb = None
         if use_tensorboard:
@@ -67,15 +70,45 @@ class MetricsLogger:
                 dir=str(self.run_dir),
                 **_wandb_names(wandb_options),
             )
+            self._wandb.define_metric("eval/step")
+            self._wandb.define_metric("eval/*", step_metric="eval/step")
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps >= ``step`` (a resumed run rewrites them)."""
-        if not self.path.is_file():
-            return
-        lines = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        tmp.replace(self.path)
+        """Drop lines of steps >= ``step`` and the evaluations after more than ``step`` steps trained (a
+        resumed run rewrites them)."""
+        for path, keep in ((self.path, lambda s: s < step), (self.eval_path, lambda s: s <= step)):
+            if not path.is_file():
+                continue
+            lines = [line for line in path.read_text().splitlines() if line and keep(json.loads(line)["step"])]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in lines))
+            tmp.replace(path)
+
+    def log_eval(self, steps_trained: int, metrics: dict[str, float]) -> None:
+        """One evaluation, of the weights after ``steps_trained`` steps, to every sink."""
+        clean = {k: float(v) for k, v in metrics.items()}
+        with open(self.eval_path, "a") as fh:
+            fh.write(json.dumps({"step": steps_trained, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, steps_trained)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({**clean, "eval/step": steps_trained})
+        names = sorted({k.split("/")[1] for k in clean if k.count("/") >= 2})
+        parts = []
+        for name in names:
+            shown = [("reward_mean", "reward"), ("pass@1", "pass@1")]
+            parts.append(
+                f"{name} "
+                + " ".join(
+                    f"{label} {clean[f'eval/{name}/{key}']:.4g}"
+                    for key, label in shown
+                    if f"eval/{name}/{key}" in clean
+                )
+            )
+        print(f"[eval after {steps_trained} steps] " + " | ".join(parts), flush=True)
 
     def log(self, step: int, metrics: dict[str, float], records: dict | None = None, note: str = "") -> None:
         """One step's metrics to every sink; ``records`` (lists, ids) to the JSONL line only; ``note``
@@ -100,6 +133,15 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+EVAL_FILE = "eval.jsonl"
+
+
+def read_evals(run_dir: str | Path) -> list[dict]:
+    """A run's evaluations (``eval.jsonl``; none when it evaluated nothing)."""
+    path = Path(run_dir) / EVAL_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -108,7 +150,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 PLOTS = {
-    "reward.png": ["rollout/reward_mean", "eval/reward_mean", "rollout/pass_rate"],
+    "reward.png": ["rollout/reward_mean", "rollout/pass_rate"],  # and each eval dataset's (eval.jsonl)
     "turns.png": ["rollout/turns_mean", "rollout/turns_max"],
     "lengths.png": ["rollout/response_tokens_mean", "rollout/tokens_per_turn", "rollout/observation_share"],
     "timings.png": ["time/rollout_seconds", "time/train_seconds", "time/sync_seconds", "time/step_seconds"],
@@ -134,14 +176,18 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     """Write PNG curves of a run's metrics into ``run_dir/plots`` -> the files written (``async.png``
     only for a run that trained older weights' tokens)."""
     plt = _pyplot()
-    rows = read_metrics(run_dir)
+    rows, evals = read_metrics(run_dir), read_evals(run_dir)
+    eval_keys = sorted({k for e in evals for k in e if k.endswith(("/reward_mean", "/pass@1"))})
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
     for name, keys in PLOTS.items():
         if name == "async.png" and not is_async(rows):
             continue
-        fig = figure(rows, keys)
+        data = rows
+        if name == "reward.png":  # an evaluation's step: the steps trained before it (0: the baseline)
+            keys, data = [*keys, *eval_keys], rows + evals
+        fig = figure(data, keys)
         if fig is None:
             continue
         fig.savefig(out_dir / name, dpi=90)

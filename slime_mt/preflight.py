@@ -17,7 +17,7 @@ from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_ran
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
 from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install
-from slime_mt.config import Config, RolloutConfig
+from slime_mt.config import Config, RolloutConfig, eval_datasets
 from slime_mt.config.checkpoint import dump_path
 from slime_mt.data import PromptDataset, load_rows
 from slime_mt.engine.weights.fp8 import check_rollout_checkpoint
@@ -25,6 +25,7 @@ from slime_mt.errors import ConfigError, TrainSetupError
 from slime_mt.inspection.replay import checked_dump
 from slime_mt.plugins import judge_parser_prototype, load_function, load_module
 from slime_mt.processing import has_chat_template
+from slime_mt.rollout.evaluation import load_eval_sets
 from slime_mt.rollout.group_rollout import _expected_rollout, load_plugins
 from slime_mt.safetensors_files import CheckpointReader
 
@@ -69,8 +70,7 @@ def preflight(cfg: Config) -> None:
     if not cfg.data.prompt_data:
         raise ConfigError("--prompt-data is required: a .jsonl or .parquet file of prompts")
     rows = load_rows(cfg.data.prompt_data, cfg.data)
-    if cfg.data.eval_prompt_data:
-        rows += load_rows(cfg.data.eval_prompt_data, cfg.data)
+    rows += [row for es in load_eval_sets(cfg) for row in es.rows.rows]  # a bad row names its dataset
     check_chat_template(cfg, rows)
     check_plugins(cfg)
     d = cfg.debug
@@ -174,6 +174,10 @@ def check_plugins(cfg: Config):
         install()
     load_function(r.rollout_function_path, _expected_rollout, "--rollout-function-path")
     load_plugins(r)
+    if cfg.evaluation.eval_function_path:
+        load_function(cfg.evaluation.eval_function_path, _expected_rollout, "--eval-function-path")
+    for d in eval_datasets(cfg):  # a dataset's own generate or reward function
+        load_plugins(d.rollout_config(r), evaluation=True)
     _check_compat_images(cfg)
     if r.context_policy_path:
         load_function(r.context_policy_path, what="--context-policy-path")

@@ -6,6 +6,7 @@
   algo.py         AlgoConfig                     advantages, the loss, KL, entropy, off-policy correction
   training.py     TrainConfig                    the Megatron model: parallelism, batches, optimizer
   checkpoint.py   CheckpointConfig, DebugConfig  checkpoints, cadences, sinks; dumps, turn records, trace
+  evaluation.py   EvalConfig                     held-out datasets (slime's eval YAML), their overrides, cadence
   agents.py       GatewayConfig, JudgeConfig     the agent gateway; the LLM judge and the code sandbox
 
 Every field of every group is a CLI flag (``eps_clip`` -> ``--eps-clip``, names follow slime's) and a YAML
@@ -31,6 +32,7 @@ from slime_mt.config.algo import AlgoConfig, validate_algo
 from slime_mt.config.checkpoint import CheckpointConfig, DebugConfig, validate_checkpoint, validate_debug
 from slime_mt.config.cluster import ClusterConfig, validate_cluster
 from slime_mt.config.engine import EngineConfig, engine_args, extra_arg, validate_engine
+from slime_mt.config.evaluation import EvalConfig, EvalDataset, eval_datasets, validate_eval
 from slime_mt.config.fields import GROUP_CLASSES, REGISTERED, flag_name
 from slime_mt.config.rollout import DataConfig, RolloutConfig, validate_rollout
 from slime_mt.config.training import TrainConfig, validate_training
@@ -47,11 +49,14 @@ __all__ = [
     "DataConfig",
     "DebugConfig",
     "EngineConfig",
+    "EvalConfig",
+    "EvalDataset",
     "GatewayConfig",
     "JudgeConfig",
     "RolloutConfig",
     "TrainConfig",
     "engine_args",
+    "eval_datasets",
     "extra_arg",
     "flag_name",
     "validate",
@@ -60,7 +65,19 @@ __all__ = [
 # the groups in the order of the help text, the YAML a run writes and the flat namespace
 GROUPS: dict[str, type] = {
     name: GROUP_CLASSES[name]
-    for name in ("data", "rollout", "engine", "cluster", "algo", "train", "checkpoint", "gateway", "judge", "debug")
+    for name in (
+        "data",
+        "rollout",
+        "engine",
+        "cluster",
+        "algo",
+        "train",
+        "checkpoint",
+        "evaluation",
+        "gateway",
+        "judge",
+        "debug",
+    )
 }
 
 
@@ -75,6 +92,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -119,6 +137,7 @@ def validate(cfg: Config) -> None:
     validate_gateway(cfg)
     validate_judge(cfg)
     validate_checkpoint(cfg)
+    validate_eval(cfg)
     validate_debug(cfg)
     validate_training(cfg)
     validate_algo(cfg)

@@ -1,4 +1,4 @@
-"""Checkpoints, the run folder, evaluation cadence and metrics sinks (``CheckpointConfig``), and inspecting a
+"""Checkpoints, the run folder and metrics sinks (``CheckpointConfig``), and inspecting a
 run (``DebugConfig``: rollout dumps, rollout-only and train-only runs, turn records, the timeline), with
 their rules; the syntax of a dump path template and of ``--turn-records`` lives here, read by
 ``inspection``."""
@@ -15,12 +15,11 @@ from slime_mt.errors import ConfigError, DumpError, TurnRecordsError
 @group("checkpoint")
 @dataclass
 class CheckpointConfig:
-    """Checkpoints, evaluation cadence, metrics sinks."""
+    """Checkpoints, metrics sinks."""
 
     load: str | None = option(None, "Checkpoint directory to resume from.")
     save: str | None = option(None, "Checkpoint directory to write.")
     save_interval: int | None = option(None, "Save every N steps (and at the end).")
-    eval_interval: int | None = option(None, "Evaluate every N steps.")
     log_dir: str | None = option(None, "Run directory for metrics JSONL, TensorBoard and plots.")
     overwrite_run_dir: bool = option(
         False,
@@ -96,8 +95,8 @@ def parse_turn_records(value: str) -> int | None:
 
 
 def validate_checkpoint(cfg) -> None:
-    """The save and evaluation cadences."""
-    positive(cfg.checkpoint, ("save_interval", "eval_interval"), optional=True)
+    """The save cadence."""
+    positive(cfg.checkpoint, ("save_interval",), optional=True)
 
 
 def validate_debug(cfg) -> None:

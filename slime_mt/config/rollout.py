@@ -28,7 +28,6 @@ class DataConfig:
     """Prompt datasets (jsonl or parquet) and how rows become prompts."""
 
     prompt_data: str | None = option(None, "Training prompts: a .jsonl or .parquet file.")
-    eval_prompt_data: str | None = option(None, "Held-out prompts evaluated every --eval-interval steps.")
     input_key: str = option("prompt", "Row key holding the prompt (text or chat messages).")
     label_key: str | None = option(
         None,
@@ -109,10 +108,6 @@ class RolloutConfig:
     rollout_stop: list[str] | None = option(None, "Stop strings.", nargs="+")
     rollout_stop_token_ids: list[int] | None = option(None, "Stop token ids.", nargs="+")
     n_samples_per_prompt: int = option(8, "Trajectories per prompt (one GRPO group).")
-    n_samples_per_eval_prompt: int = option(1, "Trajectories per held-out prompt at each evaluation.")
-    eval_temperature: float | None = option(
-        None, "Sampling temperature at evaluation (0: greedy); unset: --rollout-temperature."
-    )
     rollout_batch_size: int = option(32, "Prompts per rollout step.")
     over_sampling_batch_size: int | None = option(
         None, "Prompts to sample per round when a dynamic sampling filter drops groups."
@@ -259,7 +254,7 @@ def validate_rollout(cfg) -> None:
     """The rollout's budgets, workers, sampling and reward; the context it trains; its asynchronous modes."""
     r = cfg.rollout
     counts = ("max_turns", "rollout_max_response_len", "rollout_max_context_len", "n_samples_per_prompt")
-    positive(r, (*counts, "n_samples_per_eval_prompt", "rollout_batch_size", "num_rollout", "rollout_concurrency"))
+    positive(r, (*counts, "rollout_batch_size", "num_rollout", "rollout_concurrency"))
     positive(r, ("over_sampling_batch_size",), optional=True)
     _validate_workers(r)
     _validate_budgets(r)
@@ -333,12 +328,6 @@ def _validate_sampling(r: RolloutConfig) -> None:
         "rollout_temperature",
         r.rollout_temperature,
         "must be > 0 (RL trains on sampled tokens; greedy decoding has no log-prob distribution)",
-    )
-    require(
-        r.eval_temperature is None or r.eval_temperature >= 0,
-        "eval_temperature",
-        r.eval_temperature,
-        "must be >= 0 (0: greedy)",
     )
     require(0 < r.rollout_top_p <= 1, "rollout_top_p", r.rollout_top_p, "must be in (0, 1]")
     require(

@@ -22,7 +22,6 @@ _KERNEL = (
     "a kernel or fusion choice of slime's Megatron set-up: this project picks its kernels (--transformer-impl, "
     "--local-attention); drop it"
 )
-_NO_EVAL = "evaluation during training here takes --eval-prompt-data, --eval-interval and --n-samples-per-eval-prompt"
 _NO_OPD = "on-policy distillation is not implemented yet; drop the --opd flags"
 _NO_DELTA = (
     "slime's delta and disk weight sync is not implemented: the trainer sends the engines their weights "
@@ -107,14 +106,6 @@ REFUSED: dict[str, str] = {
             "--enable-experimental",
         ),
         _KERNEL,
-    ),
-    **dict.fromkeys(
-        ("--eval-config", "--eval-input-key", "--eval-label-key", "--eval-max-response-len"),
-        f"not implemented: {_NO_EVAL} (with the training run's keys and lengths); drop it",
-    ),
-    **dict.fromkeys(
-        ("--eval-top-k", "--eval-top-p"),
-        f"not implemented: evaluation samples as the rollout does; {_NO_EVAL}; drop it",
     ),
     **dict.fromkeys(("--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load"), _NO_OPD),
     **dict.fromkeys(

@@ -28,13 +28,13 @@ import yaml
 
 from slime_mt.errors import InspectError
 from slime_mt.inspection.dumps import load_dump
-from slime_mt.metrics import read_metrics
+from slime_mt.metrics import read_evals, read_metrics
 from slime_mt.processing import load_tokenizer_or_processor, tokenizer_of
 from slime_mt.rollout.retokenize import common_ends
 
 VIEWER = Path(__file__).with_name("viewer.html")
 CURVES = {
-    "reward": ["rollout/reward_mean", "eval/reward_mean", "rollout/pass_rate"],
+    "reward": ["rollout/reward_mean", "rollout/pass_rate"],  # and each eval dataset's: eval_curves
     "turns": ["rollout/turns_mean", "rollout/turns_max"],
     "lengths": ["rollout/response_tokens_mean", "rollout/observation_tokens"],
     "staleness": ["rollout/weight_version_gap"],
@@ -267,6 +267,7 @@ def page_data(run_dir: Path, step: int | None = None, dumps: str | None = None) 
         title: {key: [[r["step"], r[key]] for r in rows if isinstance(r.get(key), (int, float))] for key in keys}
         for title, keys in CURVES.items()
     }
+    curves["reward"] |= eval_curves(read_evals(run_dir))
     return {
         "run": str(run_dir),
         "model": (config.get("train") or {}).get("hf_checkpoint"),
@@ -294,6 +295,12 @@ def write_report(run_dir: Path, out: Path | None = None, step: int | None = None
 FAILED = "failed"  # Status.FAILED as a dump spells it
 
 
+def eval_curves(evals: list[dict]) -> dict[str, list[list[float]]]:
+    """Each eval dataset's reward and pass@1 against the steps trained before it (0: the baseline)."""
+    keys = sorted({k for e in evals for k in e if k.endswith(("/reward_mean", "/pass@1"))})
+    return {k: [[e["step"], e[k]] for e in evals if isinstance(e.get(k), (int, float))] for k in keys}
+
+
 def scored_rewards(samples: list[dict]) -> list[float]:
     """The rewards ``rollout/reward_mean`` averages: every sample but the FAILED ones (no reward: None
     counts 0), so the summary's mean is the metric's."""
@@ -310,6 +317,8 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
         last = rows[-1]
         shown = [k for keys in CURVES.values() for k in keys if isinstance(last.get(k), (int, float))]
         lines.append(f"step {last['step']}: " + ", ".join(f"{k.split('/', 1)[1]} {last[k]:.4g}" for k in shown))
+    for key, points in eval_curves(read_evals(run_dir)).items():  # each eval dataset's curve
+        lines.append(f"{key}: " + ", ".join(f"{v:.4g} after {int(s)} steps" for s, v in points))
     files = dump_files(run_dir, dumps)
     if not files:
         lines.append("no rollout dumps (run with --save-debug-rollout-data to see trajectories)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,15 +32,16 @@ from slime_mt.roles.batches import next_batch_for
 from slime_mt.roles.replay import ReplayRole
 from slime_mt.roles.steps import RolloutSteps
 from slime_mt.rollout.context import RolloutContext
+from slime_mt.rollout.evaluation import EvalSet, evaluate, load_eval_sets
 from slime_mt.rollout.failures import StepReport
 from slime_mt.rollout.finalize import finalize
-from slime_mt.rollout.group_rollout import rollout_groups, rollout_output
+from slime_mt.rollout.group_rollout import rollout_output
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.rollout_workers import RolloutWorkerPool
 from slime_mt.rollout.staleness import mask_stale, route_staleness_metrics, staleness_metrics
 from slime_mt.run_dir import ERRORS_FILE
 from slime_mt.timeline import maybe_span, now_us
-from slime_mt.types import Status, TrainBatch
+from slime_mt.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class RolloutRole(RolloutSteps):
     engines: object
     ctx: object
     data: PromptDataset
-    eval_data: PromptDataset | None
+    eval_sets: list[EvalSet]  # the held-out datasets (rollout/evaluation.py)
     rollout_fn: object
     metrics: object
     weights: EngineWeights | None  # the weight transport to the engines (None: another process sends them)
@@ -105,11 +105,7 @@ class RolloutRole(RolloutSteps):
         from slime_mt.engine.launch import engine_config_for, start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
-        eval_data = None
-        if cfg.data.eval_prompt_data:
-            eval_data = PromptDataset.from_config(
-                cfg.data.eval_prompt_data, cfg.data, cfg.rollout.n_samples_per_eval_prompt
-            )
+        eval_sets = load_eval_sets(cfg)
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
         engines = start_engines(
             engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, cfg.rollout.oldest_groups_first),
@@ -122,9 +118,9 @@ class RolloutRole(RolloutSteps):
         try:  # whatever fails from here stops the engines (and closes the context) before it is raised
             ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
             ctx.client.gate = UpdateGate()
-            for dataset, path in ((data, cfg.data.prompt_data), (eval_data, cfg.data.eval_prompt_data)):
-                if dataset is not None:
-                    drop_long_prompts(dataset, ctx, path)
+            drop_long_prompts(data, ctx, cfg.data.prompt_data)
+            for es in eval_sets:
+                drop_long_prompts(es.rows, ctx, f"eval dataset {es.dataset.name!r} ({es.dataset.path})")
             if cfg.rollout.rollout_num_processes > 1:
                 ctx.rollout_workers = RolloutWorkerPool(cfg, engines.url, engines.worker_urls, ctx.env_workers)
                 ctx.client.gate.followers = ctx.rollout_workers
@@ -134,9 +130,9 @@ class RolloutRole(RolloutSteps):
                     print(f"placement: {line}", flush=True)
             if cfg.rollout.slime_compat:
                 compat = SlimeCompat.activate(ctx)
-                for dataset in (data, eval_data):
-                    if dataset is not None:
-                        compat.adopt_dataset(dataset, cfg.data.apply_chat_template)
+                compat.adopt_dataset(data, cfg.data.apply_chat_template)
+                for es in eval_sets:
+                    compat.adopt_dataset(es.rows, es.dataset.apply_chat_template)
             rollout_fn = load_function(cfg.rollout.rollout_function_path, what="--rollout-function-path")
             c = cfg.checkpoint
             metrics = MetricsLogger(
@@ -156,7 +152,7 @@ class RolloutRole(RolloutSteps):
                 ctx.close()
             engines.stop()
             raise
-        side = cls(engines, ctx, data, eval_data, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
+        side = cls(engines, ctx, data, eval_sets, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
         side.records = RunRecords(cfg, run_dir)
         if engine_actors:
             side.supervisor = _supervisor(cfg, engines, ctx, engine_actors)
@@ -335,12 +331,21 @@ class RolloutRole(RolloutSteps):
         if self.ctx.timeline is not None:
             self.ctx.timeline.add("gate paused", self.gate_closed_at, now_us(), "update gate", "gate")
 
+    def begin(self, start: int, split) -> None:
+        """The baseline first: a run that starts from step 0 evaluates its starting weights (unless
+        ``--skip-eval-before-train``), as slime does, before any rollout."""
+        e = self.cfg.evaluation
+        if start == 0 and self.eval_sets and e.eval_interval and not e.skip_eval_before_train:
+            self.evaluate(0)
+        super().begin(start, split)
+
     def write_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
-        """The step's metrics (with the evaluation when one is due) to metrics.jsonl and the loggers."""
-        checkpoint = self.cfg.checkpoint
-        if checkpoint.eval_interval and (step + 1) % checkpoint.eval_interval == 0 and self.eval_data:
-            metrics.update(self.evaluate(step))
+        """The step's metrics to metrics.jsonl and the loggers, then the evaluation when one is due (of
+        the weights the step trained, to eval.jsonl)."""
         self.metrics.log(step, metrics, {"trained_groups": batch.trained_groups}, note=batch.note)
+        interval = self.cfg.evaluation.eval_interval
+        if self.eval_sets and interval and (step + 1) % interval == 0:
+            self.evaluate(step + 1)
         if self.ctx.timeline is not None:
             self.records.write_trace(self.ctx.timeline.drain())
 
@@ -349,28 +354,16 @@ class RolloutRole(RolloutSteps):
         if self.ctx.timeline is not None:
             self.ctx.timeline.extend(events)
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        cfg = self.cfg
-        eval_rollout = dataclasses.replace(
-            cfg.rollout,
-            n_samples_per_prompt=cfg.rollout.n_samples_per_eval_prompt,
-            rollout_temperature=cfg.rollout.rollout_temperature
-            if cfg.rollout.eval_temperature is None
-            else cfg.rollout.eval_temperature,
-            rollout_batch_size=len(self.eval_data.rows),
-            dynamic_sampling_filter_path=None,
-        )
-        ctx = dataclasses.replace(self.ctx, rollout=eval_rollout)
-        self.eval_data.load_state_dict({"epoch": 0, "cursor": 0, "next_group": 0})
-
-        groups = ctx.run_sync(rollout_groups(ctx, self.eval_data, evaluation=True, rollout_id=10_000_000 + step))
-        StepReport(step, groups, label="eval at step").log(self.errors_path)
-        rewards = [float(s.reward or 0.0) for g in groups for s in g if s.status != Status.FAILED]
-        return {
-            "eval/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-            "eval/pass_rate": sum(x > 0 for x in rewards) / max(len(rewards), 1),
-            "eval/samples": len(rewards),
-        }
+    def evaluate(self, steps_trained: int) -> None:
+        """Every held-out dataset on the engines' weights after ``steps_trained`` steps, logged."""
+        path = self.cfg.evaluation.eval_function_path
+        eval_fn = load_function(path, what="--eval-function-path") if path else None
+        with maybe_span(self.ctx.timeline, "evaluate", "step", lane="rollout", step=steps_trained):
+            metrics, reports = evaluate(self.ctx, self.eval_sets, eval_fn, steps_trained)
+        for name, groups in reports:
+            StepReport(steps_trained, groups, label=f"eval {name} after steps").log(self.errors_path)
+        metrics["eval/weight_version"] = float(steps_trained)
+        self.metrics.log_eval(steps_trained, metrics)
 
     def close(self) -> None:
         try:

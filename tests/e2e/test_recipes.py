@@ -19,6 +19,7 @@ from train_helpers import PLUGINS, REPO, demo_train_cmd, metrics, repo_env, run
 
 from slime_mt.config.checkpoint import dump_path
 from slime_mt.inspection.dumps import load_dump
+from slime_mt.metrics import read_evals
 
 
 def test_cpu_recipe_runs(tmp_path):
@@ -40,9 +41,14 @@ def test_cpu_recipe_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
-    assert len(rows) == 3 and "eval/reward_mean" in rows[1]
+    assert len(rows) == 3 and not any(k.startswith("eval/") for r in rows for k in r)
+    # the baseline and the evaluation after step 1 (--eval-interval 2), of the dataset named after its file
+    evals = read_evals(tmp_path)
+    assert [e["step"] for e in evals] == [0, 2] and [e["eval/weight_version"] for e in evals] == [0.0, 2.0]
     held_out = (tmp_path / "data" / "test.jsonl").read_text().splitlines()
-    assert rows[1]["eval/samples"] == 2 * len(held_out)  # --n-samples-per-eval-prompt 2, none failed
+    for e in evals:
+        assert e["eval/test/samples"] == 2 * len(held_out)  # --n-samples-per-eval-prompt 2
+        assert e["eval/test/failed_rate"] == 0.0 and {"eval/test/pass@1", "eval/test/pass@2"} <= set(e)
     # what a random model's run shows (the recipe's header says so): the pipeline, not learning. The
     # env's tool turns (more than one turn a trajectory), no failure, and no reward to learn from
     for row in rows:
@@ -55,7 +61,7 @@ def test_cpu_long_trajectory_recipe_runs(tmp_path):
     with every layer recomputed, for a step of four trajectories (~50 s)."""
     proc = subprocess.run(
         ["bash", str(REPO / "examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn_cpu.sh"), "2"]
-        + ["--num-rollout", "1", "--eval-interval", "100", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+        + ["--num-rollout", "1", "--skip-eval-before-train", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
         capture_output=True,
         text=True,
         timeout=900,
