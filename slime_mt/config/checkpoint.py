@@ -73,8 +73,9 @@ class DebugConfig:
         return self.debug_train_only or self.load_debug_rollout_data is not None
 
 
-def dump_path(template: str, rollout_id: int) -> Path:
-    """The dump of step ``rollout_id`` (``{rollout_id}`` in the template, slime's placeholder)."""
+def dump_path(template: str, rollout_id: int | str) -> Path:
+    """The dump of step ``rollout_id`` (``{rollout_id}`` in the template, slime's placeholder; ``eval_N``
+    for the evaluation after N steps, as slime writes it)."""
     try:
         return Path(template.format(rollout_id=rollout_id))
     except (KeyError, IndexError, ValueError) as e:

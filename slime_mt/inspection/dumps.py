@@ -31,6 +31,9 @@ place in the records, such as ``samples/3/multimodal_train_inputs/pixel_values``
                 rollout_started, trained_groups, note
   settings      the settings the sequences and advantages were made with (sample format, merge,
                 advantage estimator, ...)
+  eval          only in the dump of an evaluation (PATH with ``{rollout_id}`` = ``eval_N``, as slime
+                names it; N the steps trained before it, 0 for the baseline): after_steps (N) and
+                datasets ([name, trajectories] in the order of ``samples``); its ``train`` is empty
 
 ``load_dump`` gives the plain form back; ``samples_of`` and ``train_batch_of`` the project's types. A
 dump is written whole (temp file, then rename), images first.
@@ -67,6 +70,20 @@ SETTINGS = (
 
 def images_dir(path: Path) -> Path:
     return path.with_name(path.stem + ".images")
+
+
+# the ``train`` records of an evaluation's dump
+NOTHING_TRAINED = {
+    "samples": [],
+    "advantages": [],
+    "merge_metrics": {},
+    "rollout_metrics": {},
+    "metrics": {},
+    "rollout_seconds": 0.0,
+    "rollout_started": 0.0,
+    "trained_groups": [],
+    "note": "",
+}
 
 
 def settings_of(cfg) -> dict:
@@ -138,10 +155,6 @@ def training_record(ts, advantage: float) -> dict:
 
 def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) -> Path:
     """Write step ``step``'s dump: the trajectories of ``groups``, the TrainBatch ``batch`` it trains."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    folder = images_dir(path)
-    samples = [sample_record(s, _write_images(s, folder, path.parent)) for g in groups for s in g]
     train = {
         "samples": [training_record(ts, a) for ts, a in zip(batch.samples, batch.advantages)],
         "advantages": [float(a) for a in batch.advantages],
@@ -153,9 +166,26 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
         "trained_groups": list(batch.trained_groups),
         "note": batch.note,
     }
+    return _write_dump(Path(path), step, [s for g in groups for s in g], {"train": train, "settings": settings})
+
+
+def save_eval_dump(path: Path, steps_trained: int, datasets: list[tuple[str, list[list]]], settings: dict) -> Path:
+    """Write the dump of the evaluation after ``steps_trained`` steps: each dataset's groups, by name, in
+    the order given (``eval.datasets`` names them and counts their trajectories); nothing was trained."""
+    eval_ = {"after_steps": steps_trained, "datasets": [[name, sum(map(len, groups))] for name, groups in datasets]}
+    train = dict(NOTHING_TRAINED)
+    samples = [s for _, groups in datasets for g in groups for s in g]
+    return _write_dump(Path(path), steps_trained, samples, {"train": train, "settings": settings, "eval": eval_})
+
+
+def _write_dump(path: Path, rollout_id: int, trajectories: list, records: dict) -> Path:
+    """The dump of ``trajectories`` (Samples, their images beside it) with the rest of its ``records``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = images_dir(path)
+    samples = [sample_record(s, _write_images(s, folder, path.parent)) for s in trajectories]
     tensors: dict[str, torch.Tensor] = {}
-    for where, records in (("samples", samples), ("train", train["samples"])):
-        for i, record in enumerate(records):
+    for where, rows in (("samples", samples), ("train", records["train"]["samples"])):
+        for i, record in enumerate(rows):
             for key, value in (record["multimodal_train_inputs"] or {}).items():
                 tensors[f"{where}/{i}/multimodal_train_inputs/{key}"] = value
             if record["multimodal_train_inputs"]:
@@ -166,9 +196,9 @@ def save_dump(path: Path, step: int, groups: list[list], batch, settings: dict) 
     data = {
         "format": FORMAT,
         "version": VERSION,
-        "rollout_id": step,
+        "rollout_id": rollout_id,
         "created": time.time(),
-        "records": json.dumps({"samples": samples, "train": train, "settings": settings}, default=repr),
+        "records": json.dumps({"samples": samples, **records}, default=repr),
         "tensors": tensors,
     }
     _save_whole(data, path)

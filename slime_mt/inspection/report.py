@@ -52,12 +52,14 @@ def run_config(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
-def dump_files(run_dir: Path, template: str | None = None) -> dict[int, Path]:
-    """step -> dump file, from ``template`` or the run's ``--save-debug-rollout-data``."""
+def dump_files(run_dir: Path, template: str | None = None, evaluation: bool = False) -> dict[int, Path]:
+    """step -> dump file, from ``template`` or the run's ``--save-debug-rollout-data``; with
+    ``evaluation``, steps trained -> the dump of the evaluation after them (``eval_N``)."""
     template = template or (run_config(run_dir).get("debug") or {}).get("save_debug_rollout_data")
     if not template:
         return {}
-    pattern = re.compile(re.escape(template).replace(re.escape("{rollout_id}"), r"(\d+)") + "$")
+    rollout_id = r"eval_(\d+)" if evaluation else r"(\d+)"
+    pattern = re.compile(re.escape(template).replace(re.escape("{rollout_id}"), rollout_id) + "$")
     found = {}
     for name in glob.glob(template.replace("{rollout_id}", "*")):
         match = pattern.match(name)
@@ -239,7 +241,15 @@ def step_view(data: dict, folder: Path, ids_seen: set[int]) -> dict:
                 ],
             }
         )
-    return {"step": data["rollout_id"], "samples": samples, "note": data["train"]["note"]}
+    view = {"step": data["rollout_id"], "label": f"step {data['rollout_id']}", "samples": samples}
+    view["note"] = data["train"]["note"]
+    if "eval" in data:  # an evaluation's dump: each trajectory's dataset, in the order of the samples
+        names = [name for name, count in data["eval"]["datasets"] for _ in range(count)]
+        for sample, name in zip(samples, names, strict=True):
+            sample["dataset"] = name
+        view["label"] = f"eval after {data['eval']['after_steps']} steps"
+        view["datasets"] = data["eval"]["datasets"]
+    return view
 
 
 def _pieces(tokenizer_path: str | None, ids: set[int]) -> dict[int, str]:
@@ -260,8 +270,10 @@ def page_data(run_dir: Path, step: int | None = None, dumps: str | None = None) 
         raise InspectError(f"{run_dir}: not a folder")
     rows = read_metrics_rows(run_dir)
     files = selected(dump_files(run_dir, dumps), step, run_dir)
+    evals = dump_files(run_dir, dumps, evaluation=True) if step is None else {}  # --step: that step's alone
+    files = [*files.values(), *evals.values()]
     ids: set[int] = set()
-    steps = [step_view(load_dump(path), path.parent, ids) for path in files.values()]
+    steps = [step_view(load_dump(path), path.parent, ids) for path in files]
     config = run_config(run_dir)
     curves = {
         title: {key: [[r["step"], r[key]] for r in rows if isinstance(r.get(key), (int, float))] for key in keys}
@@ -320,10 +332,11 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
     for key, points in eval_curves(read_evals(run_dir)).items():  # each eval dataset's curve
         lines.append(f"{key}: " + ", ".join(f"{v:.4g} after {int(s)} steps" for s, v in points))
     files = dump_files(run_dir, dumps)
-    if not files:
+    evals = dump_files(run_dir, dumps, evaluation=True)
+    if not files and not evals:
         lines.append("no rollout dumps (run with --save-debug-rollout-data to see trajectories)")
         return "\n".join(lines)
-    for k, path in selected(files, step, run_dir).items():
+    for k, path in selected(files, step, run_dir).items() if files else ():
         data = load_dump(path)
         samples = data["samples"]
         statuses = Counter(s["status"] for s in samples)
@@ -349,4 +362,22 @@ def text_summary(run_dir: Path, step: int | None = None, dumps: str | None = Non
                     f"{len(s['turns'])} turns, {generated} generated + {s['response_length'] - generated} observation "
                     f"tokens, termination {s['metadata'].get('termination')}"
                 )
+    for k, path in evals.items() if step is None else ():  # --step: that step's dump alone
+        lines.append(f"eval after {k} steps: " + "; ".join(eval_dump_lines(load_dump(path))))
     return "\n".join(lines)
+
+
+def eval_dump_lines(data: dict) -> list[str]:
+    """Per dataset of an evaluation's dump: its trajectories, their statuses and reward mean."""
+    out, start = [], 0
+    for name, count in data["eval"]["datasets"]:
+        samples = data["samples"][start : start + count]
+        start += count
+        statuses = Counter(s["status"] for s in samples)
+        rewards = scored_rewards(samples)
+        out.append(
+            f"{name} {count} samples, "
+            + ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+            + (f", reward mean {statistics.fmean(rewards):.4g}" if rewards else "")
+        )
+    return out

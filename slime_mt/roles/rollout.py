@@ -362,6 +362,7 @@ class RolloutRole(RolloutSteps):
             metrics, reports = evaluate(self.ctx, self.eval_sets, eval_fn, steps_trained)
         for name, groups in reports:
             StepReport(steps_trained, groups, label=f"eval {name} after steps").log(self.errors_path)
+        self.records.evaluated(steps_trained, reports)
         metrics["eval/weight_version"] = float(steps_trained)
         self.metrics.log_eval(steps_trained, metrics)
 

@@ -2,11 +2,12 @@
 datasets in a training run: the baseline before the first step and after every --eval-interval steps,
 each dataset with its own samples per prompt and the defaults' sampling, the metric names slime users
 read, the curves in the summary and the plot; no evaluated sample reaches a training batch (the dumps of
-what each step trained); ``slime-mt eval`` on the run's final checkpoint reproduces its last evaluation
-(greedy: a sampled token may differ where the engine's batches differ, as the weights pushed to an engine
-and the same weights loaded from the checkpoint agree to 1e-5, tests/e2e/test_ray_faults.py).
-The demo's secret-word game (two turns, an environment) on the tiny Qwen2, two
-steps of four samples, two evaluations of 16 + 2 + 1 trajectories (a held-out word a dataset)."""
+what each step trained), each evaluation is dumped apart (``eval_N``, as slime names it); ``slime-mt
+eval`` on the run's final checkpoint reproduces its last evaluation (greedy: a sampled token may differ
+where the engine's batches differ, as the weights pushed to an engine and the same weights loaded from
+the checkpoint agree to 1e-5, tests/e2e/test_ray_faults.py). The demo's secret-word game (two turns, an
+environment) on the tiny Qwen2, two steps of four samples, two evaluations of 16 + 2 + 1 trajectories (a
+held-out word a dataset)."""
 
 import json
 import subprocess
@@ -19,7 +20,7 @@ from train_helpers import PLUGINS, REPO, STOPS, TWO_SMALL_STEPS, demo_train_cmd,
 
 from slime_mt.config.checkpoint import dump_path
 from slime_mt.inspection.dumps import load_dump
-from slime_mt.inspection.report import text_summary
+from slime_mt.inspection.report import dump_files, text_summary
 from slime_mt.metrics import read_evals
 
 
@@ -78,6 +79,19 @@ def test_no_evaluated_sample_reaches_a_training_batch(evaluated):
         assert {s["metadata"]["rollout_id"] for s in dump["samples"]} == {step}
         assert {s["label"] for s in dump["samples"]} <= train
         assert len(dump["train"]["samples"]) == 4
+    assert list(dump_files(run_dir)) == [0, 1]  # an evaluation's dump is no training step's (replay reads these)
+    # each evaluation's own dump (slime's eval_N): the held-out rows only, nothing trained, its figures
+    evals = read_evals(run_dir)
+    assert list(dump_files(run_dir, evaluation=True)) == [e["step"] for e in evals] == [0, 2]
+    for e in evals:
+        dump = load_dump(dump_path(dump_template(run_dir), f"eval_{e['step']}"))
+        assert dump["eval"] == {"after_steps": e["step"], "datasets": [["aime", 16], ["gpqa", 2], ["ifbench", 1]]}
+        assert {s["label"] for s in dump["samples"]} <= held_out and dump["train"]["samples"] == []
+        start = 0
+        for name, count in dump["eval"]["datasets"]:
+            rewards = [s["reward"] for s in dump["samples"][start : start + count]]
+            start += count
+            assert sum(rewards) / count == pytest.approx(e[f"eval/{name}/reward_mean"])
 
 
 def test_the_summary_and_the_plot_show_each_datasets_curve(evaluated):
@@ -85,6 +99,7 @@ def test_the_summary_and_the_plot_show_each_datasets_curve(evaluated):
     summary = text_summary(run_dir)
     for name in ("aime", "gpqa", "ifbench"):
         assert f"eval/{name}/reward_mean: " in summary and "after 0 steps" in summary
+    assert "eval after 2 steps: aime 16 samples, " in summary and "; ifbench 1 samples, 1 " in summary
     proc = run([sys.executable, "-m", "slime_mt.cli", "plot", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "plots" / "reward.png").stat().st_size > 0
@@ -94,11 +109,14 @@ def test_slime_mt_eval_on_the_final_checkpoint_reproduces_the_runs_last_evaluati
     run_dir, _, _, cmd = evaluated
     flags = cmd[cmd.index("train") + 1 :]
     flags[flags.index("--log-dir") + 1] = str(tmp_path)
+    flags[flags.index("--save-debug-rollout-data") + 1] = dump_template(tmp_path)
     proc = run([sys.executable, "-m", "slime_mt.cli", "eval", *flags, "--load", str(run_dir / "ckpt")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"the weights after 2 steps, evaluated into {tmp_path / 'eval.jsonl'}" in proc.stdout
     (offline,) = read_evals(tmp_path)
     assert offline == read_evals(run_dir)[-1]
+    ours, theirs = (load_dump(dump_path(dump_template(d), "eval_2")) for d in (tmp_path, run_dir))
+    assert [s["tokens"] for s in ours["samples"]] == [s["tokens"] for s in theirs["samples"]]  # token for token
     # without held-out datasets there is nothing to evaluate: said before anything starts
     bare = flags[: flags.index("--eval-config")] + flags[flags.index("--eval-config") + 2 :]
     refused = run([sys.executable, "-m", "slime_mt.cli", "eval", *bare])

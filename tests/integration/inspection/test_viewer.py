@@ -14,7 +14,7 @@ from train_helpers import REPO
 
 from slime_mt.config.checkpoint import dump_path
 from slime_mt.inspection.dumps import add_train_log_probs, save_dump
-from slime_mt.inspection.report import write_report
+from slime_mt.inspection.report import page_data, write_report
 from slime_mt.plugins import load_module
 
 
@@ -158,3 +158,34 @@ def test_the_page_filters_sorts_searches_and_draws_the_log_prob_heat_map_of_the_
     summary = text_summary(tmp_path, dumps=str(tmp_path / "dumps/rollout_{rollout_id}.pt"), step=0)
     assert f"reward mean {row['rollout/reward_mean']:.4g}" in summary  # 0.3333, FAILED ones left out
     assert "sample 3 (group 0): failed, reward none" in summary
+
+
+def test_an_evaluations_dump_is_shown_apart_naming_its_datasets(browser, tmp_path):
+    """Issue 69 item 2: the dump of an evaluation (``eval_N`` in the template, as slime names it) is a
+    button of its own after the training steps, its summary names each dataset and its trajectories,
+    a trajectory says it was evaluated, not trained; the text summary gives each dataset's figures;
+    it is no training step's dump (a replay reads those) and ``--step`` shows that step alone."""
+    from slime_mt.inspection.dumps import save_eval_dump
+    from slime_mt.inspection.report import dump_files, text_summary
+
+    template = str(tmp_path / "dumps/rollout_{rollout_id}.pt")
+    samples, _ = mixed_step(tmp_path)
+    datasets = [("gsm8k", [samples[:4]]), ("math", [samples[4:]])]
+    save_eval_dump(dump_path(template, "eval_2"), 2, datasets, {})
+    assert list(dump_files(tmp_path, template)) == [0] and list(dump_files(tmp_path, template, evaluation=True)) == [2]
+    page, errors = open_page(browser, write_report(tmp_path, tmp_path / "eval.html", dumps=template))
+    buttons = page.locator("#steps button")
+    assert buttons.all_inner_texts() == ["step 0", "eval after 2 steps"]
+    buttons.nth(1).click()
+    counts = page.locator("#counts")
+    assert counts.get_attribute("data-samples") == "8"
+    assert counts.inner_text().startswith("eval after 2 steps: 8 samples") and "gsm8k 4, math 4" in counts.inner_text()
+    page.locator("tr.sample-row").nth(5).click()
+    assert page.locator("tr.detail .meta").first.inner_text() == "evaluated on math (not trained)"
+    assert errors == []
+    summary = text_summary(tmp_path, dumps=template)
+    # gsm8k: samples 0-3, one FAILED (reward none), one truncated; math: samples 4-7, one FAILED
+    assert "eval after 2 steps: gsm8k 4 samples, 2 completed, 1 truncated, 1 failed, reward mean 0.3333; " in summary
+    assert "math 4 samples, 3 completed, 1 failed, reward mean 0.3333" in summary
+    assert "eval after" not in text_summary(tmp_path, dumps=template, step=0)
+    assert len(page_data(tmp_path, step=0, dumps=template)["steps"]) == 1
