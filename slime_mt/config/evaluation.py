@@ -237,8 +237,6 @@ def _resolve(cfg, entry: dict, defaults: dict, where: str) -> EvalDataset:
     path = entry.get("path")
     if not path:
         raise ConfigError(f"{here}: has no path")
-    if not os.path.isfile(str(path)):
-        raise ConfigError(f"{here}: {path}: no such file")
     values = {}
     for key, fallbacks in FALLBACKS.items():
         if key in entry:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import statistics
 
 from slime_mt.config import EvalDataset, eval_datasets
@@ -33,6 +34,8 @@ def load_eval_sets(cfg) -> list[EvalSet]:
     dataset's ``rm_type`` goes into each row's metadata, as slime's ``inject_metadata`` puts it."""
     sets = []
     for d in eval_datasets(cfg):
+        if not os.path.isfile(d.path):  # read here, not when the flags are: --dry-run needs no data
+            raise DatasetError(f"eval dataset {d.name!r}: {d.path}: no such file")
         try:
             rows = load_rows(d.path, d.data_config(cfg.data))
         except DatasetError as err:

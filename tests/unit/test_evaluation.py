@@ -74,7 +74,6 @@ ONE = "eval:\n  datasets:\n    - name: x\n      path: {aime}\n"  # one dataset, 
     [
         ("eval:\n  datasets: []\n", "defines no datasets under eval.datasets"),
         ("eval:\n  datasets:\n    - path: {aime}\n", r"eval.datasets\[0\] must be a mapping with a name"),
-        (ONE.replace("{aime}", "/nowhere.jsonl"), "dataset 'x': /nowhere.jsonl: no such file"),
         (ONE + "      topp: 0.7\n", "dataset 'x': unknown key 'topp'"),
         (ONE + "      app_service: u\n", "app_service is slime's"),
         (ONE.replace("eval:\n", "eval:\n  defaults:\n    top_pp: 1\n"), "eval.defaults: unknown"),
@@ -90,6 +89,15 @@ ONE = "eval:\n  datasets:\n    - name: x\n      path: {aime}\n"  # one dataset, 
 def test_bad_eval_configs_are_refused_naming_the_dataset_and_key(tmp_path, files, text, message):
     with pytest.raises(ConfigError, match=message):
         config(tmp_path, files, text=text)
+
+
+def test_a_missing_file_is_named_when_the_rows_are_read_not_by_a_dry_run(tmp_path, files):
+    """The flags alone do not need the data (``--dry-run`` prints a GPU recipe's configuration where its
+    files are not); reading the rows, as preflight does before the run, names the dataset and file."""
+    cfg = config(tmp_path, files, text=ONE.replace("{aime}", "/nowhere.jsonl"))
+    assert [d.path for d in eval_datasets(cfg)] == ["/nowhere.jsonl"]
+    with pytest.raises(DatasetError, match="eval dataset 'x': /nowhere.jsonl: no such file"):
+        load_eval_sets(cfg)
 
 
 def test_a_row_without_the_datasets_key_names_the_dataset(tmp_path, files):
