@@ -14,15 +14,13 @@ import dataclasses
 import difflib
 import json
 import logging
-import os
 import shlex
 import types
 import typing
 from typing import Any
 
-import yaml
-
 from slime_mt.config import ALIASES, FIELDS, GROUPS, Config, flag_name, validate
+from slime_mt.config.fields import read_yaml
 from slime_mt.config.slime_flags import refused
 from slime_mt.errors import ConfigError
 
@@ -232,13 +230,7 @@ def build_config(values: dict[str, Any], custom: dict[str, Any] | None = None) -
 
 def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a YAML settings file -> (known settings coerced to their types, custom keys)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml(path, path, f"config file not found: {path}")
     if data is None:
         return {}, {}
     if not isinstance(data, dict):

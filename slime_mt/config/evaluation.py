@@ -13,9 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from slime_mt.config.fields import group, option, positive, require
+from slime_mt.config.fields import group, option, positive, read_yaml, require
 from slime_mt.config.rollout import check_rm_type
 from slime_mt.errors import ConfigError, RewardError
 
@@ -189,13 +187,7 @@ def _read_eval_config(path: str) -> tuple[list[dict], dict]:
     """slime's layout: a mapping with ``eval`` (or the eval mapping itself) holding ``defaults`` and
     ``datasets`` (a list of entries with a ``name``, or a mapping from name to entry)."""
     where = f"--eval-config {path}"
-    if not os.path.isfile(path):
-        raise ConfigError(f"{where}: no such file")
-    with open(path) as fh:
-        try:
-            data = yaml.safe_load(fh)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    data = read_yaml(path, where, f"{where}: no such file")
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must hold a mapping at the top (eval: {{defaults: ..., datasets: [...]}})")
     section = data.get("eval", data)

@@ -1,12 +1,16 @@
 """What every option group is made of: a field (``option``: its default, help text and argparse extras),
 the registration of a group's dataclass (``group``), a field's flag name, and the rule helper every
-group's validation raises through (``require``: a ConfigError naming the flag and its value)."""
+group's validation raises through (``require``: a ConfigError naming the flag and its value), and the
+reader of a YAML settings file (``read_yaml``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import field
 from typing import Any
+
+import yaml
 
 from slime_mt.errors import ConfigError
 
@@ -22,6 +26,18 @@ def option(default: Any, help: str, **meta: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
+
+
+def read_yaml(path: str, where: str, missing: str) -> Any:
+    """A YAML file's contents (None when it is empty); a missing file raises ``missing``, bad YAML a
+    ConfigError naming ``where``."""
+    if not os.path.isfile(path):
+        raise ConfigError(missing)
+    with open(path) as fh:
+        try:
+            return yaml.safe_load(fh)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{where}: not valid YAML: {err}") from None
 
 
 def group(name: str):
