@@ -5,7 +5,8 @@ list), ``image_data`` (per request a list: data URI, raw base64, path or ``file:
 ``sampling_params``, ``return_logprob``, ``logprob_start_len``, ``return_text_in_logprobs``,
 ``return_prompt_token_ids``, ``return_routed_experts`` with ``routed_experts_start_len`` (MoE models:
 ``slime_mt/routes.py``), ``priority`` (an integer; served as SGLang serves it with
-``--enable-priority-scheduling``: higher first), ``rid`` (a batch's string rid is a prefix: ``rid_0``,
+``--enable-priority-scheduling``: higher first; a request without one after every request with one),
+``rid`` (a batch's string rid is a prefix: ``rid_0``,
 ``rid_1``, ...).
 As in SGLang, null means the default for every field; numbers are range- and finiteness-checked as
 ``SamplingParams.verify`` does. Unknown top-level keys are ignored, but SGLang features this engine
@@ -142,7 +143,9 @@ class GenerateRequest:
     return_prompt_token_ids: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0  # SGLang's: rows cover [start, prompt + output - 1)
-    priority: int = 0  # SGLang's (--enable-priority-scheduling): higher first, first come first among equals
+    # SGLang's (--enable-priority-scheduling): higher first, first come first among equals; None (none
+    # given) after every request that has one, as SGLang's scheduler sets it (-sys.maxsize - 1)
+    priority: int | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -326,8 +329,8 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
             raise ProtocolError(
                 f"routed_experts_start_len{suffix} must be an integer >= 0, got {show(routed_start[i])}"
             )
-        priority = 0 if priorities[i] is None else priorities[i]
-        if not _is_int(priority):
+        priority = priorities[i]
+        if priority is not None and not _is_int(priority):
             raise ProtocolError(f"priority{suffix} must be an integer, got {show(priorities[i])}")
         requests.append(
             GenerateRequest(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -301,9 +302,9 @@ class Scheduler:
 
     def _next_waiting(self) -> Job:
         """The waiting request admitted next: the highest priority, the earliest among equals (SGLang's
-        ``--enable-priority-scheduling`` order; a request without one has priority 0, so without
-        priorities this is first come, first served)."""
-        job = max(self._waiting, key=lambda j: j.request.priority)  # max keeps the first of equals
+        ``--enable-priority-scheduling`` order; a request without one comes after every request with
+        one, so without priorities this is first come, first served)."""
+        job = max(self._waiting, key=_priority)  # max keeps the first of equals
         self._waiting.remove(job)
         return job
 
@@ -581,3 +582,9 @@ class Scheduler:
         except InvalidStateError:  # cancelled by its waiter meanwhile
             if error is None:
                 self.finished_requests -= 1
+
+
+def _priority(job: Job) -> int:
+    """A waiting job's rank: its request's priority, or SGLang's for none (``-sys.maxsize - 1``)."""
+    priority = job.request.priority
+    return -sys.maxsize - 1 if priority is None else priority

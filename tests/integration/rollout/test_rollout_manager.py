@@ -143,7 +143,7 @@ def test_no_trained_token_is_staler_than_the_bound_and_the_slow_group_is_dropped
     with requests_seen(engine) as seen:
         batches, manager, data, ctx = run_steps(engine, tmp_path, 5, max_staleness=staleness)
     try:
-        assert seen and all(priority == 0 for _, priority in seen)  # without --oldest-groups-first: none
+        assert seen and all(priority is None for _, priority in seen)  # without --oldest-groups-first: none
         trained = [g[0].group_index for _, b in batches for g in b.groups]
         assert len(trained) == len(set(trained)) == 2 * len(batches)  # each step took two groups, none twice
         for step, batch in batches:

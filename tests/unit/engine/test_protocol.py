@@ -37,16 +37,17 @@ def test_batch_request_spreads_fields():
     assert reqs[0].rid != reqs[1].rid
 
 
-def test_priority_is_per_request_and_zero_by_default():
-    """SGLang's ``priority`` (--enable-priority-scheduling): one value, one per prompt, or none (0)."""
+def test_priority_is_per_request_and_none_by_default():
+    """SGLang's ``priority`` (--enable-priority-scheduling): one value, one per prompt, or none (None:
+    the scheduler serves it after every request with one, as SGLang's sets it to -sys.maxsize - 1)."""
     [req], _ = parse_generate({"input_ids": [1], "priority": -3}, vocab_size=10)
     assert req.priority == -3
     reqs, _ = parse_generate({"input_ids": [[1], [2]], "priority": [2, None]}, vocab_size=10)
-    assert [r.priority for r in reqs] == [2, 0]
+    assert [r.priority for r in reqs] == [2, None]
     reqs, _ = parse_generate({"input_ids": [[1], [2]], "priority": 4}, vocab_size=10)
     assert [r.priority for r in reqs] == [4, 4]
     [req], _ = parse_generate({"input_ids": [1]}, vocab_size=10)
-    assert req.priority == 0
+    assert req.priority is None
 
 
 @pytest.mark.parametrize(
