@@ -354,15 +354,15 @@ def goal_figures(runs: list[dict[str, dict]], name: str) -> dict[str, list[float
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_arguments(doc: str) -> argparse.ArgumentParser:
+    """The workload's flags (steps, batch, samples, env step times, torch threads), which
+    ``benchmarks/async_eval.py`` shares."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4, help="prompt groups per step")
     parser.add_argument("--samples", type=int, default=4, help="trajectories per prompt")
     parser.add_argument("--fast", type=float, default=0.5, help="seconds of an env step")
     parser.add_argument("--slow", type=float, default=5.0, help="seconds of a slow env step (one in ten)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="sync first")
-    parser.add_argument("--runs", type=int, default=3, help="runs of every mode; the goals hold for the median")
     parser.add_argument(
         "--threads",
         type=int,
@@ -370,6 +370,13 @@ def main() -> int:
         help="torch threads of the engine's and of the trainer's process (0: torch's default, each takes every "
         "core and they oversubscribe them)",
     )
+    return parser
+
+
+def main() -> int:
+    parser = workload_arguments(__doc__)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="sync first")
+    parser.add_argument("--runs", type=int, default=3, help="runs of every mode; the goals hold for the median")
     args = parser.parse_args()
     runs = [one_run(args, run) for run in range(args.runs)]
     failed = []

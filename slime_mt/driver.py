@@ -153,7 +153,7 @@ def eval_only(cfg: Config, run_dir: Path | None = None) -> int:
     if not cfg.evaluation.eval_prompt_data and not cfg.evaluation.eval_config:
         raise ConfigError("slime-mt eval needs held-out datasets: --eval-config or --eval-prompt-data")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hf_checkpoint=served))
-    side = RolloutRole.start(cfg, run_dir or run_dir_of(cfg), sends_weights=False)
+    side = RolloutRole.start(cfg, run_dir or run_dir_of(cfg), sends_weights=False, version=steps_trained)
     try:
         side.evaluate(steps_trained)
     finally:

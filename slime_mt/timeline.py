@@ -6,7 +6,7 @@ What a span lands on:
   process ("pid")   a role: the rollout role, trainer rank r, environment worker k, rollout process k
   lane ("tid")      inside a role: one per trajectory (``sample G/I``, where its ``generate`` engine
                     calls, ``env.step`` and ``reward`` nest inside its ``sample`` span), ``steps`` (the
-                    step's phases), ``weights`` (updates), ``update gate`` (pauses), ``train``
+                    step's phases), ``eval`` (evaluations), ``weights`` (updates), ``update gate`` (pauses), ``train``
 Within a lane, spans nest or are disjoint (a trajectory's calls are sequential).
 
 Each process collects its spans in its ``Timeline`` (no global: the rollout context, the client and

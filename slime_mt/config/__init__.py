@@ -32,7 +32,14 @@ from slime_mt.config.algo import AlgoConfig, validate_algo
 from slime_mt.config.checkpoint import CheckpointConfig, DebugConfig, validate_checkpoint, validate_debug
 from slime_mt.config.cluster import ClusterConfig, validate_cluster
 from slime_mt.config.engine import EngineConfig, engine_args, extra_arg, validate_engine
-from slime_mt.config.evaluation import EvalConfig, EvalDataset, eval_datasets, validate_eval
+from slime_mt.config.evaluation import (
+    EvalConfig,
+    EvalDataset,
+    eval_beside_rollout,
+    eval_datasets,
+    priority_scheduling,
+    validate_eval,
+)
 from slime_mt.config.fields import GROUP_CLASSES, REGISTERED, flag_name
 from slime_mt.config.rollout import DataConfig, RolloutConfig, validate_rollout
 from slime_mt.config.training import TrainConfig, validate_training
@@ -56,9 +63,11 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "engine_args",
+    "eval_beside_rollout",
     "eval_datasets",
     "extra_arg",
     "flag_name",
+    "priority_scheduling",
     "validate",
 ]
 

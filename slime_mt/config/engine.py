@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime_mt.config.evaluation import priority_scheduling
 from slime_mt.config.fields import group, option, positive, require
 from slime_mt.errors import ConfigError
 
@@ -188,13 +189,16 @@ def _validate_vllm(cfg) -> None:
             "disk or from the weight group (use --weight-transport disk or distributed)"
         )
     policy = extra_arg(cfg.engine.vllm_extra_args, "--scheduling-policy")
-    if cfg.rollout.oldest_groups_first and policy is not None:
+    if priority_scheduling(cfg) and policy is not None:
+        why = "oldest_groups_first" if cfg.rollout.oldest_groups_first else "eval_interval"
         require(
             policy == "priority",
-            "oldest_groups_first",
-            True,
+            why,
+            True if why == "oldest_groups_first" else cfg.evaluation.eval_interval,
             f"--vllm-extra-args sets --scheduling-policy {policy}; vLLM takes request priorities only "
-            "with --scheduling-policy priority (drop it: the launch adds it)",
+            "with --scheduling-policy priority (drop it: the launch adds it"
+            + ("" if why == "oldest_groups_first" else "; an evaluation beside the rollout asks last")
+            + ")",
         )
     if cfg.engine.engine_cache_tokens:
         raise ConfigError(

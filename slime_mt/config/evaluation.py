@@ -183,6 +183,25 @@ def eval_datasets(cfg) -> list[EvalDataset]:
     return datasets
 
 
+def eval_beside_rollout(cfg) -> bool:
+    """``--async`` and ``--fully-async`` evaluate beside the rollout (``roles/rollout.py``): an evaluation
+    runs on the engines while the next step generates and trains, and the next weight update waits for
+    it, so it sees the weights it evaluates and no others. Sync runs evaluate between steps."""
+    e, r = cfg.evaluation, cfg.rollout
+    return bool(e.eval_interval and (e.eval_config or e.eval_prompt_data) and (r.async_mode or r.fully_async))
+
+
+def priority_scheduling(cfg) -> bool:
+    """Requests carry priorities: under ``--oldest-groups-first``, and where an evaluation runs beside
+    the rollout (its requests last). Engines the run launches are started to schedule by them; an
+    ``--engine-url`` SGLang server started without ``--enable-priority-scheduling`` ignores them (the
+    embedded engine always schedules by them), and an ``--engine-url`` vLLM server started without
+    ``--scheduling-policy priority`` would refuse them, so its evaluation asks as the rollout does."""
+    if cfg.rollout.oldest_groups_first:
+        return True
+    return eval_beside_rollout(cfg) and not (cfg.engine.engine_url and cfg.engine.engine == "vllm")
+
+
 def _read_eval_config(path: str) -> tuple[list[dict], dict]:
     """slime's layout: a mapping with ``eval`` (or the eval mapping itself) holding ``defaults`` and
     ``datasets`` (a list of entries with a ``name``, or a mapping from name to entry)."""

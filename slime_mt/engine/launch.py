@@ -393,15 +393,16 @@ SGLANG_PRIORITY_FLAG = "--enable-priority-scheduling"  # higher priority values 
 VLLM_PRIORITY_FLAGS = "--scheduling-policy priority"  # lower values first
 
 
-def engine_config_for(engine: EngineConfig, routed_experts: bool, oldest_first: bool = False) -> EngineConfig:
+def engine_config_for(engine: EngineConfig, routed_experts: bool, priority: bool = False) -> EngineConfig:
     """The engines' settings for a run: with ``--use-rollout-routing-replay`` SGLang servers are
-    launched with ``--enable-return-routed-experts`` (the embedded engine always records routes); with
-    ``--oldest-groups-first`` SGLang with ``--enable-priority-scheduling`` and vLLM with
-    ``--scheduling-policy priority`` (the embedded engine always schedules by priority)."""
+    launched with ``--enable-return-routed-experts`` (the embedded engine always records routes); where
+    requests carry priorities (``config.priority_scheduling``: ``--oldest-groups-first``, an evaluation
+    beside the rollout) SGLang with ``--enable-priority-scheduling`` and vLLM with ``--scheduling-policy
+    priority`` (the embedded engine always schedules by priority)."""
     sglang = _with_flags(
-        engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * oldest_first
+        engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * priority
     )
-    vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * oldest_first)
+    vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * priority)
     if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
         return engine
     return dataclasses.replace(engine, sglang_extra_args=sglang, vllm_extra_args=vllm)

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from slime_mt.engine.clients.priority import group_version
+from slime_mt.engine.clients.priority import EVALUATION, group_version, set_rank
 from slime_mt.engine.images import encode_image
 from slime_mt.engine.protocol import collapse_image_pads
 from slime_mt.errors import EncodingError, GatewayError
@@ -122,6 +122,7 @@ class Session:
 
     def __init__(self, ctx: RolloutContext, sample: Sample, sampling_params: dict, settings, model_name: str = ""):
         self.sid = secrets.token_urlsafe(24)
+        self.evaluation = group_version.get() == EVALUATION  # opened in its trajectory's task (set_rank)
         self.ctx, self.sample, self.settings, self.model_name = ctx, sample, settings, model_name
         self.sampling_params = dict(sampling_params)
         self.buffer = MultimodalBuffer()
@@ -205,6 +206,13 @@ class Session:
         params["no_stop_trim"] = True  # the ids keep the stop string; the content is cut here
         return params
 
+    def _rank(self) -> None:
+        """This call's engine requests rank as its trajectory's (``set_rank``): by its group's age, an
+        evaluation's last (the gateway answers in a task of its own, outside the trajectory's)."""
+        ctx = self.ctx
+        start_version = self.sample.metadata.get("start_version")
+        set_rank(ctx.priority_scheduling, ctx.rollout.oldest_groups_first, start_version, self.evaluation)
+
     async def complete(self, request: ChatRequest) -> Completion:
         """Render, generate (``n`` choices), record -> the answer. GatewayError for what the request
         asks that cannot be served (the context budget included). A request whose text cannot fit the
@@ -244,8 +252,7 @@ class Session:
                 call_index,
             )
         started = time.perf_counter()
-        if self.ctx.rollout.oldest_groups_first:  # this call's engine requests rank by the sample's group
-            group_version.set(self.sample.metadata.get("start_version"))
+        self._rank()
         results = await asyncio.gather(
             *(
                 generate_turn(

@@ -19,20 +19,21 @@ from pathlib import Path
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.cluster.supervisor import EngineSupervisor
 from slime_mt.compat import SlimeCompat
-from slime_mt.config import Config
+from slime_mt.config import Config, eval_beside_rollout, priority_scheduling
 from slime_mt.data import PromptDataset
 from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.engine.weights.fp8 import rollout_checkpoint
 from slime_mt.engine.weights.sync import EngineWeights, UpdatePlan, transport_for
 from slime_mt.errors import DatasetError, RolloutFailedError
 from slime_mt.inspection.records import RunRecords
-from slime_mt.metrics import MetricsLogger
+from slime_mt.metrics import MetricsLogger, read_evals
 from slime_mt.plugins import load_function
 from slime_mt.roles.batches import next_batch_for
+from slime_mt.roles.evaluations import Evaluations
 from slime_mt.roles.replay import ReplayRole
 from slime_mt.roles.steps import RolloutSteps
 from slime_mt.rollout.context import RolloutContext
-from slime_mt.rollout.evaluation import EvalSet, evaluate, load_eval_sets
+from slime_mt.rollout.evaluation import EvalSet, load_eval_sets
 from slime_mt.rollout.failures import StepReport
 from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_output
@@ -93,30 +94,38 @@ class RolloutRole(RolloutSteps):
     supervisor: object = None  # --ray: cluster/supervisor.py, starts again an engine that dies
     update_started: int = 0  # when the weight update in progress began (the trace's microseconds)
     gate_closed_at: int = 0
+    evaluations: Evaluations | None = None  # the held-out datasets' evaluations (roles/evaluations.py)
 
     @classmethod
     def start(
-        cls, cfg: Config, run_dir: Path, engine_actors: list | None = None, sends_weights: bool = True
+        cls,
+        cfg: Config,
+        run_dir: Path,
+        engine_actors: list | None = None,
+        sends_weights: bool = True,
+        version: int = 0,
     ) -> RolloutRole:
-        """Data, engines (launched, or the ``--engine-url`` ones), the rollout context with its update
-        gate, the rollout function, the metrics logger and (``sends_weights``) the weight transport;
-        under ``--ray`` (``engine_actors``: the driver's EngineActors) the supervisor that starts again
-        an engine that dies."""
+        """Data, engines (launched, or the ``--engine-url`` ones; launched ones serve their weights as
+        ``version``), the rollout context with its update gate, the rollout function, the metrics logger
+        and (``sends_weights``) the weight transport; under ``--ray`` (``engine_actors``: the driver's
+        EngineActors) the supervisor that starts again an engine that dies."""
         from slime_mt.engine.launch import engine_config_for, start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
         eval_sets = load_eval_sets(cfg)
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
         engines = start_engines(
-            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, cfg.rollout.oldest_groups_first),
+            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg)),
             served,
             run_dir / "logs",
             seed=cfg.train.seed,
             tp_size=cfg.train.tensor_model_parallel_size,
+            weight_version=str(version),
         )
         ctx = None
         try:  # whatever fails from here stops the engines (and closes the context) before it is raised
             ctx = RolloutContext.create(cfg, cfg.train.hf_checkpoint, engines.url, engines.worker_urls)
+            ctx.start_version = version
             ctx.client.gate = UpdateGate()
             drop_long_prompts(data, ctx, cfg.data.prompt_data)
             for es in eval_sets:
@@ -154,6 +163,7 @@ class RolloutRole(RolloutSteps):
             raise
         side = cls(engines, ctx, data, eval_sets, rollout_fn, metrics, weights, run_dir / ERRORS_FILE, cfg)
         side.records = RunRecords(cfg, run_dir)
+        side.evaluations = Evaluations(side, eval_beside_rollout(cfg))
         if engine_actors:
             side.supervisor = _supervisor(cfg, engines, ctx, engine_actors)
         return side
@@ -333,11 +343,26 @@ class RolloutRole(RolloutSteps):
 
     def begin(self, start: int, split) -> None:
         """The baseline first: a run that starts from step 0 evaluates its starting weights (unless
-        ``--skip-eval-before-train``), as slime does, before any rollout."""
+        ``--skip-eval-before-train``), as slime does, before any rollout (beside the first one, under
+        ``--async`` and ``--fully-async``). A resumed run evaluates the weights it resumes from where
+        that evaluation was due and is not in eval.jsonl (it was still running beside the rollout when
+        the run stopped)."""
         e = self.cfg.evaluation
-        if start == 0 and self.eval_sets and e.eval_interval and not e.skip_eval_before_train:
-            self.evaluate(0)
+        if self.eval_sets and e.eval_interval:
+            if start == 0:
+                due = not e.skip_eval_before_train
+            else:
+                due = start % e.eval_interval == 0 and all(
+                    row["step"] != start for row in read_evals(self.metrics.run_dir)
+                )
+            if due:
+                self.evaluations.due(start)
         super().begin(start, split)
+
+    def drain(self) -> float:
+        """The step has trained: what still generates for it, and an evaluation beside it, finish
+        before the weights change -> seconds waited."""
+        return super().drain() + self.evaluations.settle()
 
     def write_step(self, step: int, batch: TrainBatch, metrics: dict[str, float]) -> None:
         """The step's metrics to metrics.jsonl and the loggers, then the evaluation when one is due (of
@@ -345,7 +370,7 @@ class RolloutRole(RolloutSteps):
         self.metrics.log(step, metrics, {"trained_groups": batch.trained_groups}, note=batch.note)
         interval = self.cfg.evaluation.eval_interval
         if self.eval_sets and interval and (step + 1) % interval == 0:
-            self.evaluate(step + 1)
+            self.evaluations.due(step + 1)
         if self.ctx.timeline is not None:
             self.records.write_trace(self.ctx.timeline.drain())
 
@@ -355,19 +380,13 @@ class RolloutRole(RolloutSteps):
             self.ctx.timeline.extend(events)
 
     def evaluate(self, steps_trained: int) -> None:
-        """Every held-out dataset on the engines' weights after ``steps_trained`` steps, logged."""
-        path = self.cfg.evaluation.eval_function_path
-        eval_fn = load_function(path, what="--eval-function-path") if path else None
-        with maybe_span(self.ctx.timeline, "evaluate", "step", lane="rollout", step=steps_trained):
-            metrics, reports = evaluate(self.ctx, self.eval_sets, eval_fn, steps_trained)
-        for name, groups in reports:
-            StepReport(steps_trained, groups, label=f"eval {name} after steps").log(self.errors_path)
-        self.records.evaluated(steps_trained, reports)
-        metrics["eval/weight_version"] = float(steps_trained)
-        self.metrics.log_eval(steps_trained, metrics)
+        """Every held-out dataset on the engines' weights after ``steps_trained`` steps, now, logged."""
+        self.evaluations.log(*self.evaluations.run(steps_trained))
 
     def close(self) -> None:
         try:
+            if self.evaluations is not None:
+                self.evaluations.close()
             self.close_batches()
         finally:
             if self.supervisor is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig
+from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig, priority_scheduling
 from slime_mt.config.rollout import rewrites_history
 from slime_mt.engine.clients import client_for
 from slime_mt.engine.clients.sglang import EngineClient, output_of
@@ -59,6 +59,7 @@ class RolloutContext:
     judge: Any = None  # envs.llm_judge.Judge, built by the first judge call (``judge_of``)
     timeline: Timeline | None = None  # this process's spans for RUN_DIR/trace.json (None: --trace off)
     route_layout: RouteLayout | None = None  # --use-rollout-routing-replay: the model's routes (routes.py)
+    priority_scheduling: bool = False  # the engines serve requests by priority (config.priority_scheduling)
 
     @classmethod
     def create(
@@ -88,6 +89,7 @@ class RolloutContext:
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)
         ctx.args.rollout_context = ctx
+        ctx.priority_scheduling = priority_scheduling(cfg)
         if cfg.train.use_rollout_routing_replay:
             ctx.route_layout = RouteLayout.of(json.loads((Path(model_path) / "config.json").read_text()))
         if cfg.debug.trace != "off":

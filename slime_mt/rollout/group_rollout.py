@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from slime_mt.engine.clients.priority import group_version
+from slime_mt.engine.clients.priority import set_rank
 from slime_mt.errors import PluginError, RolloutError
 from slime_mt.plugins import load_function
 from slime_mt.rollout.context import RolloutContext
@@ -171,8 +171,10 @@ async def run_group(
     async def one(sample: Sample) -> Sample:
         lane = ("eval " if evaluation else "") + sample_lane(sample)
         current_lane.set(lane)  # this task's engine calls and env steps land on its trajectory's lane
-        if ctx.rollout.oldest_groups_first:  # this task's engine requests rank by their group's age
-            group_version.set(sample.metadata.get("start_version"))
+        # this task's engine requests rank by their group's age, an evaluation's after every other
+        set_rank(
+            ctx.priority_scheduling, ctx.rollout.oldest_groups_first, sample.metadata.get("start_version"), evaluation
+        )
         async with semaphore:
             started = now_us()
             result = await _generate(ctx, generate, sample, sampling_params, evaluation if with_evaluation else None)

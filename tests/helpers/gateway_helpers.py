@@ -51,12 +51,15 @@ class Harness:
         self.ctx = RolloutContext.create(self.cfg, str(model_path), url, worker_urls)
         self.gateway = self.ctx.run_sync(open_gateway(self.ctx))
 
-    def open(self, index: int = 0, rollout_id: int = 0):
+    def open(self, index: int = 0, rollout_id: int = 0, rank: int | None = None):
+        """A session, opened as a trajectory's task opens it (``rank``: the one ``set_rank`` gave the task)."""
+        from slime_mt.engine.clients.priority import group_version
         from slime_mt.types import Sample
 
         sample = Sample(index=index, group_index=0, prompt="", metadata={"rollout_id": rollout_id})
 
         async def opened():
+            group_version.set(rank)
             return self.gateway.open(sample, self.ctx.sampling_params())
 
         session = self.ctx.run_sync(opened())

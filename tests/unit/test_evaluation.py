@@ -130,3 +130,41 @@ def test_a_datasets_figures_from_known_rewards():
     for k in (1, 2, 4, 8):
         assert m[f"eval/aime/pass@{k}"] == pytest.approx((pass_at_k(8, 3, k) + pass_at_k(8, 0, k)) / 2)
     assert m["eval/aime/pass@1"] == pytest.approx(3 / 16) and m["eval/aime/pass@8"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "beside", "priorities"),
+    [
+        ([], False, False),  # sync: between steps, as today
+        (["--async"], True, True),
+        (["--fully-async"], True, True),
+        (["--fully-async", "--engine-url", "http://127.0.0.1:1"], True, True),  # SGLang ignores what it does not use
+        (["--fully-async", "--engine", "vllm", "--engine-url", "http://127.0.0.1:1"], True, False),  # vLLM FCFS refuses
+        (["--fully-async", "--skip-eval-before-train"], True, True),
+    ],
+)
+def test_async_runs_evaluate_beside_the_rollout_with_their_requests_last(tmp_path, files, flags, beside, priorities):
+    """Issue 69 item 3: --async and --fully-async evaluate beside the rollout, and their requests carry
+    priorities (the evaluation's last) wherever the engines take them; without --eval-interval nothing."""
+    from slime_mt.config import eval_beside_rollout, priority_scheduling
+
+    rm = ["--custom-rm-path", "my_rm.py:rm"]  # ifbench's grader (this project has none)
+    cfg = config(tmp_path, files, *rm, "--eval-interval", "1", *flags)
+    assert (eval_beside_rollout(cfg), priority_scheduling(cfg)) == (beside, priorities)
+    assert not eval_beside_rollout(config(tmp_path, files, *rm, *flags))
+
+
+def test_an_evaluations_weight_version_is_read_from_its_samples():
+    """``eval/weight_version``: the version every turn of the evaluation was generated with (a second
+    version is named, not hidden); the steps trained where no turn recorded one."""
+    from slime_mt.roles.evaluations import weight_versions
+
+    def group(*versions):
+        return [Sample(index=i, weight_versions=[v]) for i, v in enumerate(versions)]
+
+    assert weight_versions([("a", [group("3", "3")]), ("b", [group("3")])], 3) == {"eval/weight_version": 3.0}
+    assert weight_versions([("a", [group("2", "3")])], 3) == {
+        "eval/weight_version": 2.0,
+        "eval/weight_version_max": 3.0,
+    }
+    assert weight_versions([("a", [[Sample(index=0)]])], 4) == {"eval/weight_version": 4.0}

@@ -242,6 +242,8 @@ class EngineClient:
         limit = timeout or self.timeout
         engine = engine or where.rsplit("/", 1)[0]  # the server (or router) the trace names
         with maybe_span(self.timeline, "generate", "engine", engine=engine, rid=rids[0]) as span:
+            if isinstance(body, dict) and body.get("priority") is not None:
+                span["priority"] = body["priority"]  # as the engine got it (engine/clients/priority.py)
             try:
                 result = await within(self._post_with_retries(where, send), limit)
             except asyncio.TimeoutError:

@@ -22,7 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from slime_mt.config import Config
+from slime_mt.config import Config, priority_scheduling
 from slime_mt.errors import ConfigError, RolloutFailedError, RolloutRoleFailed, TrainerRankLost
 from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
 from slime_mt.stop import StopRequest, on_stop_signals
@@ -208,7 +208,7 @@ def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
             slots[0].bundle,
             0,
             [s.gpu for s in slots if s.gpu is not None],
-            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, cfg.rollout.oldest_groups_first),
+            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg)),
             cfg.engine.rollout_checkpoint or cfg.train.hf_checkpoint,  # FP8: given (config.engine)
             cfg.train.seed + e,
             str(log_dir),

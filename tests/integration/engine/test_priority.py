@@ -1,7 +1,9 @@
 """``--oldest-groups-first`` at the engine: each request carries its group's start version as SGLang's
 ``priority`` (negated: SGLang serves higher first), and the embedded engine admits the oldest group's
 turns first, first come first served among equals, directly and behind sglang-router (which forwards
-the field). Without the flag no request carries one and the order is arrival order. One engine that
+the field). Without the flag no request carries one and the order is arrival order; a request without
+one comes after every request with one (SGLang's scheduler), and an evaluation's (``EVALUATION``) after
+every training request. One engine that
 decodes one request at a time, held by a long request while the queue fills, so the order is the
 scheduler's alone. On the wire, a server on 127.0.0.1 records the bodies: the SGLang client asks for
 -v, the vLLM client for v (vLLM serves lower first), and neither sends the field outside a group."""
@@ -13,7 +15,7 @@ import pytest
 from engine_helpers import run
 from http_helpers import json_server
 
-from slime_mt.engine.clients.priority import group_version
+from slime_mt.engine.clients.priority import EVALUATION, group_version, set_rank
 from slime_mt.engine.clients.sglang import EngineClient
 from slime_mt.engine.clients.vllm import VLLMClient
 from slime_mt.engine.embedded.server import LocalEngine
@@ -75,6 +77,7 @@ def test_the_oldest_groups_requests_are_served_first(engine, through, tmp_path):
     try:
         assert run(finish_order(url, engine, [2, 1, 2, 0, 1, 0])) == [3, 5, 1, 4, 0, 2]
         assert run(finish_order(url, engine, [None] * 6)) == [0, 1, 2, 3, 4, 5]
+        assert run(finish_order(url, engine, [None, 1, EVALUATION, 0, None])) == [3, 1, 2, 0, 4]
     finally:
         if router is not None:
             router.stop()
@@ -114,3 +117,22 @@ def test_a_request_carries_its_groups_priority_in_the_engines_order(recorder, cl
     assert len(bodies) == 3
     assert "priority" not in bodies[0]
     assert [b["priority"] for b in bodies[1:]] == [0, sign * 3]
+
+
+def test_a_trajectorys_rank_an_evaluations_last_where_the_engines_schedule_by_priority():
+    """``set_rank``: an evaluation's requests rank last only where the engines schedule by priority (a
+    server that does not may refuse a priority: vLLM's FCFS does); under --oldest-groups-first a group
+    ranks by its start version; where an evaluation beside the rollout turned priorities on, every
+    training request ranks 0 (one without a priority would come after the evaluation's)."""
+
+    def rank(*args) -> int | None:
+        context = contextvars.copy_context()
+        context.run(set_rank, *args)
+        return context.run(group_version.get)
+
+    assert rank(False, False, 3, False) is None
+    assert rank(False, False, 3, True) is None
+    assert rank(True, False, 3, False) == 0
+    assert rank(True, False, 3, True) == EVALUATION
+    assert rank(True, True, 3, False) == 3
+    assert rank(True, True, 3, True) == EVALUATION

@@ -150,8 +150,11 @@ def test_an_edited_answer_is_rendered_by_the_template(harness, sent, qwen_tokeni
 
 def test_with_oldest_groups_first_an_agents_calls_carry_its_groups_start_version(scripted_path, scripted_engine):
     """--oldest-groups-first: the gateway answers a call in a task of its own, outside the trajectory's,
-    and still asks the engine for the priority of the sample's group (minus its start version)."""
+    and still asks the engine for the priority of the sample's group (minus its start version); an
+    evaluation's agent (its session opened in an evaluated trajectory's task) asks for the lowest."""
     from gateway_helpers import Harness
+
+    from slime_mt.engine.clients.priority import EVALUATION
 
     flags = ["--rollout-max-response-len", "64", "--fully-async", "--oldest-groups-first"]
     harness = Harness(scripted_path, scripted_engine.url, flags)
@@ -170,8 +173,11 @@ def test_with_oldest_groups_first_an_agents_calls_carry_its_groups_start_version
             model="m", messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=TOOLS
         )
         harness.close(session)
+        evaluated, base_url = harness.open(index=1, rank=EVALUATION)
+        _client(base_url).chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 2 + 3?"}])
+        harness.close(evaluated)
     finally:
         del scripted_engine.scheduler.submit
         harness.stop()
     assert answer.choices[0].finish_reason == "tool_calls"
-    assert seen == [-4]
+    assert seen == [-4, -EVALUATION]
