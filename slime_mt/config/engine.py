@@ -190,15 +190,20 @@ def _validate_vllm(cfg) -> None:
         )
     policy = extra_arg(cfg.engine.vllm_extra_args, "--scheduling-policy")
     if priority_scheduling(cfg) and policy is not None:
-        why = "oldest_groups_first" if cfg.rollout.oldest_groups_first else "eval_interval"
+        if cfg.rollout.oldest_groups_first:
+            key, value, also = "oldest_groups_first", True, ""
+        else:
+            key, value, also = (
+                "eval_interval",
+                cfg.evaluation.eval_interval,
+                "; an evaluation beside the rollout asks last",
+            )
         require(
             policy == "priority",
-            why,
-            True if why == "oldest_groups_first" else cfg.evaluation.eval_interval,
+            key,
+            value,
             f"--vllm-extra-args sets --scheduling-policy {policy}; vLLM takes request priorities only "
-            "with --scheduling-policy priority (drop it: the launch adds it"
-            + ("" if why == "oldest_groups_first" else "; an evaluation beside the rollout asks last")
-            + ")",
+            f"with --scheduling-policy priority (drop it: the launch adds it{also})",
         )
     if cfg.engine.engine_cache_tokens:
         raise ConfigError(

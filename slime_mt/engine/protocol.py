@@ -6,8 +6,7 @@ list), ``image_data`` (per request a list: data URI, raw base64, path or ``file:
 ``return_prompt_token_ids``, ``return_routed_experts`` with ``routed_experts_start_len`` (MoE models:
 ``slime_mt/routes.py``), ``priority`` (an integer; served as SGLang serves it with
 ``--enable-priority-scheduling``: higher first; a request without one after every request with one),
-``rid`` (a batch's string rid is a prefix: ``rid_0``,
-``rid_1``, ...).
+``rid`` (a batch's string rid is a prefix: ``rid_0``, ``rid_1``, ...).
 As in SGLang, null means the default for every field; numbers are range- and finiteness-checked as
 ``SamplingParams.verify`` does. Unknown top-level keys are ignored, but SGLang features this engine
 does not serve (streaming, top log-probs, LoRA, ...) are a 400 rather than silently dropped; unknown

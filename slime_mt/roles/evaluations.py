@@ -20,6 +20,7 @@ import time
 from slime_mt.plugins import load_function
 from slime_mt.rollout.evaluation import evaluate
 from slime_mt.rollout.failures import StepReport
+from slime_mt.rollout.staleness import turn_versions
 from slime_mt.timeline import maybe_span
 
 logger = logging.getLogger(__name__)
@@ -31,18 +32,22 @@ class Evaluations:
 
     def __init__(self, side, beside: bool) -> None:
         self.side = side
-        self.beside = beside
+        # beside the rollout: one thread for the evaluation in flight (None: sync runs evaluate now)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "slime-mt-eval") if beside else None
         self.pending: concurrent.futures.Future | None = None
 
     def due(self, steps_trained: int) -> None:
         """The engines serve the weights after ``steps_trained`` steps and an evaluation is due: it runs
         now (sync runs), or starts beside the rollout (one at a time: one still running is settled first)."""
-        if not self.beside:
-            self.log(*self.run(steps_trained))
+        if self.pool is None:
+            self.now(steps_trained)
             return
         self.settle()
         self.pending = self.pool.submit(self.run, steps_trained)
+
+    def now(self, steps_trained: int) -> None:
+        """An evaluation run here and logged, the caller waiting for it."""
+        self.log(*self.run(steps_trained))
 
     def settle(self) -> float:
         """The evaluation in flight, if any, finished and logged -> seconds waited for it."""
@@ -93,14 +98,7 @@ def weight_versions(reports: list, steps_trained: int) -> dict[str, float]:
     """The weight version an evaluation's samples were generated with (``eval/weight_version``; the
     steps trained where no turn recorded one); two or more: the highest as well, and a warning, for an
     evaluation must see one version."""
-    versions = {
-        int(v)
-        for _, groups in reports
-        for g in groups
-        for s in g
-        for v in s.weight_versions
-        if str(v).lstrip("-").isdigit()
-    }
+    versions = {v for _, groups in reports for v in turn_versions(groups)}
     if not versions:
         return {"eval/weight_version": float(steps_trained)}
     if len(versions) == 1:

@@ -39,7 +39,7 @@ from slime_mt.rollout.finalize import finalize
 from slime_mt.rollout.group_rollout import rollout_output
 from slime_mt.rollout.metrics import rollout_metrics
 from slime_mt.rollout.rollout_workers import RolloutWorkerPool
-from slime_mt.rollout.staleness import mask_stale, route_staleness_metrics, staleness_metrics
+from slime_mt.rollout.staleness import mask_stale, route_staleness_metrics, staleness_metrics, turn_versions
 from slime_mt.run_dir import ERRORS_FILE
 from slime_mt.timeline import maybe_span, now_us
 from slime_mt.types import TrainBatch
@@ -381,7 +381,7 @@ class RolloutRole(RolloutSteps):
 
     def evaluate(self, steps_trained: int) -> None:
         """Every held-out dataset on the engines' weights after ``steps_trained`` steps, now, logged."""
-        self.evaluations.log(*self.evaluations.run(steps_trained))
+        self.evaluations.now(steps_trained)
 
     def close(self) -> None:
         try:
@@ -413,7 +413,7 @@ async def _set_workers(client, urls: list[str]) -> None:
 
 def _version_metrics(groups, version: int) -> dict[str, float]:
     """Weight versions the samples were generated with, and the gap to the version being trained."""
-    versions = [int(v) for g in groups for s in g for v in s.weight_versions if str(v).isdigit()]
+    versions = turn_versions(groups)
     if not versions:
         return {"rollout/weight_version_gap": 0.0}
     return {

@@ -20,6 +20,11 @@ import collections
 from slime_mt.types import NO_VERSION, Sample, TrainingSample
 
 
+def turn_versions(groups: list[list[Sample]]) -> list[int]:
+    """The weight versions the engine answered each turn of ``groups`` with (the named ones)."""
+    return [int(v) for g in groups for s in g for v in s.weight_versions if str(v).isdigit()]
+
+
 def _generated_tokens(sample: Sample) -> int:
     return sum(sample.loss_mask)
 

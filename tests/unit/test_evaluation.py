@@ -168,3 +168,12 @@ def test_an_evaluations_weight_version_is_read_from_its_samples():
         "eval/weight_version_max": 3.0,
     }
     assert weight_versions([("a", [[Sample(index=0)]])], 4) == {"eval/weight_version": 4.0}
+
+
+def test_a_vllm_policy_that_refuses_priorities_is_refused_for_an_evaluation_beside_the_rollout(tmp_path, files):
+    """vLLM takes a priority only under --scheduling-policy priority: a launch told otherwise, whose
+    evaluation beside the rollout would ask last, stops at parsing naming the setting."""
+    flags = ["--custom-rm-path", "my_rm.py:rm", "--eval-interval", "1", "--fully-async", "--engine", "vllm"]
+    flags += ["--weight-transport", "disk", "--vllm-extra-args", "--scheduling-policy fcfs"]
+    with pytest.raises(ConfigError, match="eval.interval.*--scheduling-policy fcfs.*an evaluation beside the rollout"):
+        config(tmp_path, files, *flags)
