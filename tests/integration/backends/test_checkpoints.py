@@ -20,7 +20,7 @@ def assert_same_checkpoint_files(a, b) -> None:
 
 
 def test_checkpoint_resume_is_bitwise_and_survives_a_killed_save(world):
-    r = world("tp1_models")["checkpoint"]
+    r = world("tp1_state")["checkpoint"]
     assert r["bitwise_equal"] is True
     assert r["extra"] == {"data_cursor": 2}
     assert r["latest"] == "iter_0000004" and r["after_killed_save"] == {"data_cursor": 2} and r["step"] == 4
