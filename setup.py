@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["slime_mt", "slime_mt.*", "rollouts", "rollouts.*", "envs", "envs.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.13,<0.17",  # 0.17+ needs Python 3.12 (README "Running on GPUs")
+        "megatron-core>=0.13,<0.17",  # 0.17+ needs Python 3.12 (docs/clusters.md, "Running on GPUs")
         "transformers>=4.57",
         "tokenizers>=0.21",
         "pillow",
@@ -43,7 +43,9 @@ setup(
             "reasoning-gym>=0.1.20",  # envs.reasoning_tasks
             "websockets>=13",  # envs.openenv
             "playwright>=1.45",  # drives the OS's Chromium in the viewer's browser tests (no browser download)
+            "mkdocs-material>=9.5",  # the docs site, built with --strict by the tests (scripts/docs.sh serves it)
         ],
+        "docs": ["mkdocs-material>=9.5"],
         "envs": ["bm25s>=0.2", "reasoning-gym>=0.1.20", "websockets>=13"],  # the built-in environments' own needs
         "viz": ["matplotlib", "tensorboard"],
         "agent": ["openai>=1.50", "anthropic>=0.40"],  # the example agents (the gateway itself needs neither)

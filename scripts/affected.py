@@ -12,7 +12,8 @@ starts ``slime-mt``, the fixtures of ``conftest.py`` it takes by name (their imp
 
 What it cannot tell runs everything: a change to ``setup.py``, ``pyproject.toml``, ``scripts/``, ``.ci/``,
 a ``conftest.py`` or the tiers plugin, a file it cannot place, or no REF and no record of a green run. A
-change to Markdown only runs the unit tier (its tests read the READMEs). REF defaults to the merge base of
+change to Markdown only runs the unit tier (its tests read the READMEs), and the docs site's test too when
+the change is to the site's sources (``docs/``, ``mkdocs.yml``, an example's README). REF defaults to the merge base of
 HEAD with the last commit whose whole suite passed, which ``scripts/test.sh`` records after a full green
 run (``.git/slime-mt-last-green``). CI runs every tier regardless.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ TESTS = ROOT / "tests"
 HELPERS = TESTS / "helpers"
 RECORD = "slime-mt-last-green"  # under the git directory: the last commit whose whole suite passed
 EVERYTHING = ("setup.py", "pyproject.toml", "scripts/", ".ci/", "tests/helpers/tiers.py")
+DOCS_SITE_TEST = "tests/integration/docs/test_docs_site.py"  # what a change to the site's sources runs too
 CLI_MARKS = ("slime_mt.cli", '"slime-mt"', "geo3k_train_cmd", "train_cmd(")
 # names slime_mt.cli without starting it: the fork server forks the runs the tests ask for (every test
 # imports it through tests/conftest.py; the tests that start slime-mt say so themselves)
@@ -145,12 +148,13 @@ def select(changed: list[str], root: Path = ROOT, edges: dict[str, set[str]] | N
     changed = [c for c in changed if c]
     if not changed:
         return []
-    if all(c.endswith(".md") for c in changed):
-        return "unit"
+    site = [DOCS_SITE_TEST] if any(map(in_docs_site, changed)) else []
+    if all(c.endswith(".md") or in_docs_site(c) for c in changed):
+        return ["tests/unit", *site] if site else "unit"
     edges, known = edges if edges is not None else graph(root), known_files(root)
     targets = set()
     for c in changed:
-        if c.endswith(".md"):
+        if c.endswith(".md") or in_docs_site(c):
             continue
         if c.startswith(EVERYTHING) or c.endswith("conftest.py"):
             return "all"
@@ -164,7 +168,14 @@ def select(changed: list[str], root: Path = ROOT, edges: dict[str, set[str]] | N
         else:
             targets.add(node)
     tests = [n for n in edges if n.startswith("tests/") and Path(n).name.startswith("test_")]
-    return sorted(n for n in tests if import_graph._reach(n, edges) & targets)
+    return sorted({*site, *(n for n in tests if import_graph._reach(n, edges) & targets)})
+
+
+def in_docs_site(path: str) -> bool:
+    """A file the docs site is built from: its pages and pictures, its config, an example's README."""
+    return (
+        path.startswith("docs/") or path == "mkdocs.yml" or re.fullmatch(r"examples/\w+/README\.md", path) is not None
+    )
 
 
 def changed_since(ref: str | None) -> list[str] | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv if missing, install slime_mt with test extras, run the checks (ruff lint and format,
 # configured in pyproject.toml), then the tests: every tier (tests/unit, tests/integration,
-# tests/e2e; README "Development"). It is what CI runs.
+# tests/e2e; docs/development.md). It is what CI runs.
 #
 #   bash scripts/test.sh                 every tier (CI), on two pytest workers
 #   bash scripts/test.sh --unit          the unit tier only: the loop to run while you work (<= 3 minutes)

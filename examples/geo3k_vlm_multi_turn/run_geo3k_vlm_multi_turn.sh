@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # geo3k VLM multi-turn GRPO on GPUs: Qwen3-VL-2B-Instruct from a local HF folder, SGLang engines
 # behind sglang-router, Megatron with tensor parallelism, asymmetric PPO clip (as slime's recipe),
-# placed by Ray: trainer ranks and engines on their own GPUs (README "Running on a cluster").
+# placed by Ray: trainer ranks and engines on their own GPUs (docs/clusters.md, "Running on a cluster").
 #   MODEL=/models/Qwen3-VL-2B-Instruct GEO3K=/data/geo3k \
 #   bash examples/geo3k_vlm_multi_turn/run_geo3k_vlm_multi_turn.sh [TP] [extra slime-mt flags]
 # One 8-GPU node (default): 4 trainer ranks on GPUs 0-3, 4 engines on GPUs 4-7. NUM_NODES=2 after

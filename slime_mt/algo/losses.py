@@ -13,7 +13,7 @@ bonus; off-policy correction against the rollout log-probs (token TIS, sequence 
 outside a band, geometric-mean sequence mask); AReaL's decoupled objective for stale tokens (the
 clip against the proximal policy, recomputed or interpolated by version, the weight pi_prox /
 pi_behav capped by masking, M2PO's second-moment filter). Where this differs from slime on purpose,
-the README's "Where the math differs from slime" says how and which flag gives slime's numbers.
+docs/training.md ("Where the math differs from slime") says how and which flag gives slime's numbers.
 """
 
 from __future__ import annotations

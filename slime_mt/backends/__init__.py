@@ -1,0 +1,1 @@
+"""Training backends: Megatron-core in ``megatron/``."""

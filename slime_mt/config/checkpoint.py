@@ -42,7 +42,8 @@ class CheckpointConfig:
 @group("debug")
 @dataclass
 class DebugConfig:
-    """Inspecting a run (README): rollout dumps, rollout-only and train-only runs, turn records, the timeline."""
+    """Inspecting a run (docs/debugging.md): rollout dumps, rollout-only and train-only runs, turn records,
+    the timeline."""
 
     save_debug_rollout_data: str | None = option(
         None,

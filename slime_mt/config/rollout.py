@@ -89,7 +89,7 @@ class RolloutConfig:
         False,
         "Run plug-ins written against slime's API: 'import slime...' resolves to slime_mt.compat, samples "
         "are slime Samples that arrive as slime gives them (rendered text prompt, no tokens), rewards follow "
-        "slime (a reward the generate function set is kept). README: Bring your slime plug-ins.",
+        "slime (a reward the generate function set is kept). docs: Bring your slime plug-ins (docs/slime.md).",
     )
     rollout_interaction_env_path: str | None = option(
         None, "Environment module (or file.py) defining build_env(sample=None, args=None, **kw)."

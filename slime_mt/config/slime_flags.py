@@ -8,8 +8,8 @@ betas, ``--lr-decay-style``, ``--use-dynamic-batch-size``, the W&B group and key
 megatron``), or taken only at the value that keeps this project's math (``--kl-coef 0``, dropout 0, fp32
 reductions), any other value an error naming the flag. ``--moe-aux-loss-coeff`` and ``--lr-warmup-iters``
 are slime's names for ``--moe-aux-loss-coef`` and ``--lr-warmup-steps``; every ``--sglang-<arg>`` is
-SGLang's server argument ``--<arg>`` (``config_parsing.pass_sglang_args``). README "Bring your slime
-plug-ins" has the table; ``tests/unit/compat/test_slime_flag_census.py`` holds every flag of slime's
+SGLang's server argument ``--<arg>`` (``config_parsing.pass_sglang_args``). docs/slime.md ("Bring your slime
+plug-ins") has the table; ``tests/unit/compat/test_slime_flag_census.py`` holds every flag of slime's
 example scripts and model presets at one commit."""
 
 from __future__ import annotations

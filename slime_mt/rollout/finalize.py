@@ -115,7 +115,7 @@ def to_step_wise_samples(samples: list[Sample], mask_truncated: bool = False) ->
             raise StepWiseError(
                 f"sample {s.index}: {s.response_length} response tokens but no turn records; "
                 f"step-wise needs them: a generate function appends its turns with "
-                f"ctx.append_engine_turn / Sample.append_turn (README: Writing a generate function)"
+                f"ctx.append_engine_turn / Sample.append_turn (docs/rollouts.md: Writing a generate function)"
             )
         for k, turn in enumerate(s.turns):
             last = k == len(s.turns) - 1

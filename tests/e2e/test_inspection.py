@@ -423,7 +423,7 @@ def test_the_page_shows_every_sample_turn_and_token_as_the_dump_has_them(rollout
     page.locator("tr.detail .tok-o").first.hover()
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 20_000
-    if os.environ.get("SLIME_MT_SCREENSHOT"):  # the README's picture is taken here
+    if os.environ.get("SLIME_MT_SCREENSHOT"):  # the picture of the README and the docs' home is taken here
         shutil.copy(shot, os.environ["SLIME_MT_SCREENSHOT"])
     assert errors == []
 

@@ -23,7 +23,12 @@ def affected():
 def test_the_readme_alone_runs_the_unit_tier_and_what_it_cannot_tell_runs_everything(affected):
     script, edges = affected
     assert script.select(["README.md"], edges=edges) == "unit"
-    assert script.select(["README.md", "examples/scripting/README.md"], edges=edges) == "unit"
+    # the docs site's sources (its pages, its config, an example's README: a page of it) run its test too
+    site = ["tests/unit", "tests/integration/docs/test_docs_site.py"]
+    assert script.select(["README.md", "examples/scripting/README.md"], edges=edges) == site
+    assert script.select(["docs/engines.md", "docs/inspect_viewer.png", "mkdocs.yml"], edges=edges) == site
+    staleness_and_site = script.select(["slime_mt/rollout/staleness.py", "docs/async.md"], edges=edges)
+    assert site[1] in staleness_and_site and "tests/unit" not in staleness_and_site
     for change in ("setup.py", "pyproject.toml", "scripts/_venv.sh", "tests/conftest.py", "tests/helpers/tiers.py"):
         assert script.select([change], edges=edges) == "all", change
     assert script.select(["somewhere/else.bin"], edges=edges) == "all"

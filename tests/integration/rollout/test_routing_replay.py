@@ -112,7 +112,7 @@ def _near_tied(source, out, spread: float = 0.01):
 def test_bf16_near_tied_routers_replay_shrinks_the_train_rollout_gap(tiny_paths, tmp_path):
     """A bf16 engine (transformers: router in bf16) and a bf16 trainer (Megatron: router in fp32) route
     near-tied tokens differently; replaying the engine's routes brings training's log-probs back to
-    the rollout's. Figures of one run (README): max gap 0.0295 -> 0.0025, mean 0.0037 -> 0.0005."""
+    the rollout's. Figures of one run (docs/performance.md): max gap 0.0295 -> 0.0025, mean 0.0037 -> 0.0005."""
     path = _near_tied(tiny_paths["qwen3-moe"], tmp_path / "near_tied")
     layout = RouteLayout.of(json.loads((path / "config.json").read_text()))
     g = torch.Generator().manual_seed(0)

@@ -145,7 +145,7 @@ def test_when_the_weights_do_not_fit_the_plan_names_pipeline_stages():
 @pytest.mark.parametrize("tokens, measured_gib", [(4096, 18.53), (8192, 26.33), (16384, 41.93)])
 def test_the_plan_of_qwen3_0_6b_in_bf16_is_within_15_percent_of_its_peak_on_an_h200(tokens, measured_gib):
     """The peaks ``benchmarks/micro_batch_memory.py --model qwen3-0.6b --bf16`` measured on an H200
-    (README, Performance: one micro-batch of T tokens, Adam's state made by a warm-up step)."""
+    (docs/performance.md: one micro-batch of T tokens, Adam's state made by a warm-up step)."""
     plan = plan_rank(sized_spec("qwen3-0.6b", "qwen3"), TrainConfig(bf16=True), tokens)
     assert 0.85 < plan.total / GIB / measured_gib < 1.15
 
@@ -251,7 +251,7 @@ def test_gpu_memory_gb_refuses_a_plan_that_cannot_fit_and_names_what_fits(tiny_p
 @pytest.mark.parametrize("sp, measured_gib", [(False, 1.41), (True, 1.22)])
 def test_sequence_parallelism_splits_the_norms_activations_over_tp_as_measured(sp, measured_gib):
     """The peaks ``benchmarks/memory_plan.py --tokens 8192 --cp 1 --recompute off --tp 2 --sp off,on``
-    measured on this machine (2 ranks; README, Performance): SP keeps 13% less, and the plan says so.
+    measured on this machine (2 ranks; docs/performance.md): SP keeps 13% less, and the plan says so.
     The benchmark's model (a Llama of 8 layers, hidden 256, a tied 32k vocabulary, fp32) and flags."""
     bench = load_module(str(REPO / "benchmarks/memory_plan.py"))
     spec = decoder_spec({"model_type": "llama", **bench.LLAMA})
