@@ -11,6 +11,7 @@ ORIGIN: dict[str, str] = {
     "--input-key": "yes",
     "--label-key": "yes",
     "--metadata-key": "yes",
+    "--tool-key": "yes (slime's default is `tools`; here None, no tools unless named)",
     "--multimodal-keys": "yes",
     "--apply-chat-template": "yes",
     "--rollout-shuffle": "yes",

@@ -60,7 +60,7 @@ def test_the_site_builds_strictly_in_seconds_and_a_broken_link_fails_the_build(s
 def test_every_page_opens_in_chromium_with_no_broken_link_or_missing_image(site, browser):
     base, root, _ = site
     pages = sorted(p.relative_to(root).parent.as_posix() for p in root.rglob("index.html"))
-    assert len(pages) >= 24, pages  # the home, 14 topic pages, 7 examples, 2 reference pages
+    assert len(pages) >= 25, pages  # the home, 15 topic pages, 7 examples, 2 reference pages
     context = browser.new_context()
     tab = context.new_page()
     seen: dict[str, set[str]] = {}  # URL of a page -> the ids on it
