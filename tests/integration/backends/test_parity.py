@@ -50,7 +50,7 @@ def test_engine_logprobs_match_megatron_recomputation(world, kind):
 def test_experts_saved_with_half_the_hidden_size_load_as_transformers_reads_them(world, kind):
     """Issue 67 item 3: a folder transformers saved with 2 x moe_intermediate_size == hidden_size (gate_up's
     fused shape fits both layouts) scores as transformers does, to 1e-5 (read wrong, it was 0.6-1.1 off)."""
-    r = world("tp1_models_moe")["half_width_experts"][kind]
+    r = world("tp1_moe")["half_width_experts"][kind]
     assert 2 * r["intermediate"] == r["hidden"]
     assert max(r["vs_sdpa"]) < 1e-5, r
 
