@@ -4,7 +4,7 @@ attention, which gathers the keys and values of the whole row; its output and th
 queries, keys and values (summed over the ranks whose queries saw them) equal one process's causal
 SDPA per sequence. Grouped-query heads. Their peak memory on a 32k-token row (~15 s) stays near the
 fused SDPA's at CP=1: no [S/cp, S] tensor. And the trainer: CP=2 (every family, MoE also replaying random
-routes; ~20 s per launch) and TP=2 x CP=2 with sequence parallelism on 4 ranks (dense, ~45 s) equal TP=1 on log-probs,
+routes; one launch, ~45 s) and TP=2 x CP=2 with sequence parallelism on 4 ranks (dense, ~45 s) equal TP=1 on log-probs,
 entropies, loss, every gradient, the grad norm and the weights after a step."""
 
 import json
@@ -79,7 +79,7 @@ def test_context_parallel_trains_as_one_rank_does(world, megatron_dir, which, ta
         assert float((split["weights"][name] - want).abs().max()) <= 1e-5, name  # one lr: Adam's step of noise
 
 
-@pytest.mark.parametrize("which,tag", [("tp2_moe", "tp2"), ("cp2_moe", "tp1_cp2")])
+@pytest.mark.parametrize("which,tag", [("tp2_moe", "tp2"), ("cp2", "tp1_cp2")])
 def test_the_load_balancing_loss_splits_over_tp_and_cp_ranks_as_its_tokens_do(world, megatron_dir, which, tag):
     """With the load-balancing loss on, TP=2 (the MoE layer's tokens sharded over TP) and CP=2 give the
     gradients and router metrics of one rank: the loss, its gradient and the logged value are each
