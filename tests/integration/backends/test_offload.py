@@ -4,7 +4,7 @@ with the replicated and the distributed optimizer."""
 import pytest
 
 
-@pytest.mark.parametrize("which", ["tp1_state", "tp2"])
+@pytest.mark.parametrize("which", ["tp1_state", "tp2_state"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-vl", "qwen2_distributed_optimizer"])
 def test_offload_frees_the_device_and_onload_trains_on_bit_for_bit(world, which, kind):
     """--offload (colocated): while offloaded the trainer's parameters, fp32 main parameters,

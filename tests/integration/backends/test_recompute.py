@@ -11,7 +11,7 @@ from megatron_worlds import MOE_FAMILIES
 RECOMPUTED = ("full_uniform", "full_block", "selective", "selective_mlp")
 
 
-@pytest.mark.parametrize("which", ["tp1_state", "tp2_recompute", "ep2"])
+@pytest.mark.parametrize("which", ["tp1_state", "tp2_state", "ep2"])
 def test_recompute_changes_no_number_and_keeps_fewer_activations(world, which):
     world_results = world(which)
     results = world_results["recompute"]
