@@ -44,6 +44,7 @@ def cell(text: str) -> str:
 
 
 def default_of(f: dataclasses.Field) -> str:
+    """A field's default as the reference shows it (a factory's value as JSON)."""
     if f.default_factory is not dataclasses.MISSING:
         return f"`{json.dumps(f.default_factory())}`"
     return "None" if f.default is None else f"`{f.default}`"
@@ -85,7 +86,8 @@ def first_sentence(docstring: str) -> str:
 
 
 def modules(room: str) -> list[tuple[str, str]]:
-    """(path, first sentence) of every Python file under ``room`` that has a docstring, packages first."""
+    """(path, docstring) of every Python file under ``room`` ("" where it has none), each folder's package
+    first; a package is shown as its folder."""
     rows = []
     for path in sorted((REPO / room).rglob("*.py"), key=lambda p: (p.parent.parts, p.name != "__init__.py", p.name)):
         if "__pycache__" in path.parts:
@@ -111,6 +113,7 @@ def code_map_page() -> str:
 
 
 def pages() -> dict[str, str]:
+    """Each generated page's path under docs/ and its text."""
     return {FLAGS_PAGE: flags_page(), CODE_MAP_PAGE: code_map_page()}
 
 
