@@ -43,6 +43,7 @@ setup(
             "reasoning-gym>=0.1.20",  # envs.reasoning_tasks
             "websockets>=13",  # envs.openenv
             "playwright>=1.45",  # drives the OS's Chromium in the viewer's browser tests (no browser download)
+            "peft>=0.13",  # reads the LoRA adapters the trainer exports (their format's reference)
             "mkdocs-material>=9.5",  # the docs site, built with --strict by the tests (scripts/docs.sh serves it)
         ],
         "docs": ["mkdocs-material>=9.5"],

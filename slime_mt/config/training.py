@@ -110,6 +110,18 @@ class TrainConfig:
     clip_grad: float = option(1.0, "Gradient norm clip.")
     seed: int = option(1234, "Seed of model init, dropout and Megatron RNG.")
     freeze_vision_tower: bool = option(True, "VLMs: keep the vision tower frozen.")
+    lora_rank: int = option(0, "LoRA: the adapters' rank (0: off, full-parameter training); the base stays frozen.")
+    lora_alpha: float = option(16.0, "LoRA: the adapters' scaling factor (the update is alpha / rank x B A x).")
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input (RL recipes use 0).")
+    target_modules: str | None = option(
+        None,
+        "LoRA: the layers that get adapters, comma-separated: all-linear (the attention and MLP projections), "
+        "HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), Megatron names (linear_qkv, "
+        "linear_proj, linear_fc1, linear_fc2) or globs of either; required with --lora-rank.",
+    )
+    exclude_modules: str | None = option(
+        None, "LoRA: layers taken out of --target-modules, named as there (comma-separated)."
+    )
     sft: bool = option(False, "Train with the supervised loss on loss-masked tokens.")
     bf16: bool = option(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
     shared_prefix_training: bool = option(
@@ -136,9 +148,98 @@ class TrainConfig:
         return self.recompute_granularity == "full" or selective
 
 
+# Megatron's parallel linear layers an adapter can sit beside, and the HF projections each one fuses
+LORA_LAYERS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+def _lora_layers(names: str | None, flag: str) -> set[str]:
+    """The Megatron layers a comma-separated list of names or globs (HF or Megatron, or all-linear) picks;
+    naming part of a fused layer (q_proj without k_proj and v_proj) is an error naming ``flag``."""
+    from fnmatch import fnmatchcase
+
+    projections = {p: layer for layer, hf in LORA_LAYERS.items() for p in hf}
+    picked: set[str] = set()
+    named: set[str] = set()
+    for item in filter(None, (n.strip() for n in (names or "").split(","))):
+        if item == "all-linear":
+            picked |= set(LORA_LAYERS)
+            continue
+        layers = {layer for layer in LORA_LAYERS if fnmatchcase(layer, item)}
+        hf = {p for p in projections if fnmatchcase(p, item)}
+        known = ", ".join(["all-linear", *LORA_LAYERS, *projections])
+        require(bool(layers or hf), flag, names, f"{item!r} names no layer an adapter can sit beside ({known})")
+        picked |= layers
+        named |= hf
+    for layer, hf in LORA_LAYERS.items():
+        if named & set(hf):
+            fused = ", ".join(hf)
+            require(
+                set(hf) <= named, flag, names, f"{fused} are one fused layer in Megatron ({layer}): name all or none"
+            )
+            picked.add(layer)
+    return picked
+
+
+def lora_targets(target_modules: str | None, exclude_modules: str | None) -> tuple[str, ...]:
+    """The Megatron layers that get adapters: ``--target-modules`` less ``--exclude-modules``, in layer order."""
+    targets = _lora_layers(target_modules, "target_modules") - _lora_layers(exclude_modules, "exclude_modules")
+    return tuple(layer for layer in LORA_LAYERS if layer in targets)
+
+
+def _validate_lora(t) -> None:
+    """LoRA's flags: a rank of 0 (off) or more with the layers named, a positive alpha, dropout in [0, 1)
+    and none under TP (the replicated factor's input would be dropped differently on each rank)."""
+    require(t.lora_rank >= 0, "lora_rank", t.lora_rank, "must be >= 0 (0: no adapters)")
+    if not t.lora_rank:
+        for key in ("target_modules", "exclude_modules"):
+            require(getattr(t, key) is None, key, getattr(t, key), "needs --lora-rank > 0")
+        return
+    require(
+        t.target_modules is not None,
+        "target_modules",
+        None,
+        "is required with --lora-rank (all-linear: every projection)",
+    )
+    require(t.lora_alpha > 0, "lora_alpha", t.lora_alpha, "must be > 0")
+    require(0 <= t.lora_dropout < 1, "lora_dropout", t.lora_dropout, "must be in [0, 1)")
+    require(
+        t.lora_dropout == 0 or t.tensor_model_parallel_size == 1,
+        "lora_dropout",
+        t.lora_dropout,
+        "must be 0 at --tensor-model-parallel-size > 1 (each rank would drop the shared input differently)",
+    )
+    require(
+        bool(lora_targets(t.target_modules, t.exclude_modules)),
+        "exclude_modules",
+        t.exclude_modules,
+        "leaves no layer to adapt",
+    )
+
+
+def _lora_not_yet(cfg) -> None:
+    """What LoRA runs do not do yet, refused by name: checkpoints (PEFT adapters and their optimizer state),
+    offload (untested with adapters), pipeline, context and expert parallelism (not yet proven equal to one
+    rank)."""
+    t, c = cfg.train, cfg.checkpoint
+    for key, value in (("save", c.save), ("load", c.load)):
+        require(value is None, key, value, "checkpoints of a LoRA run (--lora-rank) are not written yet")
+    require(not cfg.cluster.offload, "offload", True, "is not tested with LoRA (--lora-rank) yet")
+    for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        value = getattr(t, key)
+        require(value == 1, key, value, "LoRA (--lora-rank) runs at TP (with SP) and DP only, for now")
+
+
 def validate_training(cfg) -> None:
-    """The parallel layout, recompute, routing replay, the optimizer and the batch sizes."""
+    """The parallel layout, recompute, routing replay, the optimizer, LoRA and the batch sizes."""
     t, r = cfg.train, cfg.rollout
+    _validate_lora(t)
+    if t.lora_rank:
+        _lora_not_yet(cfg)
     _validate_routing_replay(cfg)
     _validate_recompute(t)
     _validate_context_parallel(t)

@@ -15,13 +15,21 @@ import argparse
 import json
 from pathlib import Path
 
-from megatron_checks import export, model, parallel, scoring, state, train
+from megatron_checks import adapters, export, model, parallel, scoring, state, train
 from megatron_checks.common import LAUNCH, is_main
 from megatron_worlds import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES
 
 from slime_mt.backends.megatron.parallel import destroy_parallel, init_parallel
 
-CHECKS = {**model.CHECKS, **scoring.CHECKS, **train.CHECKS, **export.CHECKS, **parallel.CHECKS, **state.CHECKS}
+CHECKS = {
+    **adapters.CHECKS,
+    **model.CHECKS,
+    **scoring.CHECKS,
+    **train.CHECKS,
+    **export.CHECKS,
+    **parallel.CHECKS,
+    **state.CHECKS,
+}
 
 
 def main():

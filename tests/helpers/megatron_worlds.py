@@ -66,7 +66,7 @@ WORLDS = {
     "tp2sp_moe": (2, 2, "matrix,aux_loss", [*MOE, "--sp"]),
     "tp2ep2sp": (2, 4, "matrix,dispatchers", ["--ep", "2", "--sp"]),
     "tp2ep2_etp1": (2, 2, "matrix", ["--ep", "2", "--etp", "1"]),  # MoE parallel folding: EP over TP ranks
-    "ep1_resume": (1, 1, "moe_reshard_load,ep_rows", []),
+    "ep1_resume": (1, 1, "moe_reshard_load,ep_rows,lora", []),  # and LoRA at TP=1 (the same arguments)
     # context parallelism (the zigzag split of every row): CP=2 for every family, TP=2 x CP=2 dense
     "cp2": (1, 2, "matrix,aux_loss", ["--cp", "2"]),  # every family in one launch (24 and 28 s apart)
     "tp2cp2sp": (2, 4, "matrix", [*DENSE, "--cp", "2", "--sp"]),
@@ -76,7 +76,7 @@ WORLDS = {
     # and 74 s alone)
     "tp1_state": (1, 1, "recompute,offload,checkpoint", []),
     # recompute under TP with sequence parallelism, as run, and the offload at TP=2 (tp2 took 109 s in that CI)
-    "tp2_state": (2, 2, "recompute,offload", ["--sp"]),
+    "tp2_state": (2, 2, "recompute,offload,lora", ["--sp"]),
     # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder, the
     # actor at PP=2 against TP=1's matrix run, what PP does not run with yet, and TP=1's checkpoint
     # loaded into two stages and saved again

@@ -330,7 +330,7 @@ class ExpertGather:
         """This local expert on every EP rank -> [(gate [I, H], up [I, H], down [H, I])] in EP-rank
         order on global rank 0, None elsewhere. Collective over the ETP and EP groups."""
         parts = self.etp.parts(fc1)
-        gate_up = None if parts is None else torch.cat(_gate_up(parts))
+        gate_up = None if parts is None else torch.cat(split_gate_up(parts))
         down = self.etp.cat(fc2, 1)
         gate_ups, downs = self._over_ep(gate_up), self._over_ep(down)
         if not self.here:
@@ -338,7 +338,7 @@ class ExpertGather:
         return [(*(half.contiguous() for half in gu.chunk(2, dim=0)), d.contiguous()) for gu, d in zip(gate_ups, downs)]
 
 
-def _gate_up(fc1_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def split_gate_up(fc1_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The full gate and up projections from every TP shard of a fused ``linear_fc1`` ([gate; up] each)."""
     gates, ups = zip(*(part.chunk(2, dim=0) for part in fc1_parts))
     return torch.cat(gates).contiguous(), torch.cat(ups).contiguous()
@@ -347,7 +347,9 @@ def _gate_up(fc1_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 EXPERT_PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")  # per-expert HF keys, in order
 
 
-def _unqkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Tensor, ...]:
+def unpack_qkv(fused_parts: list[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Tensor, ...]:
+    """The full q, k and v rows from every TP shard of a fused ``linear_qkv`` tensor (Megatron's grouped
+    layout: per key/value group its query heads, then k, then v); the columns as they are."""
     hd, groups = spec.head_dim, spec.num_kv_heads
     per_group = spec.num_heads // groups
     fused = torch.cat([p.reshape(-1, (per_group + 2) * hd, *p.shape[1:]) for p in fused_parts], dim=0)
@@ -422,11 +424,11 @@ def iter_megatron_to_hf(
         yield dst + "input_layernorm.weight", gather.replicated(state[names["input_norm"]])
         yield dst + "post_attention_layernorm.weight", gather.replicated(state[names["mlp_norm"]])
         parts = gather.parts(state[names["qkv"]])
-        q, k, v = _unqkv(parts, spec) if parts is not None else (None,) * 3
+        q, k, v = unpack_qkv(parts, spec) if parts is not None else (None,) * 3
         yield from ((a + "q_proj.weight", q), (a + "k_proj.weight", k), (a + "v_proj.weight", v))
         if spec.qkv_bias:
             parts = gather.parts(state[names["qkv_bias"]])
-            qb, kb, vb = _unqkv(parts, spec) if parts is not None else (None,) * 3
+            qb, kb, vb = unpack_qkv(parts, spec) if parts is not None else (None,) * 3
             yield from ((a + "q_proj.bias", qb), (a + "k_proj.bias", kb), (a + "v_proj.bias", vb))
         if spec.qk_norm:
             yield a + "q_norm.weight", gather.replicated(state[names["q_norm"]])
@@ -437,7 +439,7 @@ def iter_megatron_to_hf(
             yield from _iter_experts(state, spec, i - stage.layers.start, dst + "mlp.", experts, te)
             continue
         parts = gather.parts(state[names["fc1"]])
-        gate, up = (None, None) if parts is None else _gate_up(parts)
+        gate, up = (None, None) if parts is None else split_gate_up(parts)
         yield dst + "mlp.gate_proj.weight", gate
         yield dst + "mlp.up_proj.weight", up
         yield dst + "mlp.down_proj.weight", gather.cat(state[names["fc2"]], 1)

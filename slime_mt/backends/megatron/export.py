@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.backends.megatron.convert import ExpertGather, TPGather, iter_megatron_to_hf
+from slime_mt.backends.megatron.lora import merged_state
 
 
 def tp_gather(model) -> TPGather:
@@ -53,6 +54,8 @@ def iter_hf_weights(model, tensors: dict[str, torch.Tensor] | None = None) -> It
     if not first and experts is None:
         return
     state = tensors if tensors is not None else model.module.decoder_state_dict()
+    if tensors is None and model.adapters:  # LoRA: the weights with the adapters folded in
+        state = merged_state(state, model.adapters)
     mine = iter_megatron_to_hf(
         state, model.spec, tp_gather(model), model.prefix, model.te, experts, dense=first, stage=model.stage
     )

@@ -40,6 +40,7 @@ from slime_mt.backends.megatron.families import (
     stage_of,
 )
 from slime_mt.backends.megatron.logprobs import LOGIT_CHUNK_BYTES
+from slime_mt.backends.megatron.lora import LoraOptions, add_adapters, freeze_all_but_adapters
 from slime_mt.backends.megatron.moe import replay_counts, sum_sequence_sharded_grads
 from slime_mt.backends.megatron.offload import offload, onload, state_storages
 from slime_mt.backends.megatron.parallel import ParallelInfo, PipelineSplit, current_device, layout_name
@@ -85,6 +86,8 @@ class MegatronModel:
         self.module = self._build(reader)
         if head is not None and self.stage.last:
             self.module.head = head(self.spec, self.dtype, self.device)
+        self.lora = LoraOptions.of(train) if trainable else None  # --lora-rank: adapters, the base frozen
+        self.adapters = self._adapters()
         self.ddp = self.optimizer = self.scheduler = None
         if trainable:
             self.ddp, self.optimizer, self.scheduler = _optimizer(self.module, train, self.dtype, total_steps)
@@ -137,6 +140,16 @@ class MegatronModel:
         self.stage = stage_of(gpt)
         load_into(gpt, self.iter_megatron_tensors(reader))
         return TextPolicy(gpt, self.spec.pad_token_id)
+
+    def _adapters(self) -> dict:
+        """LoRA adapters beside the layers ``--target-modules`` names (``--lora-rank`` > 0), everything
+        else frozen: {decoder module name: adapter}; {} without LoRA."""
+        if self.lora is None:
+            return {}
+        tp = (self.info.tp_rank, self.info.tp_size)
+        adapters = add_adapters(self.module.gpt, self.lora, tp, self.sequence_parallel, self.stage.layers.start)
+        freeze_all_but_adapters(self.module)
+        return adapters
 
     def iter_megatron_tensors(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's Megatron-named decoder tensors from an HF folder (its TP slices, its experts, its

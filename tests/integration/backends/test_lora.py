@@ -1,0 +1,83 @@
+"""LoRA adapters on Megatron's parallel linear layers (issue 71 item 1, at TP and SP; integration tier: the
+``lora`` check in two worlds already launched for other checks, about 10 s in each): fresh adapters change no
+log-prob, only the adapters are trained, the base stays bit for bit, the weights sent to the engines are the
+base with the adapters folded in (transformers on them computes what the adapted Megatron model does), the
+adapters export in PEFT's format (peft on the base computes the same), and a step at TP=2 with sequence
+parallelism equals the step at TP=1."""
+
+import json
+
+import pytest
+import torch
+from megatron_checks.adapters import LORA_KINDS
+from megatron_worlds import WORLDS
+
+from slime_mt.assets import tiny_model_dir
+
+WORLDS_OF = {"tp1": "ep1_resume", "tp2_sp": "tp2_state"}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def layers_of(kind: str) -> int:
+    config = json.loads((tiny_model_dir(kind) / "config.json").read_text())
+    return config.get("text_config", config)["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+@pytest.mark.parametrize("tag", list(WORLDS_OF))
+def test_only_the_adapters_train_and_fresh_ones_change_nothing(world, tag, kind):
+    assert "lora" in WORLDS[WORLDS_OF[tag]][2]
+    r = world(WORLDS_OF[tag])["lora"][kind]
+    assert r["fresh_gap"] == 0.0  # B starts at zero: the adapted model computes exactly what its base does
+    assert r["adapters"] == 4 * layers_of(kind)  # linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer
+    assert r["trainable"] == 2 * r["adapters"] and r["trainable_all_adapters"]
+    assert r["optimized_numel"] == r["adapter_numel"] > 0  # the base never reaches the optimizer
+    assert r["base_unchanged"] and r["b_moved"] and r["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_the_engines_get_the_base_with_the_adapters_folded_in(world, megatron_dir, kind):
+    world("ep1_resume")
+    run = torch.load(megatron_dir / f"lora_tp1_{kind}.pt", weights_only=True)
+    # every projection of every layer changed, and nothing else (embeddings, norms, the vision tower)
+    suffixes = {name.rsplit(".", 2)[-2] for name in run["changed"]}
+    assert suffixes == set(PROJECTIONS) and len(run["changed"]) == len(PROJECTIONS) * layers_of(kind)
+
+
+def test_transformers_on_the_merged_weights_computes_what_the_adapted_model_does(world):
+    r = world("ep1_resume")["lora"]["qwen3"]
+    assert r["hf_unexpected"] == [] and set(r["hf_missing"]) <= {"lm_head.weight"}  # tied to the embedding
+    assert r["hf_gap"] < 1e-4  # logits, fp32
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_a_step_at_tp2_with_sequence_parallelism_equals_the_step_at_tp1(world, megatron_dir, kind):
+    world("ep1_resume"), world("tp2_state")
+    one, two = (torch.load(megatron_dir / f"lora_{tag}_{kind}.pt", weights_only=True) for tag in WORLDS_OF)
+    assert abs(one["loss"] - two["loss"]) <= 1e-6 + 1e-5 * abs(one["loss"])
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
+    assert float((one["logprobs"] - two["logprobs"]).abs().max()) < 1e-5
+    assert one["weights"].keys() == two["weights"].keys() and one["changed"] == two["changed"]
+    for name, weight in one["weights"].items():
+        assert float((weight - two["weights"][name]).abs().max()) < 1e-6, name
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_the_adapters_export_in_pefts_format_and_peft_computes_the_same(world, megatron_dir, kind):
+    """adapter_config.json and adapter_model.safetensors, HF module names, q/k/v and gate/up unpacked from
+    Megatron's fused layers: peft.PeftModel on the base computes the adapted Megatron model's logits, and the
+    export at TP=2 with SP is the export at TP=1."""
+    from safetensors.torch import load_file
+
+    assert world("ep1_resume")["lora"][kind]["peft_gap"] < 1e-4
+    world("tp2_state")
+    one, two = (megatron_dir / f"peft_{tag}_{kind}" for tag in WORLDS_OF)
+    config = json.loads((one / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert sorted(config["target_modules"]) == sorted(PROJECTIONS)
+    a, b = load_file(one / "adapter_model.safetensors"), load_file(two / "adapter_model.safetensors")
+    assert len(a) == 2 * len(PROJECTIONS) * layers_of(kind) and a.keys() == b.keys()
+    decoder = "base_model.model.model." + ("language_model." if kind.endswith("-vl") else "")
+    assert all(name.startswith(decoder + "layers.") for name in a)  # transformers' module paths
+    for name, tensor in a.items():
+        assert float((tensor - b[name]).abs().max()) < 1e-6, name
