@@ -25,14 +25,13 @@ import torch
 
 from slime_mt.backends.megatron.convert import split_gate_up, unpack_qkv
 from slime_mt.backends.megatron.export import tp_gather
+from slime_mt.config.training import LORA_LAYERS
 
 PEFT_PREFIX = "base_model.model."
-# Megatron's layer -> (its HF module under the decoder layer, the projections it fuses)
+# Megatron's layer -> (its HF module under the decoder layer, the projections it fuses: the config's table)
 HF_MODULES = {
-    "linear_qkv": ("self_attn.", ("q_proj", "k_proj", "v_proj")),
-    "linear_proj": ("self_attn.", ("o_proj",)),
-    "linear_fc1": ("mlp.", ("gate_proj", "up_proj")),
-    "linear_fc2": ("mlp.", ("down_proj",)),
+    layer: ("self_attn." if layer in ("linear_qkv", "linear_proj") else "mlp.", projections)
+    for layer, projections in LORA_LAYERS.items()
 }
 
 
