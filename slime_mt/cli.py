@@ -17,6 +17,7 @@ from slime_mt.config_parsing import (
 )
 from slime_mt.errors import (
     USER_ERRORS,
+    CheckpointError,
     ConfigError,
     DumpError,
     InspectError,
@@ -41,6 +42,8 @@ COMMANDS = {
     "or a terminal summary (--text).",
     "convert-fp8": "Write an HF model folder as block-wise FP8 (e4m3, weight_scale_inv, the HF format) for the "
     "engines (--rollout-checkpoint).",
+    "export-merged": "Fold a LoRA adapter (a PEFT folder, or a LoRA run's checkpoint) into its base model: an HF "
+    "model folder for engines that serve no adapters.",
     "check-template": "Which tokenization path (append, strip_thinking, step-wise, retokenize) is exact for a "
     "model's chat template.",
 }
@@ -93,6 +96,14 @@ def build_cli() -> argparse.ArgumentParser:
     fp8.add_argument(
         "--block-size", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLUMNS"), help="Default 128 128."
     )
+    merged = sub.add_parser("export-merged", help=COMMANDS["export-merged"], description=COMMANDS["export-merged"])
+    merged.add_argument("--hf-checkpoint", required=True, help="The base model folder the adapter was trained on.")
+    merged.add_argument(
+        "--lora-adapter-path",
+        required=True,
+        help="The adapter: a PEFT folder, a LoRA run's iter_* checkpoint, or its --save folder (the latest).",
+    )
+    merged.add_argument("--save-dir", required=True, help="Where the merged model folder goes (replaced).")
     inspect = sub.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"])
     inspect.add_argument("run_dir", help="Run directory (metrics.jsonl, config.yaml, the rollout dumps).")
     inspect.add_argument("--step", type=int, help="Only this step's dump (default: every dumped step).")
@@ -244,6 +255,24 @@ def run_convert_fp8(ns) -> int:
     return 0
 
 
+def run_export_merged(ns) -> int:
+    """``slime-mt export-merged``: the merged folder's path on stdout; exit 2 naming a bad input."""
+    from pathlib import Path
+
+    from slime_mt.backends.megatron.checkpoint import read_latest
+    from slime_mt.backends.megatron.peft import ADAPTER_CONFIG, write_merged
+
+    try:
+        adapter = Path(ns.lora_adapter_path)
+        if not (adapter / ADAPTER_CONFIG).is_file() and (adapter / "latest").is_file():
+            adapter = read_latest(adapter)  # a LoRA run's --save folder
+        print(write_merged(ns.hf_checkpoint, adapter, ns.save_dir))
+    except (CheckpointError, OSError, KeyError) as e:
+        print(f"slime-mt export-merged: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run_inspect(ns) -> int:
     """``slime-mt inspect``: the page's path (or the summary) on stdout; exit 2 naming what is missing."""
     from slime_mt.inspection.report import text_summary, write_report
@@ -303,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_inspect(ns)
     if ns.command == "convert-fp8":
         return run_convert_fp8(ns)
+    if ns.command == "export-merged":
+        return run_export_merged(ns)
     dry_run = getattr(ns, "dry_run", False)
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "dry_run")}
     try:

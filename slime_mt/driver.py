@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from slime_mt.backends.megatron.checkpoint import read_latest
+from slime_mt.backends.megatron.peft import ADAPTER_CONFIG, write_merged
 from slime_mt.config import Config
 from slime_mt.errors import ConfigError, RolloutFailedError
 from slime_mt.roles.steps import StepTimes
@@ -60,10 +61,11 @@ def run(cfg: Config, trainer: TrainRole, rollout, stop_requested: threading.Even
     if checkpoint.load:
         start, data_state = trainer.load(checkpoint.load)
         rollout.resume(start, data_state)
-    if checkpoint.load or (cfg.engine.engine_url and not cfg.cluster.ray and not cfg.debug.train_only):
+    started_elsewhere = cfg.engine.engine_url and not cfg.cluster.ray and not cfg.debug.train_only
+    if checkpoint.load or cfg.train.lora_adapter_path or started_elsewhere:
         # the engines serve the run's starting weights as its starting version: a resumed run's
-        # checkpoint, and for engines the run did not start, whatever an earlier run left there
-        # (under --ray the run started them, from --hf-checkpoint)
+        # checkpoint, the adapter --lora-adapter-path starts from, and for engines the run did not start,
+        # whatever an earlier run left there (under --ray the run started them, from --hf-checkpoint)
         trainer.export_weights(rollout.push_weights, start)
     rollout.begin(start)
     if offload:
@@ -150,6 +152,9 @@ def eval_only(cfg: Config, run_dir: Path | None = None) -> int:
         folder = read_latest(Path(cfg.checkpoint.load))
         steps_trained = int(json.loads((folder / "trainer_state.json").read_text())["step"])
         served = str(folder)
+        if (folder / ADAPTER_CONFIG).is_file():  # a LoRA run's: its adapters folded into --hf-checkpoint
+            merged = (run_dir or run_dir_of(cfg)) / f"merged_{folder.name}"
+            served = str(write_merged(cfg.train.hf_checkpoint, folder, merged))
     if not cfg.evaluation.eval_prompt_data and not cfg.evaluation.eval_config:
         raise ConfigError("slime-mt eval needs held-out datasets: --eval-config or --eval-prompt-data")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hf_checkpoint=served))

@@ -133,6 +133,7 @@ ORIGIN: dict[str, str] = {
     "--lora-dropout": "miles'",
     "--target-modules": "miles' (all-linear, HF or Megatron names, globs)",
     "--exclude-modules": "miles'",
+    "--lora-adapter-path": "miles' (a PEFT folder, weights only; --load resumes)",
     "--shared-prefix-training": "slime_mt (prefix-tree packing)",
     "--transformer-impl": "yes",
     "--local-attention": "slime_mt (fused, or megatron's DotProductAttention)",

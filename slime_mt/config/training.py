@@ -122,6 +122,11 @@ class TrainConfig:
     exclude_modules: str | None = option(
         None, "LoRA: layers taken out of --target-modules, named as there (comma-separated)."
     )
+    lora_adapter_path: str | None = option(
+        None,
+        "LoRA: start from this PEFT adapter folder (a LoRA run's checkpoint, or peft's save_pretrained with "
+        "q/k/v and gate/up sharing A): its weights only, at step 0; --load resumes a run instead.",
+    )
     sft: bool = option(False, "Train with the supervised loss on loss-masked tokens.")
     bf16: bool = option(False, "bf16 parameters and activations, fp32 main parameters, gradients and log-softmax.")
     shared_prefix_training: bool = option(
@@ -196,7 +201,7 @@ def _validate_lora(t) -> None:
     and none under TP (the replicated factor's input would be dropped differently on each rank)."""
     require(t.lora_rank >= 0, "lora_rank", t.lora_rank, "must be >= 0 (0: no adapters)")
     if not t.lora_rank:
-        for key in ("target_modules", "exclude_modules"):
+        for key in ("target_modules", "exclude_modules", "lora_adapter_path"):
             require(getattr(t, key) is None, key, getattr(t, key), "needs --lora-rank > 0")
         return
     require(
@@ -222,12 +227,9 @@ def _validate_lora(t) -> None:
 
 
 def _lora_not_yet(cfg) -> None:
-    """What LoRA runs do not do yet, refused by name: checkpoints (PEFT adapters and their optimizer state),
-    offload (untested with adapters), pipeline, context and expert parallelism (not yet proven equal to one
-    rank)."""
-    t, c = cfg.train, cfg.checkpoint
-    for key, value in (("save", c.save), ("load", c.load)):
-        require(value is None, key, value, "checkpoints of a LoRA run (--lora-rank) are not written yet")
+    """What LoRA runs do not do yet, refused by name: offload (untested with adapters), pipeline, context and
+    expert parallelism (not yet proven equal to one rank)."""
+    t = cfg.train
     require(not cfg.cluster.offload, "offload", True, "is not tested with LoRA (--lora-rank) yet")
     for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         value = getattr(t, key)

@@ -62,7 +62,7 @@ WORLDS = {
     "ep2": (1, 2, "matrix,moe_reshard_save,export_ranks,dispatchers,ep_rows,recompute", ["--ep", "2"]),
     # TP=2 with sequence parallelism (SP on == off at TP=2: test_sequence_parallel.py); the 4-rank worlds
     # run it too, as TP > 1 runs do (Megatron's MoE needs it with EP and TP)
-    "tp2sp": (2, 2, "matrix", [*DENSE, "--sp"]),
+    "tp2sp": (2, 2, "matrix,lora_resume", [*DENSE, "--sp"]),  # and TP=1's LoRA checkpoints resumed
     "tp2sp_moe": (2, 2, "matrix,aux_loss", [*MOE, "--sp"]),
     "tp2ep2sp": (2, 4, "matrix,dispatchers", ["--ep", "2", "--sp"]),
     "tp2ep2_etp1": (2, 2, "matrix", ["--ep", "2", "--etp", "1"]),  # MoE parallel folding: EP over TP ranks

@@ -11,6 +11,12 @@ Saving gathers each tensor to global rank 0 (tensor by tensor; it writes shards 
 loading reads only this rank's slices through the same conversion as the initial weights. Written to
 a temp folder and renamed, then ``latest`` is replaced atomically: a save that dies midway leaves
 the previous checkpoint loadable. At the same layout a resume is bitwise exact.
+
+A LoRA run's checkpoint (``--lora-rank``) holds its adapters only, the base being ``--hf-checkpoint``: the
+folder is a PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``), which
+``peft.PeftModel.from_pretrained`` and ``--lora-adapter-path`` read as it is, and its optimizer state has the
+adapters' PEFT names (``optimizer/exp_avg/adapter_model.safetensors``); it resumes at any TP size as the
+full checkpoint does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.backends.megatron.export import iter_hf_weights
+from slime_mt.backends.megatron.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config,
+    check_adapter,
+    iter_adapter_slices,
+    iter_adapter_tensors,
+)
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 
@@ -102,7 +116,10 @@ def _optimizer_state(model) -> dict[int, dict]:
 
 def _hf_tensors(model, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
     """HF-named ``pick(param)`` for every parameter (None where pick returns None), full tensors on
-    global rank 0 only; collective over the TP group of DP rank 0."""
+    global rank 0 only; collective over the TP group of DP rank 0. A LoRA model's: its adapters', PEFT-named."""
+    if model.adapters:
+        yield from iter_adapter_tensors(model, pick)
+        return
     decoder, vision = _split_names(model)
     picked = {name: pick(p) for name, p in decoder.items()}
     if all(t is not None for t in picked.values()):
@@ -172,6 +189,8 @@ def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
     main = model.info.rank == 0
     writes = _Writes()
     copied = [f for f in Path(model.hf_path).iterdir() if f.is_file() and not f.name.endswith(HF_WEIGHT_FILES)]
+    copied = [] if model.adapters else copied  # a LoRA checkpoint is a PEFT adapter folder; its base stays apart
+    prefix = ADAPTER_WEIGHTS if model.adapters else "model"
     if main:
         writes.bytes += sum(f.stat().st_size for f in copied)  # the whole need is named if a write fails
         shutil.rmtree(tmp, ignore_errors=True)
@@ -181,7 +200,7 @@ def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
 
     def write_tensors(folder: Path, tensors) -> None:
         """Rank 0 writes the gathered tensors; every rank iterates (the gathers are collective)."""
-        writer = writes.call(ShardWriter, folder, "model") if main else None
+        writer = writes.call(ShardWriter, folder, prefix) if main else None
         for hf_name, t in tensors:
             if writer:
                 writes.call(writer.add, hf_name, t.float(), size=t.numel() * 4)
@@ -225,6 +244,8 @@ def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
             indent=1,
         )
         writes.call((tmp / "trainer_state.json").write_text, state_text, size=len(state_text))
+        if model.adapters:
+            writes.call((tmp / ADAPTER_CONFIG).write_text, json.dumps(adapter_config(model), indent=1))
         for file in copied:  # config, tokenizer, processor: an HF model folder
             writes.call(shutil.copy2, file, tmp / file.name)
         writes.call(_publish, root, tmp, name)
@@ -289,7 +310,13 @@ def read_latest(root: Path) -> Path:
 
 
 def _load_params(model, reader: CheckpointReader, target) -> None:
-    """Copy this rank's slices of the checkpoint tensors into ``target(param)`` for every parameter."""
+    """Copy this rank's slices of the checkpoint tensors into ``target(param)`` for every parameter (a LoRA
+    model's: every adapter parameter)."""
+    if model.adapters:
+        with torch.no_grad():
+            for param, tensor in iter_adapter_slices(model, reader):
+                target(param, tensor)
+        return
     decoder, vision = _split_names(model)
     names = reader.names()
     seen = set()
@@ -306,16 +333,9 @@ def _load_params(model, reader: CheckpointReader, target) -> None:
                 target(param, reader.get(hf_name))
 
 
-def load_checkpoint(model, root: str | Path) -> dict:
-    """Restore weights, optimizer state, LR schedule, step (and RNG at the same layout) from
-    ``root/latest`` or an ``iter_*`` folder -> the saved ``extra`` dict."""
-    folder = read_latest(Path(root))
-    state_file = folder / "trainer_state.json"
-    if not state_file.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")
-    saved = json.loads(state_file.read_text())
-
-    sharded = _sharding(model)
+def _weight_setter(model, sharded: dict):
+    """``set_weight(param, tensor)``: a parameter and the optimizer's main copy of it (its shard under the
+    distributed optimizer) set from the whole tensor's slice for this rank."""
 
     def set_weight(param, tensor):
         param.copy_(tensor)
@@ -324,7 +344,49 @@ def load_checkpoint(model, root: str | Path) -> dict:
         elif _main(param) is not param:
             _main(param).copy_(tensor)
 
-    _load_params(model, CheckpointReader(folder), set_weight)
+    return set_weight
+
+
+def _check_kind(model, folder: Path) -> None:
+    """A LoRA run resumes a LoRA checkpoint of its own adapters' shapes, a full run a full checkpoint."""
+    lora = (folder / ADAPTER_CONFIG).is_file()
+    if model.adapters and not lora:
+        raise CheckpointError(
+            f"checkpoint {folder} holds full weights and this run trains LoRA adapters (--lora-rank): start from "
+            f"it with --hf-checkpoint (its folder is a Hugging Face model) instead of --load"
+        )
+    if lora and not model.adapters:
+        raise CheckpointError(
+            f"checkpoint {folder} holds LoRA adapters (adapter_config.json): resume it with --lora-rank"
+        )
+    if lora:
+        options = model.lora
+        try:
+            check_adapter(folder, model.spec, options.targets, options.rank, options.alpha)
+        except CheckpointError as e:
+            raise CheckpointError(str(e).replace("--lora-adapter-path", "--load", 1)) from None
+
+
+def load_adapter(model, folder: str | Path) -> None:
+    """``--lora-adapter-path``: the adapters' weights from a PEFT folder (a LoRA checkpoint or peft's
+    ``save_pretrained``), nothing else: the run starts at step 0 with a fresh optimizer."""
+    folder = Path(folder)
+    options = model.lora
+    check_adapter(folder, model.spec, options.targets, options.rank, options.alpha)
+    _load_params(model, CheckpointReader(folder), _weight_setter(model, _sharding(model)))
+
+
+def load_checkpoint(model, root: str | Path) -> dict:
+    """Restore weights, optimizer state, LR schedule, step (and RNG at the same layout) from
+    ``root/latest`` or an ``iter_*`` folder -> the saved ``extra`` dict."""
+    folder = read_latest(Path(root))
+    state_file = folder / "trainer_state.json"
+    if not state_file.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no trainer_state.json")
+    saved = json.loads(state_file.read_text())
+    _check_kind(model, folder)
+    sharded = _sharding(model)
+    _load_params(model, CheckpointReader(folder), _weight_setter(model, sharded))
     states = {}
     for inner in _inner_optimizers(model.optimizer):
         for group in inner.optimizer.param_groups:

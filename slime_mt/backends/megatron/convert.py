@@ -147,14 +147,14 @@ class HFExperts:
         return down[:, f0:f1].contiguous()
 
 
-def _span(size: int, rank: int, tp: int) -> tuple[int, int]:
+def span(size: int, rank: int, tp: int) -> tuple[int, int]:
     per = size // tp
     return rank * per, (rank + 1) * per
 
 
 def _vocab_shard(reader: CheckpointReader, name: str, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
     """This rank's rows of the padded vocabulary (rows past the real vocabulary are zeros)."""
-    start, stop = _span(padded_vocab(spec.vocab_size, tp), rank, tp)
+    start, stop = span(padded_vocab(spec.vocab_size, tp), rank, tp)
     real = reader.rows(name, start, min(stop, spec.vocab_size)) if start < spec.vocab_size else None
     width = reader.shape(name)[1]
     if real is not None and real.shape[0] == stop - start:
@@ -168,11 +168,11 @@ def _vocab_shard(reader: CheckpointReader, name: str, spec: DecoderSpec, rank: i
     return pad if real is None else torch.cat([real, pad])
 
 
-def _qkv_shard(reader: CheckpointReader, a: str, kind: str, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
+def qkv_shard(reader: CheckpointReader, a: str, kind: str, spec: DecoderSpec, rank: int, tp: int) -> torch.Tensor:
     """This rank's groups of q/k/v rows, fused as [q_g, k_g, v_g for each local group g]."""
     hd, groups = spec.head_dim, spec.num_kv_heads
     per_group = spec.num_heads // groups
-    g0, g1 = _span(groups, rank, tp)
+    g0, g1 = span(groups, rank, tp)
     q = reader.rows(f"{a}q_proj.{kind}", g0 * per_group * hd, g1 * per_group * hd)
     k = reader.rows(f"{a}k_proj.{kind}", g0 * hd, g1 * hd)
     v = reader.rows(f"{a}v_proj.{kind}", g0 * hd, g1 * hd)
@@ -218,23 +218,23 @@ def iter_hf_to_megatron(
         a, m = src + "self_attn.", src + "mlp."
         yield names["input_norm"], reader.get(src + "input_layernorm.weight")
         yield names["mlp_norm"], reader.get(src + "post_attention_layernorm.weight")
-        yield names["qkv"], _qkv_shard(reader, a, "weight", spec, rank, tp)
+        yield names["qkv"], qkv_shard(reader, a, "weight", spec, rank, tp)
         if spec.qkv_bias:
-            yield names["qkv_bias"], _qkv_shard(reader, a, "bias", spec, rank, tp)
+            yield names["qkv_bias"], qkv_shard(reader, a, "bias", spec, rank, tp)
         if spec.qk_norm:
             yield names["q_norm"], reader.get(a + "q_norm.weight")
             yield names["k_norm"], reader.get(a + "k_norm.weight")
-        yield names["proj"], reader.cols(a + "o_proj.weight", *_span(spec.num_heads * spec.head_dim, rank, tp))
+        yield names["proj"], reader.cols(a + "o_proj.weight", *span(spec.num_heads * spec.head_dim, rank, tp))
         if sparse:
             yield names["router"], reader.get(m + "gate.weight")
             hf = HFExperts(reader, m, spec)
-            f0, f1 = _span(spec.moe.ffn_hidden_size, experts.etp_rank, experts.etp)
+            f0, f1 = span(spec.moe.ffn_hidden_size, experts.etp_rank, experts.etp)
             for local, e in enumerate(experts.local_experts(spec.moe.num_experts)):
                 fc1, fc2 = expert_names(i - stage.layers.start, local, te)
                 yield fc1, hf.gate_up(e, f0, f1)
                 yield fc2, hf.down(e, f0, f1)
             continue
-        f0, f1 = _span(spec.ffn_hidden_size, rank, tp)
+        f0, f1 = span(spec.ffn_hidden_size, rank, tp)
         yield (
             names["fc1"],
             torch.cat([reader.rows(m + "gate_proj.weight", f0, f1), reader.rows(m + "up_proj.weight", f0, f1)]),

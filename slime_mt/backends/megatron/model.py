@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.algo.losses import add_metric
-from slime_mt.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from slime_mt.backends.megatron.checkpoint import load_adapter, load_checkpoint, save_checkpoint
 from slime_mt.backends.megatron.convert import ExpertLayout, iter_hf_to_megatron, load_into, text_prefix
 from slime_mt.backends.megatron.families import (
     DecoderSpec,
@@ -91,6 +91,8 @@ class MegatronModel:
         self.ddp = self.optimizer = self.scheduler = None
         if trainable:
             self.ddp, self.optimizer, self.scheduler = _optimizer(self.module, train, self.dtype, total_steps)
+            if self.lora is not None and train.lora_adapter_path:
+                load_adapter(self, train.lora_adapter_path)  # --lora-adapter-path: the adapters' weights
         else:
             self.module.eval()
             for p in self.module.parameters():

@@ -2,7 +2,10 @@
 reach the optimizer and move, the weights the engines get have the adapters folded in (transformers on them
 computes what the adapted Megatron model does), the adapters export in PEFT's format (peft on the base computes
 the same), and every layout writes the step it took and its adapters for the tests to compare
-(``lora_TAG_KIND.pt``, ``peft_TAG_KIND/``)."""
+(``lora_TAG_KIND.pt``, ``peft_TAG_KIND/``). Checkpoints: TP=1 saves after its step (``lora_ckpt_KIND/``, a
+PEFT folder peft loads), takes a second step, and resumes the checkpoint in a new actor for the same second
+step (bitwise), and ``--lora-adapter-path`` starts from it; ``lora_resume`` at TP=2 with SP resumes TP=1's
+checkpoint for the same second step (the tests compare the adapters)."""
 
 import dataclasses
 from pathlib import Path
@@ -25,7 +28,7 @@ from megatron_checks.common import (
 from slime_mt.assets import tiny_model_dir
 from slime_mt.backends.megatron import scoring
 from slime_mt.backends.megatron.actor import MegatronActor
-from slime_mt.backends.megatron.peft import save_adapter
+from slime_mt.backends.megatron.peft import iter_adapter_tensors, save_adapter
 from slime_mt.config import TrainConfig
 
 LORA_KINDS = ("qwen3", "qwen2.5-vl")
@@ -42,18 +45,61 @@ def _base_shards(actor) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in actor.policy.module.named_parameters() if ".lora." not in f".{n}"}
 
 
+def _actor(kind: str, info, **lora) -> MegatronActor:
+    """An actor of the tiny ``kind`` model (``lora``: LoRA's flags, none for full training)."""
+    train = TrainConfig(lr=1e-3, micro_batch_size=2, sequence_parallel=LAUNCH.sequence_parallel, **lora)
+    algo = dataclasses.replace(ALGO, entropy_coef=0.0)
+    return MegatronActor(str(tiny_model_dir(kind)), train, algo, info, temperature=TEMPERATURE)
+
+
+def _step(actor, samples) -> dict:
+    return actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
+
+
+def _adapters(actor) -> dict[str, torch.Tensor]:
+    """The whole adapters, PEFT-named (global rank 0; empty elsewhere)."""
+    return {n: t.clone() for n, t in iter_adapter_tensors(actor.policy) if t is not None}
+
+
+def _resumed(kind: str, info, out_dir: Path, samples, result: dict) -> dict[str, torch.Tensor]:
+    """TP=1's LoRA checkpoint (``lora_ckpt_KIND``) resumed in a new actor for the second step -> its
+    adapters after it; writes them and the log-probs on resuming (``lora_resumed_TAG_KIND.pt``)."""
+    resumed = _actor(kind, info, **LORA)
+    result["resumed_extra"] = resumed.load(out_dir / f"lora_ckpt_{kind}")
+    result["resumed_step"] = resumed.policy.step
+    logprobs = _logprobs(resumed, samples)
+    _step(resumed, samples)
+    adapters = _adapters(resumed)
+    if is_main(info):
+        torch.save({"logprobs": logprobs, "adapters": adapters}, out_dir / f"lora_resumed_{layout_tag(info)}_{kind}.pt")
+    return adapters
+
+
+def _resume_at_one(kind: str, info, out_dir: Path, lora, samples, result: dict) -> None:
+    """TP=1, the checkpoint of the first step saved: --lora-adapter-path from it (the same log-probs, step 0),
+    and the second step straight and resumed from it (bitwise)."""
+    after_one = _logprobs(lora, samples)
+    warm = _actor(kind, info, **LORA, lora_adapter_path=str(out_dir / f"lora_ckpt_{kind}" / "iter_0000001"))
+    result["warm_gap"] = float((_logprobs(warm, samples) - after_one).abs().max())
+    result["warm_step"] = warm.policy.step
+    del warm
+    _step(lora, samples)
+    straight = _adapters(lora)
+    again = _resumed(kind, info, out_dir, samples, result)
+    result["resume_bitwise"] = straight.keys() == again.keys() and all(
+        torch.equal(t, again[n]) for n, t in straight.items()
+    )
+
+
 def _lora_kind(kind: str, info, out_dir: Path) -> dict:
     path = tiny_model_dir(kind)
     samples = matrix_batch(path, kind)
-    train = TrainConfig(lr=1e-3, micro_batch_size=2, sequence_parallel=LAUNCH.sequence_parallel)
-    algo = dataclasses.replace(ALGO, entropy_coef=0.0)
-    base = MegatronActor(str(path), train, algo, info, temperature=TEMPERATURE)
-    lora = MegatronActor(str(path), dataclasses.replace(train, **LORA), algo, info, temperature=TEMPERATURE)
+    base, lora = _actor(kind, info), _actor(kind, info, **LORA)
     fresh_gap = float((_logprobs(base, samples) - _logprobs(lora, samples)).abs().max())
     trainable = [n for n, p in lora.policy.module.named_parameters() if p.requires_grad]
     optimized = sum(p.numel() for g in lora.policy.optimizer.param_groups for p in g["params"])
     before, base_weights = _base_shards(lora), base.export_hf()
-    metrics = lora.train(lora.share_of(samples, ADVANTAGES, 2), on_policy=False)
+    metrics = _step(lora, samples)
     after = lora.export_hf()
     result = {
         "fresh_gap": fresh_gap,
@@ -79,14 +125,18 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
     adapter_dir = out_dir / f"peft_{layout_tag(info)}_{kind}"
     save_adapter(lora.policy, adapter_dir)
     if info.world_size == 1:
-        # peft on the base, with the adapters as exported, computes what the adapted Megatron model does
+        # peft on the base, with the adapters as exported and as checkpointed, computes what the adapted
+        # Megatron model does
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(hf_model(path), str(adapter_dir)).eval()
-        with torch.no_grad():
-            result["peft_gap"] = max(
-                float((hf_logits(model, s) - megatron_logits(lora, s)).abs().max()) for s in samples
-            )
+        lora.save(out_dir / f"lora_ckpt_{kind}", {"data_cursor": 1})  # what TP=1 and TP=2 resume
+        for key, folder in (
+            ("peft_gap", adapter_dir),
+            ("ckpt_peft_gap", out_dir / f"lora_ckpt_{kind}" / "iter_0000001"),
+        ):
+            model = PeftModel.from_pretrained(hf_model(path), str(folder)).eval()
+            with torch.no_grad():
+                result[key] = max(float((hf_logits(model, s) - megatron_logits(lora, s)).abs().max()) for s in samples)
     if kind == "qwen3" and info.world_size == 1:
         # transformers on the merged weights computes what the adapted Megatron model does
         model = hf_model(path)
@@ -94,6 +144,8 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
         result["hf_unexpected"], result["hf_missing"] = list(loaded.unexpected_keys), list(loaded.missing_keys)
         with torch.no_grad():
             result["hf_gap"] = max(float((hf_logits(model, s) - megatron_logits(lora, s)).abs().max()) for s in samples)
+    if info.world_size == 1:
+        _resume_at_one(kind, info, out_dir, lora, samples, result)
     return result
 
 
@@ -107,4 +159,16 @@ def check_lora(args, info, out):
         dist.barrier()
 
 
-CHECKS = {"lora": check_lora}
+def check_lora_resume(args, info, out):
+    """TP=1's LoRA checkpoints (the ``lora`` check's, a text model and a VLM) resumed at this layout for the
+    second step TP=1 took (the tests compare the adapters after it)."""
+    out_dir = Path(args.out)
+    out["lora_resume"] = {}
+    for kind in LORA_KINDS:
+        out["lora_resume"][kind] = result = {}
+        _resumed(kind, info, out_dir, matrix_batch(tiny_model_dir(kind), kind), result)
+    if info.world_size > 1:
+        dist.barrier()
+
+
+CHECKS = {"lora": check_lora, "lora_resume": check_lora_resume}

@@ -10,8 +10,9 @@ import pytest
 from megatron_worlds import launch_world, world_name
 
 # a world that reads what another saved is launched after it: TP=2's reshard_load reads the checkpoint
-# TP=1 saved, DP=2's the one TP=2 saved again, EP=1's resume the one EP=2 saved, and the PP worlds TP=1's
-AFTER = {"tp2": "tp1", "dp2": "tp2", "ep1_resume": "ep2", "pp2": "tp1", "tp2pp2sp": "tp1"}
+# TP=1 saved, DP=2's the one TP=2 saved again, EP=1's resume the one EP=2 saved, the PP worlds TP=1's, and
+# TP=2 with SP the LoRA checkpoints EP=1's saved
+AFTER = {"tp2": "tp1", "dp2": "tp2", "ep1_resume": "ep2", "pp2": "tp1", "tp2pp2sp": "tp1", "tp2sp": "ep1_resume"}
 
 
 @pytest.fixture(scope="session")

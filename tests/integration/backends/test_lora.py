@@ -1,9 +1,11 @@
-"""LoRA adapters on Megatron's parallel linear layers (issue 71 item 1, at TP and SP; integration tier: the
-``lora`` check in two worlds already launched for other checks, about 10 s in each): fresh adapters change no
+"""LoRA adapters on Megatron's parallel linear layers (issue 71 items 1 and 2, at TP and SP; integration tier:
+the ``lora`` check in two worlds already launched for other checks, about 15 s in each, and ``lora_resume`` in
+tp2sp's, about 8 s): fresh adapters change no
 log-prob, only the adapters are trained, the base stays bit for bit, the weights sent to the engines are the
 base with the adapters folded in (transformers on them computes what the adapted Megatron model does), the
-adapters export in PEFT's format (peft on the base computes the same), and a step at TP=2 with sequence
-parallelism equals the step at TP=1."""
+adapters export in PEFT's format (peft on the base computes the same), a step at TP=2 with sequence
+parallelism equals the step at TP=1, and a LoRA run's checkpoint is a PEFT folder that resumes bit for bit at
+its layout and at TP=2 with SP, and that --lora-adapter-path starts from."""
 
 import json
 
@@ -81,3 +83,36 @@ def test_the_adapters_export_in_pefts_format_and_peft_computes_the_same(world, m
     assert all(name.startswith(decoder + "layers.") for name in a)  # transformers' module paths
     for name, tensor in a.items():
         assert float((tensor - b[name]).abs().max()) < 1e-6, name
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_a_lora_checkpoint_is_a_peft_folder_and_resumes_bitwise(world, megatron_dir, kind):
+    """--save of a LoRA run writes its adapters only, as a PEFT folder (peft on the base computes the
+    adapted model's logits), with the adapters' optimizer state; --load resumes it for the same next step bit
+    for bit, and --lora-adapter-path starts from it (the same log-probs, step 0)."""
+    r = world("ep1_resume")["lora"][kind]
+    folder = megatron_dir / f"lora_ckpt_{kind}" / "iter_0000001"
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.json"} <= files
+    assert {"optimizer/exp_avg/adapter_model.safetensors", "optimizer/exp_avg_sq/adapter_model.safetensors"} <= files
+    assert not any(f.startswith("model") or f == "config.json" for f in files)  # the base is --hf-checkpoint's
+    assert r["ckpt_peft_gap"] < 1e-4
+    assert r["resumed_step"] == 1 and r["resumed_extra"] == {"data_cursor": 1} and r["resume_bitwise"]
+    assert r["warm_gap"] == 0.0 and r["warm_step"] == 0
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_a_lora_checkpoint_of_tp1_resumes_at_tp2_with_sequence_parallelism(world, megatron_dir, kind):
+    """TP=2 with SP loads TP=1's checkpoint (its log-probs on loading are TP=1's) and its next step gives
+    TP=1's adapters: within 0.02 x lr, Adam's second step turning float32 noise in a gradient near zero into
+    a step of a few ulps of lr (9e-6 in one element of a VLM's gate/up A here, 7e-7 elsewhere)."""
+    r = world("tp2sp")["lora_resume"][kind]
+    assert r["resumed_step"] == 1 and r["resumed_extra"] == {"data_cursor": 1}
+    at_one, at_two = (
+        torch.load(megatron_dir / f"lora_resumed_{tag}_{kind}.pt", weights_only=True) for tag in WORLDS_OF
+    )
+    step_one = torch.load(megatron_dir / f"lora_tp1_{kind}.pt", weights_only=True)
+    assert float((at_two["logprobs"] - step_one["logprobs"]).abs().max()) < 1e-5
+    assert at_one["adapters"].keys() == at_two["adapters"].keys() and len(at_one["adapters"]) > 0
+    for name, tensor in at_one["adapters"].items():
+        assert float((tensor - at_two["adapters"][name]).abs().max()) < 0.02 * 1e-3, name

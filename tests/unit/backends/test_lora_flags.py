@@ -1,7 +1,7 @@
 """LoRA's flags with miles' names (issue 71 item 1): --target-modules resolves all-linear, HF names, Megatron
 names and globs to Megatron's fused layers, --exclude-modules takes layers out, and what cannot run is refused
 naming the flag: part of a fused layer, a name that is no layer, no targets, dropout under TP, and what LoRA
-runs do not do yet (checkpoints, PP, CP, EP). Unit tier: parsing only."""
+runs do not do yet (PP, CP, EP). Unit tier: parsing only."""
 
 import pytest
 
@@ -51,10 +51,7 @@ def test_target_modules_resolve_to_megatrons_layers(targets, exclude, layers):
             ],
             r"--lora-dropout=0.1: must be 0 at --tensor-model-parallel-size > 1",
         ),
-        (
-            ["--lora-rank", "8", "--target-modules", "all-linear", "--save", "ckpt"],
-            r"--save='ckpt': checkpoints of a LoRA run",
-        ),
+        (["--lora-adapter-path", "adapter"], r"--lora-adapter-path='adapter': needs --lora-rank > 0"),
         (
             ["--lora-rank", "8", "--target-modules", "all-linear", "--pipeline-model-parallel-size", "2"],
             r"--pipeline-model-parallel-size=2: LoRA \(--lora-rank\) runs at TP",
