@@ -75,6 +75,15 @@ def build_cli() -> argparse.ArgumentParser:
     serve.add_argument(
         "--cache-tokens", type=int, default=0, help="Tokens of KV state kept by the prefix cache (LRU); 0: off."
     )
+    serve.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters by name (SGLang's flag).")
+    serve.add_argument(
+        "--lora-paths",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="Adapters loaded at start (PEFT folders; implies --enable-lora).",
+    )
+    serve.add_argument("--max-loras-per-batch", type=int, default=8, help="Adapters decoded in one batch (default 8).")
+    serve.add_argument("--max-lora-rank", type=int, help="The largest adapter rank accepted (default: any).")
     plot = sub.add_parser("plot", help=COMMANDS["plot"], description=COMMANDS["plot"])
     plot.add_argument("run_dir", help="Run directory holding metrics.jsonl.")
     prep = sub.add_parser("prepare-data", help=COMMANDS["prepare-data"], description=COMMANDS["prepare-data"])
@@ -305,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if ns.command == "serve":
+        from slime_mt.engine.embedded.lora import LoraServing, parse_lora_paths
         from slime_mt.engine.embedded.server import serve
 
-        serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed, ns.cache_tokens)
+        lora = None
+        if ns.enable_lora or ns.lora_paths:  # --lora-paths implies --enable-lora, as in SGLang
+            lora = LoraServing(parse_lora_paths(ns.lora_paths), ns.max_loras_per_batch, ns.max_lora_rank)
+        serve(ns.model_path, ns.host, ns.port, ns.max_batch_size, ns.seed, ns.cache_tokens, lora)
         return 0
     if ns.command == "plot":
         try:

@@ -91,7 +91,6 @@ UNSUPPORTED_TOP_LEVEL = {
     "input_embeds": None,
     "video_data": None,
     "audio_data": None,
-    "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
     "return_hidden_states": False,
@@ -145,6 +144,7 @@ class GenerateRequest:
     # SGLang's (--enable-priority-scheduling): higher first, first come first among equals; None (none
     # given) after every request that has one, as SGLang's scheduler sets it (-sys.maxsize - 1)
     priority: int | None = None
+    lora: str | None = None  # SGLang's lora_path: the name of a loaded adapter (None: the base model)
 
 
 def _is_int(x: Any) -> bool:
@@ -317,20 +317,11 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
     routed = _per_request(body.get("return_routed_experts"), n, is_batch, "return_routed_experts")
     routed_start = _per_request(body.get("routed_experts_start_len"), n, is_batch, "routed_experts_start_len")
     priorities = _per_request(body.get("priority"), n, is_batch, "priority")
+    loras = _per_request(body.get("lora_path"), n, is_batch, "lora_path")
     requests = []
     for i in range(n):
         suffix = f"[{i}]" if is_batch else ""
-        start_len = -1 if start[i] is None else start[i]
-        if not _is_int(start_len) or start_len < -1:
-            raise ProtocolError(f"logprob_start_len{suffix} must be an integer >= -1, got {show(start[i])}")
-        route_start = 0 if routed_start[i] is None else routed_start[i]
-        if not _is_int(route_start) or route_start < 0:
-            raise ProtocolError(
-                f"routed_experts_start_len{suffix} must be an integer >= 0, got {show(routed_start[i])}"
-            )
-        priority = priorities[i]
-        if priority is not None and not _is_int(priority):
-            raise ProtocolError(f"priority{suffix} must be an integer, got {show(priorities[i])}")
+        start_len, route_start, priority = _positions(start[i], routed_start[i], priorities[i], loras[i], suffix)
         requests.append(
             GenerateRequest(
                 rid=rids[i],
@@ -345,9 +336,26 @@ def parse_generate(body: Any, vocab_size: int) -> tuple[list[GenerateRequest], b
                 return_routed_experts=parse_bool(routed[i], "return_routed_experts" + suffix),
                 routed_experts_start_len=route_start,
                 priority=priority,
+                lora=loras[i],
             )
         )
     return requests, is_batch
+
+
+def _positions(start: Any, routed_start: Any, priority: Any, lora: Any, suffix: str) -> tuple[int, int, int | None]:
+    """One request's ``logprob_start_len`` (-1 when absent), ``routed_experts_start_len`` (0) and
+    ``priority`` checked, and its ``lora_path`` (an adapter's name or none)."""
+    start_len = -1 if start is None else start
+    if not _is_int(start_len) or start_len < -1:
+        raise ProtocolError(f"logprob_start_len{suffix} must be an integer >= -1, got {show(start)}")
+    route_start = 0 if routed_start is None else routed_start
+    if not _is_int(route_start) or route_start < 0:
+        raise ProtocolError(f"routed_experts_start_len{suffix} must be an integer >= 0, got {show(routed_start)}")
+    if priority is not None and not _is_int(priority):
+        raise ProtocolError(f"priority{suffix} must be an integer, got {show(priority)}")
+    if lora is not None and not (isinstance(lora, str) and lora):
+        raise ProtocolError(f"lora_path{suffix} must be the name of a loaded adapter, got {show(lora)}")
+    return start_len, route_start, priority
 
 
 def _per_request(value: Any, n: int, is_batch: bool, name: str) -> list[Any]:

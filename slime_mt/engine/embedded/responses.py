@@ -12,9 +12,28 @@ import torch
 from starlette.responses import JSONResponse
 
 from slime_mt.engine.embedded.runner import ModelRunner, Sequence
-from slime_mt.engine.protocol import GenerateRequest, show
+from slime_mt.engine.protocol import GenerateRequest, finish_length, finish_stop, show
 from slime_mt.errors import ProtocolError
 from slime_mt.routes import RouteLayout
+
+
+def finish_reason(seq: Sequence, runner: ModelRunner) -> dict | None:
+    """Why ``seq`` is finished after its last token, None if it is not, in SGLang's order
+    (``Req.check_finished``): length first, then stop token ids and EOS (both ignored with
+    ``ignore_eos``), then stop strings."""
+    sp = seq.sampling
+    token = seq.output_ids[-1]
+    n = len(seq.output_ids)
+    if n >= sp.max_new_tokens or len(seq.prompt_ids) + n >= runner.context_length:
+        return finish_length(n)
+    if not sp.ignore_eos and (token in sp.stop_token_ids or token in runner.eos_ids):
+        return finish_stop(token)
+    if sp.stop:
+        text = runner.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
+        for stop in sp.stop:
+            if stop in text:
+                return finish_stop(stop)
+    return None
 
 
 def response(

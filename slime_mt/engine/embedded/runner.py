@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as transformers_logging
 
+from slime_mt.engine.embedded.lora import ServedAdapters
 from slime_mt.engine.protocol import SamplingParams, expand_image_pads
 from slime_mt.engine.weights import fp8
 from slime_mt.engine.weights.checkpoint import checkpoint_files
@@ -54,6 +55,7 @@ class Sequence:
     position: int = 0  # next rotary position
     cached_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache
     epoch: int = 0  # the scheduler's weight updates when it was admitted
+    lora: str | None = None  # the adapter it decodes with (``lora.py``; None: the base model)
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, moe_layers, top_k] per forward, in order
 
     def routed(self, layout: RouteLayout) -> torch.Tensor:
@@ -81,6 +83,7 @@ class ModelRunner:
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.fp8 = fp8.folder_format(self.model_path)  # None: full-precision weights
         self.model = self._load_model().eval()
+        self.adapters = ServedAdapters(self.model)  # LoRA adapters by name (off until the engine enables them)
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] | None = None  # while released
         self._unloaded: set[int] = set()  # parameters resumed and not yet loaded again (by id)
         if self.fp8 is not None:  # the FP8 tensors dequantized with their scales (``_load_model``)
@@ -223,6 +226,7 @@ class ModelRunner:
         length = len(seq.prompt_ids)
         kwargs["logits_to_keep"] = 1  # the last position's, to sample from
         self._captured, self._hidden, self._keep = {}, [], input_logprob_start is not None
+        self.adapters.active = [seq.lora]
         try:
             out = self.model(**kwargs)
         finally:
@@ -265,6 +269,7 @@ class ModelRunner:
         pos = torch.tensor([[s.position] for s in batch.seqs], device=self.device)  # [B, 1]
         position_ids = pos.unsqueeze(0).expand(3, -1, -1) if self.is_vlm else pos
         self._captured = {}
+        self.adapters.active = [s.lora for s in batch.seqs]
         out = self.model(
             input_ids=last, attention_mask=mask, position_ids=position_ids, past_key_values=batch.cache, use_cache=True
         )

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_mt.engine.embedded.prefix_cache import PrefixCache
-from slime_mt.engine.embedded.responses import response
+from slime_mt.engine.embedded.responses import finish_reason, response
 from slime_mt.engine.embedded.runner import Batch, ModelRunner, Sequence
-from slime_mt.engine.protocol import GenerateRequest, finish_abort, finish_length, finish_stop
+from slime_mt.engine.protocol import GenerateRequest, finish_abort, finish_length
 from slime_mt.errors import EngineAsleep, EngineFault, MemoryBusy, ProtocolError
 
 PAUSE_MODES = ("abort", "in_place", "retract")  # SGLang's /pause_generation modes
@@ -164,6 +164,11 @@ class Scheduler:
     def paused(self) -> bool:
         return self._paused
 
+    def uses(self, adapter: str) -> bool:
+        """Whether a waiting or running request decodes with the LoRA adapter named ``adapter``."""
+        with self.lock, self._cond:
+            return any(j.request.lora == adapter for j in list(self._waiting) + list(self._running.values()))
+
     def aborting(self) -> int:
         """Requests marked aborted and not yet answered."""
         with self._cond:
@@ -275,7 +280,10 @@ class Scheduler:
                         and not self._paused
                         and not self._updates_waiting
                     ):
-                        admitted.append(self._next_waiting())
+                        job = self._next_waiting(admitted)
+                        if job is None:  # what waits needs more adapters than the batch may hold
+                            break
+                        admitted.append(job)
                     dropped = [j for j in self._waiting if j.abort_reason()]
                     for job in dropped:
                         self._waiting.remove(job)
@@ -300,11 +308,16 @@ class Scheduler:
         for job in leftover:
             self._settle(job, finish_abort("Engine shut down"))
 
-    def _next_waiting(self) -> Job:
+    def _next_waiting(self, admitted: list[Job]) -> Job | None:
         """The waiting request admitted next: the highest priority, the earliest among equals (SGLang's
         ``--enable-priority-scheduling`` order; a request without one comes after every request with
-        one, so without priorities this is first come, first served)."""
-        job = max(self._waiting, key=_priority)  # max keeps the first of equals
+        one, so without priorities this is first come, first served), among those whose LoRA adapter
+        the batch can take (``--max-loras-per-batch``); None when none can join."""
+        batch = [s.lora for s in self._batch.seqs] + [j.request.lora for j in admitted]
+        fitting = [j for j in self._waiting if self.runner.adapters.fits(j.request.lora, batch)]
+        if not fitting:
+            return None
+        job = max(fitting, key=_priority)  # max keeps the first of equals
         self._waiting.remove(job)
         return job
 
@@ -327,7 +340,9 @@ class Scheduler:
             past = past_routes = None
             if self.prefix_cache is not None:  # at least the last prompt token is computed, and every
                 limit = len(seq.prompt_ids) - 1 if start is None else start  # requested input log-prob
-                seq.cached_tokens, past, past_routes = self.prefix_cache.match(seq.prompt_ids, limit)
+                seq.cached_tokens, past, past_routes = self.prefix_cache.match(
+                    seq.prompt_ids, limit, self.runner.adapters.namespace(seq.lora)
+                )
             cache, logits = self.runner.prefill(seq, vision, start, past, past_routes)
             if not generates:
                 self._finish(job, finish_length(0))
@@ -373,7 +388,8 @@ class Scheduler:
         generator = self._generator
         if sampling.sampling_seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(sampling.sampling_seed)
-        seq = Sequence(req.rid, prompt_ids, sampling, generator, epoch=self._epoch)
+        self.runner.adapters.check_request(req.lora)  # unloaded since it was queued: refused
+        seq = Sequence(req.rid, prompt_ids, sampling, generator, epoch=self._epoch, lora=req.lora)
         return seq, vision, sampling.max_new_tokens > 0
 
     def _step_batch(self) -> None:
@@ -417,7 +433,7 @@ class Scheduler:
         seq.output_ids.append(token[0])
         seq.output_logprobs.append(logprob[0])
         self.generated_tokens += 1
-        reason = self._finish_reason(seq)
+        reason = finish_reason(seq, self.runner)
         if reason is not None:
             self._remember(seq, [(layer.keys, layer.values) for layer in cache.layers])
             self._finish(job, reason)
@@ -434,7 +450,7 @@ class Scheduler:
         for row, (job, token, logprob) in enumerate(zip(jobs, tokens, logprobs)):
             job.seq.output_ids.append(token)
             job.seq.output_logprobs.append(logprob)
-            reason = self._finish_reason(job.seq)
+            reason = finish_reason(job.seq, self.runner)
             if reason is None:
                 keep.append(row)
             else:
@@ -443,23 +459,6 @@ class Scheduler:
         self.generated_tokens += len(jobs)
         if len(keep) != len(jobs):
             self._batch.keep(keep)
-
-    def _finish_reason(self, seq: Sequence) -> dict | None:
-        """SGLang's order (``Req.check_finished``): length first, then stop token ids and EOS (both
-        ignored with ``ignore_eos``), then stop strings."""
-        sp = seq.sampling
-        token = seq.output_ids[-1]
-        n = len(seq.output_ids)
-        if n >= sp.max_new_tokens or len(seq.prompt_ids) + n >= self.runner.context_length:
-            return finish_length(n)
-        if not sp.ignore_eos and (token in sp.stop_token_ids or token in self.runner.eos_ids):
-            return finish_stop(token)
-        if sp.stop:
-            text = self.runner.tokenizer.decode(seq.output_ids, skip_special_tokens=sp.skip_special_tokens)
-            for stop in sp.stop:
-                if stop in text:
-                    return finish_stop(stop)
-        return None
 
     def _drop_aborted(self) -> None:
         rows = []
@@ -493,7 +492,8 @@ class Scheduler:
         if self.prefix_cache is not None and seq.epoch == self._epoch:  # no state of older weights
             layout = self.runner.route_layout
             routes = seq.routed(layout) if layout is not None else None
-            self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv, routes)
+            namespace = self.runner.adapters.namespace(seq.lora)
+            self.prefix_cache.insert(seq.prompt_ids + seq.output_ids[:-1], kv, routes, namespace)
 
     def _job_of(self, seq: Sequence) -> Job:
         return self._running[id(seq)]

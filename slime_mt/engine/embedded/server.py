@@ -6,7 +6,8 @@ Endpoints (SGLang names; the deprecated ``/get_*`` aliases too): ``/generate``, 
 ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, and the distributed
 path (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``: weights broadcast from trainer rank 0, ``weight_group.py``) and
-``/update_weights_from_tensor`` (tensors passed by handle on one node, ``tensor_payload.py``).
+``/update_weights_from_tensor`` (tensors passed by handle on one node, ``tensor_payload.py``), and LoRA
+adapters served by name (``/load_lora_adapter``, ``/unload_lora_adapter``, a request's ``lora_path``: ``lora.py``).
 
 Guarantees, for any input: every request gets an answer; a client error is a 4xx naming the field
 (never a 5xx), an engine failure is a 5xx naming the cause and fails only the requests it touched;
@@ -46,6 +47,8 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from slime_mt import __version__
+from slime_mt.engine.embedded import lora
+from slime_mt.engine.embedded.lora import LoraServing
 from slime_mt.engine.embedded.responses import JSON, error, memory_tags, refused
 from slime_mt.engine.embedded.runner import ModelRunner
 from slime_mt.engine.embedded.scheduler import PAUSE_MODES, Scheduler
@@ -158,6 +161,8 @@ class EngineApp:
             Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=["POST"]),
             Route("/release_memory_occupation", self.release_memory_occupation, methods=["GET", "POST"]),
             Route("/resume_memory_occupation", self.resume_memory_occupation, methods=["GET", "POST"]),
+            Route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
         ]
         self.app = Starlette(routes=[Route(r.path, _guarded(r.endpoint), methods=r.methods) for r in routes])
 
@@ -171,6 +176,7 @@ class EngineApp:
         requests, is_batch = parse_generate(body, self.runner.vocab_size)
         for req in requests:
             self._check_size(req)
+            self.runner.adapters.check_request(req.lora)
         if not self._admission.is_set():  # held while paused, as SGLang's is_pause_cond holds it
             self.held_at_admission += 1
             try:
@@ -425,6 +431,12 @@ class EngineApp:
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.resume_memory, tags)
         return JSON({"success": True, "message": f"resumed {', '.join(sorted(tags))}"})
 
+    async def load_lora_adapter(self, request: Request):
+        return await lora.update(self.runner.adapters, self.scheduler, await _json_body(request), load=True)
+
+    async def unload_lora_adapter(self, request: Request):
+        return await lora.update(self.runner.adapters, self.scheduler, await _json_body(request), load=False)
+
     async def destroy_weights_update_group(self, request: Request):
         body = await _json_body(request, required=False)
         name = body.get("group_name", weight_group.GROUP_NAME)
@@ -459,8 +471,10 @@ class LocalEngine:
         dtype: torch.dtype = torch.float32,
         device: str | None = None,
         cache_tokens: int = 0,
+        lora: LoraServing | None = None,
     ):
         self.model_path = str(model_path)
+        self.lora = lora  # SGLang's --enable-lora and its options (None: no adapters)
         self.host, self.port = host, port
         self.max_batch_size, self.seed, self.dtype = max_batch_size, seed, dtype
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -491,6 +505,8 @@ class LocalEngine:
 
     def start(self, timeout: float = 120.0) -> LocalEngine:
         runner = ModelRunner(self.model_path, dtype=self.dtype, device=self.device)
+        if self.lora is not None:
+            self.lora.apply(runner.adapters)
         self.scheduler = Scheduler(runner, self.max_batch_size, self.seed, self.initial_version, self.cache_tokens)
         self.scheduler.start()
         self._app = EngineApp(self.scheduler, self.model_path)
@@ -545,9 +561,17 @@ def wait_healthy(url: str, timeout: float = 120.0, path: str = "/health") -> Non
     raise TimeoutError(f"engine at {url} not healthy after {timeout:.0f}s (last: {last})")
 
 
-def serve(model_path: str, host: str, port: int, max_batch_size: int, seed: int, cache_tokens: int = 0) -> None:
+def serve(
+    model_path: str,
+    host: str,
+    port: int,
+    max_batch_size: int,
+    seed: int,
+    cache_tokens: int = 0,
+    lora: LoraServing | None = None,
+) -> None:
     """``slime-mt serve``: run an embedded engine in the foreground until interrupted."""
-    engine = LocalEngine(model_path, host, port, max_batch_size, seed, cache_tokens=cache_tokens).start()
+    engine = LocalEngine(model_path, host, port, max_batch_size, seed, cache_tokens=cache_tokens, lora=lora).start()
     print(f"slime-mt engine serving {model_path} at {engine.url}", flush=True)
     try:
         while engine._thread.is_alive():

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from lora_helpers import PROJECTIONS, peft_adapter
 from safetensors.torch import load_file, save_file
 
 from slime_mt.assets import tiny_model_dir
@@ -17,44 +18,10 @@ from slime_mt.backends.megatron.peft import check_adapter, write_merged
 from slime_mt.errors import CheckpointError
 
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def spec_of(kind: str):
     return decoder_spec(read_hf_config(tiny_model_dir(kind)), kind)
-
-
-def peft_adapter(kind: str, folder, shared_a: bool = True):
-    """peft's own adapter of the tiny ``kind`` model on every projection (rank 4, alpha 8, B drawn at
-    random as A is), saved to ``folder`` -> the peft model; ``shared_a``: q, k and v (gate and up) given one
-    A, as the trainer's fused layers have."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    vlm = kind.endswith("-vl")
-    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(tiny_model_dir(kind))
-    config = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=PROJECTIONS,
-        init_lora_weights=False,
-        exclude_modules=r"(?!model\.language_model\.).*" if vlm else None,
-    )
-    model = get_peft_model(model, config)
-    if shared_a:
-        with torch.no_grad():
-            for layer in (
-                model.base_model.model.model.language_model.layers if vlm else model.base_model.model.model.layers
-            ):
-                for module, fused in (
-                    (layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                    (layer.mlp, ("gate_proj", "up_proj")),
-                ):
-                    first = getattr(module, fused[0]).lora_A["default"].weight
-                    for name in fused[1:]:
-                        getattr(module, name).lora_A["default"].weight.copy_(first)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
