@@ -43,6 +43,7 @@ from pathlib import Path
 from slime_mt.backends.megatron.checkpoint import read_latest
 from slime_mt.backends.megatron.peft import ADAPTER_CONFIG, write_merged
 from slime_mt.config import Config
+from slime_mt.config.training import adapter_updates
 from slime_mt.errors import ConfigError, RolloutFailedError
 from slime_mt.roles.steps import StepTimes
 from slime_mt.roles.train import TrainRole
@@ -62,10 +63,11 @@ def run(cfg: Config, trainer: TrainRole, rollout, stop_requested: threading.Even
         start, data_state = trainer.load(checkpoint.load)
         rollout.resume(start, data_state)
     started_elsewhere = cfg.engine.engine_url and not cfg.cluster.ray and not cfg.debug.train_only
-    if checkpoint.load or cfg.train.lora_adapter_path or started_elsewhere:
+    if checkpoint.load or cfg.train.lora_adapter_path or adapter_updates(cfg) or started_elsewhere:
         # the engines serve the run's starting weights as its starting version: a resumed run's
-        # checkpoint, the adapter --lora-adapter-path starts from, and for engines the run did not start,
-        # whatever an earlier run left there (under --ray the run started them, from --hf-checkpoint)
+        # checkpoint, a LoRA run's adapter (the engines serve it by name), and for engines the run did
+        # not start, whatever an earlier run left there (under --ray the run started them, from
+        # --hf-checkpoint)
         trainer.export_weights(rollout.push_weights, start)
     rollout.begin(start)
     if offload:
@@ -147,17 +149,19 @@ def eval_only(cfg: Config, run_dir: Path | None = None) -> int:
     the run's evaluation after that many steps: the same figures, where the engine is deterministic."""
     from slime_mt.roles.rollout import RolloutRole  # the train loop's processes need not import it
 
-    steps_trained, served = 0, cfg.train.hf_checkpoint
+    steps_trained, served, adapter = 0, cfg.train.hf_checkpoint, cfg.train.lora_adapter_path
     if cfg.checkpoint.load:
         folder = read_latest(Path(cfg.checkpoint.load))
         steps_trained = int(json.loads((folder / "trainer_state.json").read_text())["step"])
-        served = str(folder)
-        if (folder / ADAPTER_CONFIG).is_file():  # a LoRA run's: its adapters folded into --hf-checkpoint
-            merged = (run_dir or run_dir_of(cfg)) / f"merged_{folder.name}"
-            served = str(write_merged(cfg.train.hf_checkpoint, folder, merged))
+        served, adapter = str(folder), folder if (folder / ADAPTER_CONFIG).is_file() else None
     if not cfg.evaluation.eval_prompt_data and not cfg.evaluation.eval_config:
         raise ConfigError("slime-mt eval needs held-out datasets: --eval-config or --eval-prompt-data")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hf_checkpoint=served))
+    if adapter:  # a LoRA run's checkpoint (or --lora-adapter-path): its adapters folded into --hf-checkpoint
+        merged = (run_dir or run_dir_of(cfg)) / f"merged_{Path(adapter).name}"
+        served = str(write_merged(cfg.train.hf_checkpoint, adapter, merged))
+    # the engines serve these weights as they are (merged: no adapter to load by name)
+    no_lora = dict(lora_rank=0, target_modules=None, exclude_modules=None, lora_adapter_path=None)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hf_checkpoint=served, **no_lora))
     side = RolloutRole.start(cfg, run_dir or run_dir_of(cfg), sends_weights=False, version=steps_trained)
     try:
         side.evaluate(steps_trained)

@@ -196,6 +196,17 @@ def lora_targets(target_modules: str | None, exclude_modules: str | None) -> tup
     return tuple(layer for layer in LORA_LAYERS if layer in targets)
 
 
+POLICY_ADAPTER = "policy"  # the name the engines serve a LoRA run's adapter under (lora_path)
+
+
+def adapter_updates(cfg) -> bool:
+    """Whether a LoRA run's weight updates send the engines only its adapter, which they serve by name
+    (``POLICY_ADAPTER``) on their base weights: embedded and SGLang engines over the in-process or disk
+    transport. vLLM, Ray placement and the broadcast transports take the merged weights (``W + scale B A``)."""
+    transport = cfg.engine.weight_transport in ("auto", "inprocess", "disk")
+    return bool(cfg.train.lora_rank) and cfg.engine.engine in ("local", "sglang") and not cfg.cluster.ray and transport
+
+
 def _validate_lora(t) -> None:
     """LoRA's flags: a rank of 0 (off) or more with the layers named, a positive alpha, dropout in [0, 1)
     and none under TP (the replicated factor's input would be dropped differently on each rank)."""

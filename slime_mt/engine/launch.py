@@ -26,7 +26,9 @@ from pathlib import Path
 import httpx
 
 from slime_mt.config import EngineConfig, engine_args, extra_arg
+from slime_mt.config.training import LORA_LAYERS, adapter_updates, lora_targets
 from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
+from slime_mt.engine.embedded.lora import LoraServing
 from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
 from slime_mt.errors import LaunchError
 
@@ -393,14 +395,36 @@ SGLANG_PRIORITY_FLAG = "--enable-priority-scheduling"  # higher priority values 
 VLLM_PRIORITY_FLAGS = "--scheduling-policy priority"  # lower values first
 
 
-def engine_config_for(engine: EngineConfig, routed_experts: bool, priority: bool = False) -> EngineConfig:
+def lora_serving(cfg) -> LoraServing | None:
+    """How the engines of a LoRA run serve its adapter (``config.training.adapter_updates``: loaded by
+    name at the first update, ranks up to ``--lora-rank``), None when they take merged weights."""
+    if not adapter_updates(cfg):
+        return None
+    return LoraServing({}, max_loras_per_batch=1, max_lora_rank=cfg.train.lora_rank)
+
+
+def lora_flags(lora: LoraServing | None, train) -> list[str]:
+    """SGLang's flags for serving a LoRA run's adapter: ``--enable-lora``, its rank and the projections."""
+    if lora is None:
+        return []
+    projections = " ".join(
+        p for layer in lora_targets(train.target_modules, train.exclude_modules) for p in LORA_LAYERS[layer]
+    )
+    return ["--enable-lora", f"--max-lora-rank {lora.max_lora_rank}", f"--lora-target-modules {projections}"]
+
+
+def engine_config_for(
+    engine: EngineConfig, routed_experts: bool, priority: bool = False, lora: list[str] | None = None
+) -> EngineConfig:
     """The engines' settings for a run: with ``--use-rollout-routing-replay`` SGLang servers are
     launched with ``--enable-return-routed-experts`` (the embedded engine always records routes); where
     requests carry priorities (``config.priority_scheduling``: ``--oldest-groups-first``, an evaluation
     beside the rollout) SGLang with ``--enable-priority-scheduling`` and vLLM with ``--scheduling-policy
-    priority`` (the embedded engine always schedules by priority)."""
+    priority`` (the embedded engine always schedules by priority); a LoRA run whose engines serve its
+    adapter, SGLang with ``lora`` (``lora_flags``)."""
     sglang = _with_flags(
-        engine.sglang_extra_args, [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * priority
+        engine.sglang_extra_args,
+        [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * priority + list(lora or []),
     )
     vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * priority)
     if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
@@ -423,6 +447,7 @@ def start_engines(
     tp_size: int = 1,
     connect_timeout: float = 30.0,
     weight_version: str = "0",
+    lora: LoraServing | None = None,
 ) -> EngineGroup:
     """Connect to ``cfg.engine_url`` (waiting up to ``connect_timeout`` s for each) or launch
     ``cfg.num_engines`` engines (+ a router when > 1) serving ``model_path`` as ``weight_version``."""
@@ -447,6 +472,7 @@ def start_engines(
                     seed=seed + i,
                     weight_version=weight_version,
                     cache_tokens=cfg.engine_cache_tokens,
+                    lora=lora,
                 ).start()
                 group.local_engines.append(engine)
             elif cfg.engine == "vllm":

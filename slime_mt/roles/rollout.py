@@ -109,18 +109,23 @@ class RolloutRole(RolloutSteps):
         ``version``), the rollout context with its update gate, the rollout function, the metrics logger
         and (``sends_weights``) the weight transport; under ``--ray`` (``engine_actors``: the driver's
         EngineActors) the supervisor that starts again an engine that dies."""
-        from slime_mt.engine.launch import engine_config_for, start_engines
+        from slime_mt.engine.launch import engine_config_for, lora_flags, lora_serving, start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
         eval_sets = load_eval_sets(cfg)
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
+        lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
+        settings = engine_config_for(
+            cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg), lora_flags(lora, cfg.train)
+        )
         engines = start_engines(
-            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg)),
+            settings,
             served,
             run_dir / "logs",
             seed=cfg.train.seed,
             tp_size=cfg.train.tensor_model_parallel_size,
             weight_version=str(version),
+            lora=lora,
         )
         ctx = None
         try:  # whatever fails from here stops the engines (and closes the context) before it is raised

@@ -22,6 +22,7 @@ import torch
 
 from slime_mt.config import Config, DataConfig, GatewayConfig, RolloutConfig, priority_scheduling
 from slime_mt.config.rollout import rewrites_history
+from slime_mt.config.training import POLICY_ADAPTER, adapter_updates
 from slime_mt.engine.clients import client_for
 from slime_mt.engine.clients.sglang import EngineClient, output_of
 from slime_mt.errors import ConfigError, EngineError, PluginError
@@ -87,6 +88,8 @@ class RolloutContext:
             from slime_mt.engine.clients.vllm import IMAGES_REFUSED
 
             raise ConfigError(f"--engine vllm with the VLM {model_path}: {IMAGES_REFUSED}")
+        if adapter_updates(cfg):  # the engines serve the run's adapter by name: every request names it
+            client.lora_path = POLICY_ADAPTER
         ctx = cls(client, processor, cfg.rollout, cfg.data, cfg.to_args(), gateway_config=cfg.gateway)
         ctx.args.rollout_context = ctx
         ctx.priority_scheduling = priority_scheduling(cfg)

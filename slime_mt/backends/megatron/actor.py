@@ -35,7 +35,9 @@ from slime_mt.backends.megatron import export, scoring
 from slime_mt.backends.megatron.model import MegatronModel
 from slime_mt.backends.megatron.moe import router_metrics
 from slime_mt.backends.megatron.parallel import ParallelInfo
+from slime_mt.backends.megatron.peft import adapter_config, iter_adapter_tensors
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.engine.weights.adapters import AdapterStream
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
 
@@ -288,6 +290,11 @@ class MegatronActor:
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The policy's HF weights, one tensor at a time (``export.iter_hf_weights``; collective)."""
         return export.iter_hf_weights(self.policy)
+
+    def iter_adapter_weights(self) -> AdapterStream:
+        """The policy's LoRA adapters, PEFT-named, one tensor at a time, with their ``adapter_config.json``
+        (what engines that serve the adapter take at an update; collective)."""
+        return AdapterStream(iter_adapter_tensors(self.policy), adapter_config(self.policy))
 
     def export_hf(self) -> dict[str, torch.Tensor]:
         """Every HF-named tensor of the policy on global rank 0 ({} on other ranks); collective."""

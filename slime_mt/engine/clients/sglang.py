@@ -106,6 +106,7 @@ class EngineClient:
         max_connections: int | None = None,
     ):
         self.gate: UpdateGate | None = None
+        self.lora_path: str | None = None  # the adapter every /generate names unless it names its own (a LoRA run's)
         self.timeline: Timeline | None = None  # the process's trace (slime_mt/timeline.py), when it keeps one
         self.url = url.rstrip("/")
         self.worker_urls = [u.rstrip("/") for u in (worker_urls or [self.url])]
@@ -176,6 +177,8 @@ class EngineClient:
         priority = sglang_priority()
         if priority is not None:
             body["priority"] = priority
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         body.update(extra)
         header = f"X-SMG-Routing-Key: {_header_value(route)}\r\n" if route else ""
         where = self.url
@@ -206,6 +209,8 @@ class EngineClient:
             "rid": rid,
             **extra,
         }
+        if self.lora_path is not None:
+            body.setdefault("lora_path", self.lora_path)
         rids = [f"{rid}_{i}" for i in range(len(input_ids))]
         return await self._generate(self.url + "/generate", body, rids, timeout)
 
@@ -383,6 +388,29 @@ class EngineClient:
             body["weight_version"] = weight_version
         results = await self._broadcast("/update_weights_from_disk", body, timeout)
         return self._acknowledged(f"/update_weights_from_disk {model_path}", results)
+
+    async def replace_lora_adapter(
+        self, name: str, path: str, weight_version: str | None = None, timeout: float | None = None
+    ) -> None:
+        """Every worker serves the PEFT folder ``path`` as LoRA adapter ``name`` (whatever it served under
+        that name unloaded first, as miles does with SGLang, which refuses to load over a loaded name) and,
+        when given, reports ``weight_version`` (SGLang's ``/update_weight_version``). EngineError naming a
+        worker that refused."""
+
+        async def unload(url: str) -> None:
+            try:
+                await self._broadcast("/unload_lora_adapter", {"lora_name": name}, timeout, retry=False, urls=[url])
+            except EngineRequestError as e:
+                if "does not exist" not in str(e):  # nothing of that name there yet: nothing to unload
+                    raise
+
+        await asyncio.gather(*(unload(url) for url in self.worker_urls))
+        body = {"lora_name": name, "lora_path": path}
+        results = await self._broadcast("/load_lora_adapter", body, timeout, retry=False)
+        self._acknowledged(f"/load_lora_adapter {name} from {path}", results)
+        if weight_version is not None:
+            body = {"new_version": weight_version, "abort_all_requests": False}
+            self._acknowledged("/update_weight_version", await self._broadcast("/update_weight_version", body, timeout))
 
     def _acknowledged(self, what: str, results: list[Any]) -> list[dict]:
         """``results`` when every worker answered SGLang's ``success: true``; EngineError naming the others."""

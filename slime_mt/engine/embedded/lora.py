@@ -122,6 +122,11 @@ class ServedAdapters:
         if name in self.adapters or name in self._applied:
             raise AdapterError(f"LoRA with name {name} already exists. Loaded LoRAs: {set(self.adapters)}")
         adapter = self._adapter(name, str(path), pinned)
+        self._serve(adapter)
+        return adapter
+
+    def _serve(self, adapter: ServedAdapter) -> None:
+        """``adapter`` in place under its name (hooks on the layers it names, once each)."""
         with self.lock:
             for module in adapter.weights:
                 if module not in self._hooked:
@@ -129,9 +134,7 @@ class ServedAdapters:
                     self._hooked.add(module)
             self.version += 1
             adapter.serial = self.version
-            self._applied[name] = adapter
-            self.adapters[name] = adapter
-        return adapter
+            self._applied[adapter.name] = self.adapters[adapter.name] = adapter
 
     def namespace(self, name: str | None) -> tuple[str, int] | None:
         """The prefix cache's namespace of rows decoded with adapter ``name`` (None: the base model's)."""
@@ -154,10 +157,20 @@ class ServedAdapters:
             self._applied.pop(name, None)
             self.version += 1
 
-    def _adapter(self, name: str, path: str, pinned: bool) -> ServedAdapter:
-        """The adapter of the PEFT folder ``path``, its tensors on the model's device and dtype, each
-        checked against the layer it names (AdapterError naming the tensor and both shapes)."""
-        config, tensors = _read_adapter(path, name)
+    def replace(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> int:
+        """Serve ``tensors`` (PEFT-named, with their ``adapter_config.json`` as ``config``) as ``name`` in
+        place of what was served under it (a training run's update, run by the scheduler between steps)
+        -> the tensors taken. AdapterError leaves what was served."""
+        if not self.enabled:
+            raise AdapterError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        self._serve(self._adapter(name, "<tensors>", False, (config, tensors)))
+        return len(tensors)
+
+    def _adapter(self, name: str, path: str, pinned: bool, given: tuple[dict, dict] | None = None) -> ServedAdapter:
+        """The adapter of the PEFT folder ``path`` (or the ``given`` config and tensors), its tensors on the
+        model's device and dtype, each checked against the layer it names (AdapterError naming the tensor
+        and both shapes)."""
+        config, tensors = given or _read_adapter(path, name)
         rank = int(config.get("r", 0))
         if rank <= 0:
             raise AdapterError(f"LoRA adapter {name}: {path}: r={config.get('r')} in adapter_config.json")

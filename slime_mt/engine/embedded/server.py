@@ -155,6 +155,7 @@ class EngineApp:
             Route("/continue_generation", self.continue_generation, methods=["POST"]),
             Route("/update_weights_from_disk", self.update_weights_from_disk, methods=["POST"]),
             Route("/get_weight_version", self.weight_version, methods=["GET"]),
+            Route("/update_weight_version", self.update_weight_version, methods=["POST"]),
             Route("/init_weights_update_group", self.init_weights_update_group, methods=["POST"]),
             Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=["POST"]),
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=["POST"]),
@@ -288,6 +289,17 @@ class EngineApp:
 
     async def weight_version(self, request: Request):
         return JSON({"weight_version": self.scheduler.weight_version})
+
+    async def update_weight_version(self, request: Request):
+        """SGLang's: the version the engine reports from now on (its weights unchanged; after a LoRA load)."""
+        body = await _json_body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            raise ProtocolError(f"update_weight_version: new_version must be a string, got {show(version)}")
+        if parse_bool(body.get("abort_all_requests"), "abort_all_requests"):
+            self.scheduler.abort(abort_all=True)
+        self.scheduler.weight_version = version
+        return JSON({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
 
     async def flush_cache(self, request: Request):
         if self.scheduler.prefix_cache is not None:
@@ -529,6 +541,12 @@ class LocalEngine:
         """In-process weight sync (trainer and engine in one process): copy HF-named tensors, all or
         nothing (a WeightUpdateError leaves the weights and the version as they were)."""
         return self.scheduler.update_weights(lambda: self.scheduler.runner.load_weights(named), weight_version)
+
+    def update_adapter(self, name: str, config: dict, named: dict[str, torch.Tensor], weight_version: str) -> int:
+        """In-process LoRA update: serve ``named`` (PEFT-named) as adapter ``name`` from the next step on, as
+        ``weight_version`` (``Scheduler.update_weights``: between steps, once no request runs)."""
+        adapters = self.scheduler.runner.adapters
+        return self.scheduler.update_weights(lambda: adapters.replace(name, config, named), weight_version)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -1,6 +1,10 @@
 """New weights to the engines, one way per kind of engine (``transport_for`` picks it).
 
 - ``InProcessWeights``: embedded engines in the trainer's rank-0 process take the tensors directly.
+
+A LoRA run whose engines serve its adapter (``config.training.adapter_updates``) streams an
+``AdapterStream`` instead: the in-process and disk transports load it under ``POLICY_ADAPTER`` (the
+folder is a PEFT adapter), and the base weights never move.
 - ``FolderWeights``: engines on this machine (``--engine-url``, launched SGLang servers) load a
   safetensors folder per version (``WeightFolders``, below) through ``/update_weights_from_disk``.
 - ``DistributedWeights``: engines on other nodes, with no shared file system: rank 0 joins a process
@@ -45,8 +49,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime_mt.config.training import POLICY_ADAPTER
 from slime_mt.engine.weights import group as weight_group
 from slime_mt.engine.weights import tensor_payload
+from slime_mt.engine.weights.adapters import AdapterStream, write_adapter
 from slime_mt.engine.weights.fp8 import BlockFp8, quantize_stream
 from slime_mt.errors import ConfigError, EngineError
 from slime_mt.safetensors_files import ShardWriter
@@ -72,8 +78,14 @@ class WeightFolders:
         return self.root / f"v{version}"
 
     def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
-        """Write HF-named ``tensors`` as version ``version`` -> its folder (complete when it appears)."""
+        """Write HF-named ``tensors`` as version ``version`` -> its folder (complete when it appears); an
+        ``AdapterStream`` as a PEFT adapter folder."""
         folder, tmp = self.folder(version), self.root / f".tmp_v{version}"
+        if isinstance(tensors, AdapterStream):
+            write_adapter(folder, tmp, tensors)
+            if version not in self._versions:
+                self._versions.append(version)
+            return folder
         shutil.rmtree(tmp, ignore_errors=True)
         writer = ShardWriter(tmp, "model")
         for name, tensor in tensors:
@@ -165,7 +177,7 @@ class EngineWeights:
             self.transport.close()
             self.transport = self.make(plan.worker_urls)
             self.worker_urls = list(plan.worker_urls)
-        if self.quantization is not None:
+        if self.quantization is not None and not isinstance(stream, AdapterStream):  # an adapter stays as trained
             stream = quantize_stream(stream, self.quantization)
         self.transport.push(stream, version, contextlib.nullcontext if plan.asleep else gate_closed)
 
@@ -181,7 +193,10 @@ class InProcessWeights:
         named = dict(stream)
         with gate_closed():
             for engine in self.engines:
-                engine.update_weights_from_tensors(named, weight_version=str(version))
+                if isinstance(stream, AdapterStream):  # a LoRA run's: its adapter, the base untouched
+                    engine.update_adapter(POLICY_ADAPTER, stream.config, named, weight_version=str(version))
+                else:
+                    engine.update_weights_from_tensors(named, weight_version=str(version))
 
     def close(self) -> None:
         pass
@@ -193,8 +208,12 @@ class FolderWeights:
 
     def push(self, stream: Iterator, version: int, gate_closed: GateClosed) -> None:
         folder = self.folders.write(version, stream)  # written while the engines still generate
+        client = self.ctx.client
         with gate_closed():
-            self.ctx.run_sync(self.ctx.client.update_weights_from_disk(str(folder), weight_version=str(version)))
+            if isinstance(stream, AdapterStream):  # a LoRA run's: its adapter, loaded under its name
+                self.ctx.run_sync(client.replace_lora_adapter(POLICY_ADAPTER, str(folder), weight_version=str(version)))
+            else:
+                self.ctx.run_sync(client.update_weights_from_disk(str(folder), weight_version=str(version)))
         self.folders.acknowledged(version)
 
     def close(self) -> None:

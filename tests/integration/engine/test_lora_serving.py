@@ -6,9 +6,12 @@ alone, ``--max-loras-per-batch`` holds a third adapter back without changing any
 keeps each adapter's KV states apart, an unloaded adapter is refused, and an engine without
 ``--enable-lora`` refuses adapters."""
 
+import json
+
 import httpx
 import pytest
 from lora_helpers import peft_adapter, peft_logprobs
+from safetensors.torch import load_file
 
 from slime_mt.assets import tiny_model_dir
 from slime_mt.engine.embedded.lora import LoraServing
@@ -114,3 +117,21 @@ def test_an_engine_without_enable_lora_refuses_adapters(tiny_paths):
         assert load.status_code == 400 and "LoRA is not enabled" in load.json()["error_message"]
         refused = post(engine, "/generate", {"input_ids": [1, 2, 3], "lora_path": "a"})
         assert refused.status_code == 400 and "LoRA is not enabled" in refused.text
+
+
+def test_an_in_process_update_replaces_an_adapter_between_steps(served):
+    """What a LoRA run's in-process transport does at each update (``LocalEngine.update_adapter``): the
+    adapter's tensors served under its name, as the weight version given, the base untouched."""
+    engine, models = served
+    folder = models["b"][1]
+    config = json.loads((folder / "adapter_config.json").read_text())
+    engine.update_adapter("swap", config, load_file(folder / "adapter_model.safetensors"), weight_version="7")
+    answer = generate(engine, PROMPTS[1], "swap")
+    assert answer["meta_info"]["weight_version"] == "7"
+    want = peft_logprobs(models["b"][0], PROMPTS[1] + answer["output_ids"], len(PROMPTS[1]))
+    assert max(abs(g - w) for g, w in zip(output_logprobs(answer), want)) < 1e-4
+    folder = models["a"][1]
+    engine.update_adapter("swap", config, load_file(folder / "adapter_model.safetensors"), weight_version="8")
+    again = generate(engine, PROMPTS[1], "swap")
+    want = peft_logprobs(models["a"][0], PROMPTS[1] + again["output_ids"], len(PROMPTS[1]))
+    assert max(abs(g - w) for g, w in zip(output_logprobs(again), want)) < 1e-4

@@ -86,3 +86,34 @@ def test_a_flag_the_user_gave_with_an_equals_sign_is_not_added_again():
     assert got.vllm_extra_args == "--scheduling-policy=priority"
     assert extra_arg("--a 1 --b=x --c --d", "--b") == "x" and extra_arg("--a 1 --c --d", "--c") == ""
     assert extra_arg("--a 1", "--a") == "1" and extra_arg("--ab 1", "--a") is None and extra_arg(None, "--a") is None
+
+
+def test_a_lora_runs_engines_serve_its_adapter_where_they_can():
+    """--lora-rank: embedded and SGLang engines over the in-process or disk transport serve the adapter
+    by name (SGLang launched with --enable-lora, the rank and the projections); vLLM, --ray and the
+    broadcast transports take merged weights."""
+    from slime_mt.config.training import adapter_updates
+    from slime_mt.config_parsing import parse_config
+    from slime_mt.engine.launch import lora_flags, lora_serving
+
+    base = [
+        "--hf-checkpoint",
+        "m",
+        "--prompt-data",
+        "d.jsonl",
+        "--lora-rank",
+        "8",
+        "--target-modules",
+        "q_proj,k_proj,v_proj",
+    ]
+    cfg = parse_config(base + ["--engine", "sglang"])
+    lora = lora_serving(cfg)
+    assert adapter_updates(cfg) and lora.max_lora_rank == 8
+    sglang = sglang_command(
+        "/m", 1, extra_args=engine_config_for(cfg.engine, False, False, lora_flags(lora, cfg.train)).sglang_extra_args
+    )
+    assert "--enable-lora" in sglang and sglang[sglang.index("--max-lora-rank") + 1] == "8"
+    assert sglang[sglang.index("--lora-target-modules") + 1 :][:3] == ["q_proj", "k_proj", "v_proj"]
+    for flags in (["--engine", "vllm"], ["--weight-transport", "distributed"]):
+        assert not adapter_updates(parse_config(base + flags)) and lora_serving(parse_config(base + flags)) is None
+    assert not adapter_updates(parse_config(base[:4]))  # no --lora-rank: full weights

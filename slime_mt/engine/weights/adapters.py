@@ -1,0 +1,38 @@
+"""A LoRA run's weight update when the engines serve its adapter (``config.training.adapter_updates``):
+the adapter's PEFT-named tensors and its ``adapter_config.json``, streamed from the trainer as the full
+weights are, and loaded by each transport under the run's adapter name (``POLICY_ADAPTER``) instead of
+into the base weights, which never move after the engines start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from slime_mt.safetensors_files import ShardWriter
+
+
+class AdapterStream:
+    """(PEFT name, tensor) pairs of one adapter, and its PEFT config: what ``push`` sends for a LoRA run."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]], config: dict):
+        self.tensors, self.config = tensors, config
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)
+
+
+def write_adapter(folder: Path, tmp: Path, stream: AdapterStream) -> Path:
+    """The adapter as a PEFT folder at ``folder`` (written to ``tmp``, then renamed) -> ``folder``."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = ShardWriter(tmp, "adapter_model")
+    for name, tensor in stream:
+        writer.add(name, tensor)
+    writer.close()
+    (tmp / "adapter_config.json").write_text(json.dumps(stream.config, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
