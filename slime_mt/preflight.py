@@ -13,7 +13,7 @@ from pathlib import Path
 
 from slime_mt.backends.megatron.checkpoint import read_latest
 from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, check_tp, decoder_spec, read_hf_config
-from slime_mt.backends.megatron.lora import LoraOptions
+from slime_mt.backends.megatron.lora import LoraOptions, check_targets
 from slime_mt.backends.megatron.memory_plan import GIB, fitting_layout, plan_rank, vision_parameters
 from slime_mt.backends.megatron.parallel import PipelineSplit, layout_name
 from slime_mt.backends.megatron.peft import check_adapter
@@ -67,9 +67,11 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(
             f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"
         )
-    if t.lora_adapter_path:  # before any process starts: an adapter of other flags or another base is named
+    if t.lora_rank:  # before any process starts: layers the model lacks, a rank too large, another base's adapter
         options = LoraOptions.of(t)
-        check_adapter(t.lora_adapter_path, spec, options.targets, options.rank, options.alpha)
+        check_targets(spec, options, t.hf_checkpoint)
+        if t.lora_adapter_path:
+            check_adapter(t.lora_adapter_path, spec, options.targets, options.rank, options.alpha)
     if not cfg.debug.debug_rollout_only:  # a rollout-only run builds no trainer
         memory_plan(cfg, spec)
     if not cfg.data.prompt_data:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from slime_mt.config.training import lora_targets
+from slime_mt.errors import ConfigError
 
 # Megatron's parallel linear layers an adapter can sit beside, and whether each splits its output over TP
 COLUMN, ROW = "column", "row"
@@ -61,6 +62,33 @@ class LoraOptions:
             return None
         targets = lora_targets(train.target_modules, train.exclude_modules)
         return cls(train.lora_rank, float(train.lora_alpha), float(train.lora_dropout), targets)
+
+
+def check_targets(spec, options: LoraOptions, model: str) -> None:
+    """Before a run: the layers ``--target-modules`` names exist in every layer they must be in (a MoE
+    layer's MLP is experts, which take no adapters yet) and ``--lora-rank`` is below each one's smaller
+    dimension; ConfigError naming the flag, the model and the fix otherwise."""
+    q, kv, h, ffn = (
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.hidden_size,
+        spec.ffn_hidden_size,
+    )
+    sparse = [i for i in range(spec.num_layers) if spec.moe is not None and spec.moe.sparse_layers[i]]
+    mlp = [t for t in options.targets if t in ("linear_fc1", "linear_fc2")]
+    if sparse and mlp:
+        raise ConfigError(
+            f"--target-modules: the MLPs of {len(sparse)} of the {spec.num_layers} layers of {model} are experts, "
+            "which take no LoRA adapters yet (its layers have q_proj, k_proj, v_proj, o_proj; gate_proj, "
+            "up_proj, down_proj only where dense): add --exclude-modules gate_proj,up_proj,down_proj"
+        )
+    sides = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h), "linear_fc1": (h, 2 * ffn), "linear_fc2": (ffn, h)}
+    smallest = min(min(sides[t]) for t in options.targets)
+    if options.rank > smallest:
+        raise ConfigError(
+            f"--lora-rank {options.rank}: larger than the smallest dimension of an adapted layer of {model} "
+            f"({smallest}); a rank above it adds nothing a full-rank update would not"
+        )
 
 
 def _initial_a(name: str, rank: int, fan_in: int) -> torch.Tensor:

@@ -11,10 +11,13 @@ import json
 
 import pytest
 import torch
-from megatron_checks.adapters import LORA_KINDS
+from megatron_checks.adapters import LORA, LORA_KINDS
 from megatron_worlds import WORLDS
 
 from slime_mt.assets import tiny_model_dir
+from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
+from slime_mt.backends.megatron.memory_plan import lora_parameters
+from slime_mt.config import TrainConfig
 
 WORLDS_OF = {"tp1": "ep1_resume", "tp2_sp": "tp2_state"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -34,6 +37,9 @@ def test_only_the_adapters_train_and_fresh_ones_change_nothing(world, tag, kind)
     assert r["adapters"] == 4 * layers_of(kind)  # linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer
     assert r["trainable"] == 2 * r["adapters"] and r["trainable_all_adapters"]
     assert r["optimized_numel"] == r["adapter_numel"] > 0  # the base never reaches the optimizer
+    # the memory plan counts this rank's adapters as the model has them
+    spec = decoder_spec(read_hf_config(tiny_model_dir(kind)), kind)
+    assert lora_parameters(spec, TrainConfig(**LORA), 2 if tag == "tp2_sp" else 1) == r["adapter_numel"]
     assert r["base_unchanged"] and r["b_moved"] and r["grad_norm"] > 0
 
 

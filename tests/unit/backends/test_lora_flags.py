@@ -1,10 +1,12 @@
 """LoRA's flags with miles' names (issue 71 item 1): --target-modules resolves all-linear, HF names, Megatron
 names and globs to Megatron's fused layers, --exclude-modules takes layers out, and what cannot run is refused
 naming the flag: part of a fused layer, a name that is no layer, no targets, dropout under TP, and what LoRA
-runs do not do yet (PP, CP, EP). Unit tier: parsing only."""
+runs do not do yet (PP, CP, EP); preflight refuses expert MLPs and a rank past a layer's width. Unit tier:
+parsing, and preflight on the tiny models' configs (about 1 s)."""
 
 import pytest
 
+from slime_mt.assets import tiny_model_dir
 from slime_mt.config.training import lora_targets
 from slime_mt.config_parsing import parse_config
 from slime_mt.errors import ConfigError
@@ -67,3 +69,17 @@ def test_a_lora_run_parses_with_mileses_flags():
     cfg = parse_config(BASE + ["--lora-rank", "32", "--lora-alpha", "64", "--target-modules", "all-linear"])
     assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_dropout) == (32, 64.0, 0.0)
     assert parse_config(BASE).train.lora_rank == 0  # off by default: full-parameter training
+
+
+def test_preflight_refuses_layers_the_model_lacks_and_a_rank_past_a_layers_width(tiny_paths):
+    """Before anything starts: adapters on a MoE model's expert MLPs (named, with the flag that leaves
+    them out) and a rank above the smallest dimension of an adapted layer."""
+    from slime_mt.preflight import preflight
+
+    lora = ["--lora-rank", "4", "--target-modules", "all-linear"]
+    moe = ["--hf-checkpoint", str(tiny_model_dir("qwen3-moe")), *lora]
+    with pytest.raises(ConfigError, match=r"are experts, .* add --exclude-modules gate_proj,up_proj,down_proj"):
+        preflight(parse_config(moe))
+    wide = ["--hf-checkpoint", str(tiny_paths["qwen3"]), "--lora-rank", "4096", "--target-modules", "all-linear"]
+    with pytest.raises(ConfigError, match=r"--lora-rank 4096: larger than the smallest dimension of an adapted layer"):
+        preflight(parse_config(wide))
