@@ -67,11 +67,7 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(
             f"--recompute-modules {' '.join(t.recompute_modules)}: the {spec.family} model has no experts"
         )
-    if t.lora_rank:  # before any process starts: layers the model lacks, a rank too large, another base's adapter
-        options = LoraOptions.of(t)
-        check_targets(spec, options, t.hf_checkpoint)
-        if t.lora_adapter_path:
-            check_adapter(t.lora_adapter_path, spec, options.targets, options.rank, options.alpha)
+    check_lora(t, spec)
     if not cfg.debug.debug_rollout_only:  # a rollout-only run builds no trainer
         memory_plan(cfg, spec)
     if not cfg.data.prompt_data:
@@ -283,13 +279,26 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     return lines + [f"  fits --gpu-memory-gb {t.gpu_memory_gb:g} ({(budget - plan.total) / GIB:.2f} GiB to spare)"]
 
 
+def check_lora(t, spec: DecoderSpec) -> None:
+    """``--lora-rank`` against the model (``t``: the TrainConfig): layers it lacks, a rank too large, an
+    adapter (``--lora-adapter-path``) of other flags or another base model; ConfigError or CheckpointError."""
+    if not t.lora_rank:
+        return
+    options = LoraOptions.of(t)
+    check_targets(spec, options, t.hf_checkpoint)
+    if t.lora_adapter_path:
+        check_adapter(t.lora_adapter_path, spec, options.targets, options.rank, options.alpha)
+
+
 def dry_run(cfg: Config) -> tuple[list[str], list[str]]:
     """What ``--dry-run`` checks beyond the settings -> (the memory plan of a train rank, refused over
     ``--gpu-memory-gb``; the checks: every plug-in imports and fits its contract, the first prompt row
     reads, and one environment is built from it, reset, then closed), as report lines."""
     t, plan = cfg.train, []
     if t.hf_checkpoint and Path(t.hf_checkpoint).is_dir():
-        plan = memory_plan(cfg, decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json"))
+        spec = decoder_spec(read_hf_config(t.hf_checkpoint), f"{t.hf_checkpoint}/config.json")
+        check_lora(t, spec)
+        plan = memory_plan(cfg, spec)
     return plan, _dry_run_checks(cfg)
 
 

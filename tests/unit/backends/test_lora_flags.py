@@ -74,12 +74,13 @@ def test_a_lora_run_parses_with_mileses_flags():
 def test_preflight_refuses_layers_the_model_lacks_and_a_rank_past_a_layers_width(tiny_paths):
     """Before anything starts: adapters on a MoE model's expert MLPs (named, with the flag that leaves
     them out) and a rank above the smallest dimension of an adapted layer."""
-    from slime_mt.preflight import preflight
+    from slime_mt.preflight import dry_run, preflight
 
     lora = ["--lora-rank", "4", "--target-modules", "all-linear"]
     moe = ["--hf-checkpoint", str(tiny_model_dir("qwen3-moe")), *lora]
     with pytest.raises(ConfigError, match=r"are experts, .* add --exclude-modules gate_proj,up_proj,down_proj"):
         preflight(parse_config(moe))
     wide = ["--hf-checkpoint", str(tiny_paths["qwen3"]), "--lora-rank", "4096", "--target-modules", "all-linear"]
-    with pytest.raises(ConfigError, match=r"--lora-rank 4096: larger than the smallest dimension of an adapted layer"):
-        preflight(parse_config(wide))
+    for check in (preflight, dry_run):  # --dry-run says it too
+        with pytest.raises(ConfigError, match=r"--lora-rank 4096: larger than the smallest dimension of an adapted"):
+            check(parse_config(wide))
