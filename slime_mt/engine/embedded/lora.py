@@ -71,7 +71,7 @@ def _read_adapter(path: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
 class ServedAdapters:
     """The adapters an engine serves, and the hooks that apply them to the rows of each forward.
 
-    ``active`` is set by the runner before each forward (one adapter name or None per row), on the
+    ``set_rows`` is called by the runner before each forward (one adapter name or None per row), on the
     scheduler's thread; loads and unloads come from the HTTP thread and change the set under ``lock``
     (a forward never sees an adapter half loaded)."""
 
@@ -86,7 +86,7 @@ class ServedAdapters:
         self.max_loras_per_batch, self.max_lora_rank = max_loras_per_batch, max_lora_rank
         self.adapters: dict[str, ServedAdapter] = {}  # the names requests may use
         self._applied: dict[str, ServedAdapter] = {}  # what the hooks apply (an unloading one until it is idle)
-        self.active: list[str | None] = []
+        self._groups: list[tuple[ServedAdapter, torch.Tensor | None]] = []  # this forward's (adapter, its rows)
         self.lock = threading.Lock()
         self._modules = dict(model.named_modules())
         self._hooked: set[str] = set()
@@ -201,22 +201,34 @@ class ServedAdapters:
             raise AdapterError(f"LoRA adapter {name}: {path} holds no lora_A tensors")
         return ServedAdapter(name, path, scale, rank, weights, pinned)
 
+    def set_rows(self, rows: list[str | None], device: torch.device) -> None:
+        """The adapter of each row of the next forward (None: the base): grouped once here, so each
+        hooked layer only computes (every row of one adapter: no gather or scatter at all)."""
+        names = {n for n in rows if n is not None}
+        groups = []
+        for name in sorted(names):
+            adapter = self._applied.get(name)
+            if adapter is None:
+                continue
+            index = None if len(names) == 1 and None not in rows else [i for i, n in enumerate(rows) if n == name]
+            groups.append((adapter, None if index is None else torch.tensor(index, device=device)))
+        self._groups = groups
+
     def _hook(self, module_name: str):
+        linear = torch.nn.functional.linear
+
         def add_adapters(module, args, output):
-            rows = self.active
-            if not any(rows):
-                return output
-            x = args[0]
-            out = output.clone()
-            for name in {n for n in rows if n is not None}:
-                adapter = self._applied.get(name)
-                factors = adapter.weights.get(module_name) if adapter is not None else None
+            out = output
+            for adapter, index in self._groups:
+                factors = adapter.weights.get(module_name)
                 if factors is None:
                     continue
                 a, b = factors
-                index = torch.tensor([i for i, n in enumerate(rows) if n == name], device=x.device)
-                delta = torch.nn.functional.linear(torch.nn.functional.linear(x.index_select(0, index), a), b)
-                out.index_add_(0, index, delta * adapter.scale)
+                if index is None:  # every row: one adapter's batch
+                    out = out + linear(linear(args[0], a), b) * adapter.scale
+                    continue
+                delta = linear(linear(args[0].index_select(0, index), a), b) * adapter.scale
+                out = out.index_add(0, index, delta)
             return out
 
         return add_adapters

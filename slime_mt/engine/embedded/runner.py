@@ -226,7 +226,7 @@ class ModelRunner:
         length = len(seq.prompt_ids)
         kwargs["logits_to_keep"] = 1  # the last position's, to sample from
         self._captured, self._hidden, self._keep = {}, [], input_logprob_start is not None
-        self.adapters.active = [seq.lora]
+        self.adapters.set_rows([seq.lora], self.device)
         try:
             out = self.model(**kwargs)
         finally:
@@ -269,7 +269,7 @@ class ModelRunner:
         pos = torch.tensor([[s.position] for s in batch.seqs], device=self.device)  # [B, 1]
         position_ids = pos.unsqueeze(0).expand(3, -1, -1) if self.is_vlm else pos
         self._captured = {}
-        self.adapters.active = [s.lora for s in batch.seqs]
+        self.adapters.set_rows([s.lora for s in batch.seqs], self.device)
         out = self.model(
             input_ids=last, attention_mask=mask, position_ids=position_ids, past_key_values=batch.cache, use_cache=True
         )
