@@ -17,6 +17,7 @@ that is not loaded is refused with SGLang's text, a batch holds at most ``max_lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class ServedAdapters:
         self._applied: dict[str, ServedAdapter] = {}  # what the hooks apply (an unloading one until it is idle)
         self._groups: list[tuple[ServedAdapter, torch.Tensor | None]] = []  # this forward's (adapter, its rows)
         self.lock = threading.Lock()
+        # held by every forward (the scheduler's lock, which it sets): a hook is never added to a layer
+        # while a forward runs through it
+        self.step_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._modules = dict(model.named_modules())
         self._hooked: set[str] = set()
         self.version = 0  # loads and unloads so far
@@ -126,8 +130,8 @@ class ServedAdapters:
         return adapter
 
     def _serve(self, adapter: ServedAdapter) -> None:
-        """``adapter`` in place under its name (hooks on the layers it names, once each)."""
-        with self.lock:
+        """``adapter`` in place under its name (hooks on the layers it names, once each), between forwards."""
+        with self.step_lock, self.lock:
             for module in adapter.weights:
                 if module not in self._hooked:
                     self._modules[module].register_forward_hook(self._hook(module))

@@ -76,6 +76,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.lock = threading.RLock()  # held by a decode step and by weight updates
+        runner.adapters.step_lock = self.lock  # LoRA adapters are installed between forwards (lora.py)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}  # id(job.seq) -> job
