@@ -188,8 +188,9 @@ def save_checkpoint(model, root: str | Path, extra: dict) -> Path:
     tmp = root / f".tmp_{name}"
     main = model.info.rank == 0
     writes = _Writes()
-    copied = [f for f in Path(model.hf_path).iterdir() if f.is_file() and not f.name.endswith(HF_WEIGHT_FILES)]
-    copied = [] if model.adapters else copied  # a LoRA checkpoint is a PEFT adapter folder; its base stays apart
+    # an HF model folder's other files (config, tokenizer); a LoRA checkpoint is a PEFT folder, its base apart
+    base_files = [] if model.adapters else Path(model.hf_path).iterdir()
+    copied = [f for f in base_files if f.is_file() and not f.name.endswith(HF_WEIGHT_FILES)]
     prefix = ADAPTER_WEIGHTS if model.adapters else "model"
     if main:
         writes.bytes += sum(f.stat().st_size for f in copied)  # the whole need is named if a write fails
@@ -361,10 +362,7 @@ def _check_kind(model, folder: Path) -> None:
         )
     if lora:
         options = model.lora
-        try:
-            check_adapter(folder, model.spec, options.targets, options.rank, options.alpha)
-        except CheckpointError as e:
-            raise CheckpointError(str(e).replace("--lora-adapter-path", "--load", 1)) from None
+        check_adapter(folder, model.spec, options.targets, options.rank, options.alpha, flag="--load")
 
 
 def load_adapter(model, folder: str | Path) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_mt.config.training import lora_targets
+from slime_mt.config.training import LORA_LAYERS, lora_targets
 from slime_mt.errors import ConfigError
 
 # Megatron's parallel linear layers an adapter can sit beside, and whether each splits its output over TP
@@ -64,31 +64,73 @@ class LoraOptions:
         return cls(train.lora_rank, float(train.lora_alpha), float(train.lora_dropout), targets)
 
 
+MLP_LAYERS = ("linear_fc1", "linear_fc2")  # an MoE layer's are its experts, which take no adapters yet
+
+
+def projection_widths(spec) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each HF projection an adapter can sit beside, in a dense layer of ``spec``."""
+    h, q, kv, ffn = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.ffn_hidden_size,
+    )
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, ffn),
+        "up_proj": (h, ffn),
+        "down_proj": (ffn, h),
+    }
+
+
+def layer_widths(spec) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each Megatron layer an adapter can sit beside: the input of the projections
+    it fuses (they share it) and the sum of their outputs."""
+    widths = projection_widths(spec)
+    return {
+        layer: (widths[projections[0]][0], sum(widths[p][1] for p in projections))
+        for layer, projections in LORA_LAYERS.items()
+    }
+
+
+def adapted_layers(spec, targets: tuple[str, ...], layer: int) -> tuple[str, ...]:
+    """The ``targets`` decoder layer ``layer`` of ``spec`` has adapters on (a MoE layer's MLP has none)."""
+    sparse = spec.moe is not None and spec.moe.sparse_layers[layer]
+    return tuple(t for t in targets if not (sparse and t in MLP_LAYERS))
+
+
 def check_targets(spec, options: LoraOptions, model: str) -> None:
     """Before a run: the layers ``--target-modules`` names exist in every layer they must be in (a MoE
     layer's MLP is experts, which take no adapters yet) and ``--lora-rank`` is below each one's smaller
     dimension; ConfigError naming the flag, the model and the fix otherwise."""
-    q, kv, h, ffn = (
-        spec.num_heads * spec.head_dim,
-        spec.num_kv_heads * spec.head_dim,
-        spec.hidden_size,
-        spec.ffn_hidden_size,
-    )
-    sparse = [i for i in range(spec.num_layers) if spec.moe is not None and spec.moe.sparse_layers[i]]
-    mlp = [t for t in options.targets if t in ("linear_fc1", "linear_fc2")]
-    if sparse and mlp:
+    sparse = [i for i in range(spec.num_layers) if adapted_layers(spec, options.targets, i) != options.targets]
+    if sparse:
         raise ConfigError(
             f"--target-modules: the MLPs of {len(sparse)} of the {spec.num_layers} layers of {model} are experts, "
             "which take no LoRA adapters yet (its layers have q_proj, k_proj, v_proj, o_proj; gate_proj, "
             "up_proj, down_proj only where dense): add --exclude-modules gate_proj,up_proj,down_proj"
         )
-    sides = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h), "linear_fc1": (h, 2 * ffn), "linear_fc2": (ffn, h)}
-    smallest = min(min(sides[t]) for t in options.targets)
+    widths = layer_widths(spec)
+    smallest = min(min(widths[t]) for t in options.targets)
     if options.rank > smallest:
         raise ConfigError(
             f"--lora-rank {options.rank}: larger than the smallest dimension of an adapted layer of {model} "
             f"({smallest}); a rank above it adds nothing a full-rank update would not"
         )
+
+
+def rank_elements(spec, options: LoraOptions, tp: int, layers: range) -> int:
+    """Elements of one TP rank's adapters on decoder ``layers``: A and B sharded as their layer is (a
+    column layer's A whole and B split, a row layer's A split and B whole)."""
+    widths, r, total = layer_widths(spec), options.rank, 0
+    for i in layers:
+        for t in adapted_layers(spec, options.targets, i):
+            fan_in, fan_out = widths[t]
+            total += r * fan_in + fan_out * r // tp if LAYER_KINDS[t] == COLUMN else r * fan_in // tp + fan_out * r
+    return total
 
 
 def _initial_a(name: str, rank: int, fan_in: int) -> torch.Tensor:

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 from slime_mt.backends.megatron.families import DecoderSpec, MoeOptions, padded_vocab
 from slime_mt.backends.megatron.logprobs import LOGIT_CHUNK_BYTES
+from slime_mt.backends.megatron.lora import LoraOptions, rank_elements
 from slime_mt.backends.megatron.parallel import PipelineSplit, Stage
 from slime_mt.backends.megatron.vlm import checkpoint_vision_prefix
-from slime_mt.config.training import lora_targets
 
 GIB = 2**30
 # fp32 logit chunks alive at once while the log-probs' backward runs (logits, softmax, their gradient)
@@ -130,25 +130,11 @@ def rank_parameters(
 
 
 def lora_parameters(spec: DecoderSpec, train, tp: int, stage: Stage | None = None) -> int:
-    """Elements of one rank's LoRA adapters (``--lora-rank``; 0 without): per dense layer of the stage and
-    targeted projection, A and B sharded as the layer is (a column layer's A whole, B split; a row
-    layer's A split, B whole). MoE layers' MLPs have none (adapters on experts are refused)."""
-    if not getattr(train, "lora_rank", 0):
+    """Elements of one rank's LoRA adapters on its pipeline stage's layers (``--lora-rank``; 0 without)."""
+    options = LoraOptions.of(train)
+    if options is None:
         return 0
-    stage = stage or Stage.whole(spec.num_layers)
-    r, h, q, kv = train.lora_rank, spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    ffn = spec.ffn_hidden_size
-    sizes = {  # layer -> elements of its A and B on one rank
-        "linear_qkv": r * h + (q + 2 * kv) * r // tp,
-        "linear_proj": r * q // tp + h * r,
-        "linear_fc1": r * h + 2 * ffn * r // tp,
-        "linear_fc2": r * ffn // tp + h * r,
-    }
-    targets = lora_targets(train.target_modules, train.exclude_modules)
-    total = 0
-    for sparse in [_sparse_layers(spec)[i] for i in stage.layers]:
-        total += sum(sizes[t] for t in targets if not (sparse and t in ("linear_fc1", "linear_fc2")))
-    return total
+    return rank_elements(spec, options, tp, (stage or Stage.whole(spec.num_layers)).layers)
 
 
 def layer_activations(

@@ -29,6 +29,7 @@ import torch
 from slime_mt.backends.megatron.convert import qkv_shard, span, split_gate_up, text_prefix, unpack_qkv
 from slime_mt.backends.megatron.export import tp_gather
 from slime_mt.backends.megatron.families import DecoderSpec
+from slime_mt.backends.megatron.lora import adapted_layers, layer_widths, projection_widths
 from slime_mt.config.training import LORA_LAYERS
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
@@ -62,25 +63,10 @@ def _module(spec: DecoderSpec, layer: int, megatron_layer: str) -> str:
 def expected_shapes(spec: DecoderSpec, targets: tuple[str, ...], rank: int) -> dict[str, tuple[int, int]]:
     """PEFT name -> the whole shape of every adapter tensor a model of ``spec`` with adapters of ``rank`` on
     the Megatron layers ``targets`` has (a MoE layer's experts have none: adapters on them are refused)."""
-    q, kv, hidden, ffn = (
-        spec.num_heads * spec.head_dim,
-        spec.num_kv_heads * spec.head_dim,
-        spec.hidden_size,
-        spec.ffn_hidden_size,
-    )
-    widths = {  # projection -> (in, out)
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, ffn),
-        "up_proj": (hidden, ffn),
-        "down_proj": (ffn, hidden),
-    }
+    widths = projection_widths(spec)
     shapes = {}
     for i in range(spec.num_layers):
-        sparse = spec.moe is not None and spec.moe.sparse_layers[i]
-        for layer in targets if not sparse else [t for t in targets if HF_MODULES[t][0] != "mlp."]:
+        for layer in adapted_layers(spec, targets, i):
             for projection in LORA_LAYERS[layer]:
                 fan_in, fan_out = widths[projection]
                 name = f"{_module(spec, i, layer)}{projection}"
@@ -89,42 +75,48 @@ def expected_shapes(spec: DecoderSpec, targets: tuple[str, ...], rank: int) -> d
     return shapes
 
 
-def check_adapter(folder: str | Path, spec: DecoderSpec, targets: tuple[str, ...], rank: int, alpha: float) -> None:
+def check_adapter(
+    folder: str | Path,
+    spec: DecoderSpec,
+    targets: tuple[str, ...],
+    rank: int,
+    alpha: float,
+    flag: str = "--lora-adapter-path",
+) -> None:
     """An adapter folder fits this model and these flags (its config's r, lora_alpha and target_modules,
-    every tensor's name and shape), else CheckpointError naming the flag, the tensor and both shapes."""
+    every tensor's name and shape), else CheckpointError naming ``flag`` (the one that gave the folder),
+    the tensor and both shapes."""
     folder = Path(folder)
     config_file = folder / ADAPTER_CONFIG
     if not config_file.is_file():
-        raise CheckpointError(f"--lora-adapter-path {folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+        raise CheckpointError(f"{flag} {folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"--lora-adapter-path {folder}: a {config['peft_type']} adapter, not LoRA")
+        raise CheckpointError(f"{flag} {folder}: a {config['peft_type']} adapter, not LoRA")
     if config.get("r") != rank:
-        raise CheckpointError(f"--lora-adapter-path {folder}: the adapter has r={config.get('r')}; --lora-rank {rank}")
+        raise CheckpointError(f"{flag} {folder}: the adapter has r={config.get('r')}; --lora-rank {rank}")
     if float(config.get("lora_alpha", -1)) != alpha:
         raise CheckpointError(
-            f"--lora-adapter-path {folder}: the adapter has lora_alpha={config.get('lora_alpha')}; --lora-alpha {alpha}"
+            f"{flag} {folder}: the adapter has lora_alpha={config.get('lora_alpha')}; --lora-alpha {alpha}"
         )
     want = sorted(p for layer in targets for p in LORA_LAYERS[layer])
     have = config.get("target_modules")
     have = sorted(have) if isinstance(have, list) else have
     if have != want:
-        raise CheckpointError(
-            f"--lora-adapter-path {folder}: the adapter targets {have}; --target-modules resolves to {want}"
-        )
+        raise CheckpointError(f"{flag} {folder}: the adapter targets {have}; --target-modules resolves to {want}")
     reader = CheckpointReader(folder)
     expected = expected_shapes(spec, targets, rank)
     missing = sorted(set(expected) - reader.names())
     extra = sorted(reader.names() - set(expected))
     if missing or extra:
         raise CheckpointError(
-            f"--lora-adapter-path {folder}: an adapter of another model: {len(missing)} tensors this model needs "
+            f"{flag} {folder}: an adapter of another model: {len(missing)} tensors this model needs "
             f"are missing (first: {missing[:2]}), {len(extra)} it has none for (first: {extra[:2]})"
         )
     for name, shape in expected.items():
         if tuple(reader.shape(name)) != shape:
             raise CheckpointError(
-                f"--lora-adapter-path {folder}: {name} is {list(reader.shape(name))} in the adapter and "
+                f"{flag} {folder}: {name} is {list(reader.shape(name))} in the adapter and "
                 f"{list(shape)} in this model: an adapter of another base model"
             )
     for name in expected:
@@ -135,7 +127,7 @@ def check_adapter(folder: str | Path, spec: DecoderSpec, targets: tuple[str, ...
             if any(not torch.equal(a, reader.get(name.replace(projection, p, 1))) for p in fused[1:]):
                 base = name[: -len(f"{projection}.lora_A.weight")]
                 raise CheckpointError(
-                    f"--lora-adapter-path {folder}: {base}{{{','.join(fused)}}} have different lora_A; they are "
+                    f"{flag} {folder}: {base}{{{','.join(fused)}}} have different lora_A; they are "
                     "one fused layer in Megatron and share one A here (an adapter peft trained, with an A of "
                     "each, cannot be loaded)"
                 )
@@ -191,8 +183,7 @@ def iter_adapter_slices(model, reader: CheckpointReader) -> Iterator[tuple[torch
             a = reader.get(f"{base}{projections[0]}.lora_A.weight")
             b = torch.cat([reader.rows(f"{base}{p}.lora_B.weight", f0, f1) for p in projections])
         else:
-            fan_in = spec.num_heads * spec.head_dim if layer == "linear_proj" else spec.ffn_hidden_size
-            a = reader.cols(f"{base}{projections[0]}.lora_A.weight", *span(fan_in, rank, tp))
+            a = reader.cols(f"{base}{projections[0]}.lora_A.weight", *span(layer_widths(spec)[layer][0], rank, tp))
             b = reader.get(f"{base}{projections[0]}.lora_B.weight")
         yield adapter.lora_A, a
         yield adapter.lora_B, b
