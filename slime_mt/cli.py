@@ -269,7 +269,8 @@ def run_export_merged(ns) -> int:
     from pathlib import Path
 
     from slime_mt.backends.megatron.checkpoint import read_latest
-    from slime_mt.backends.megatron.peft import ADAPTER_CONFIG, write_merged
+    from slime_mt.backends.megatron.peft import write_merged
+    from slime_mt.engine.weights.adapters import ADAPTER_CONFIG
 
     try:
         adapter = Path(ns.lora_adapter_path)

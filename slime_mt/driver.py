@@ -41,9 +41,10 @@ import time
 from pathlib import Path
 
 from slime_mt.backends.megatron.checkpoint import read_latest
-from slime_mt.backends.megatron.peft import ADAPTER_CONFIG, write_merged
+from slime_mt.backends.megatron.peft import write_merged
 from slime_mt.config import Config
 from slime_mt.config.training import adapter_updates
+from slime_mt.engine.weights.adapters import ADAPTER_CONFIG
 from slime_mt.errors import ConfigError, RolloutFailedError
 from slime_mt.roles.steps import StepTimes
 from slime_mt.roles.train import TrainRole

@@ -32,14 +32,8 @@ import torch
 import torch.distributed as dist
 
 from slime_mt.backends.megatron.export import iter_hf_weights
-from slime_mt.backends.megatron.peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    adapter_config,
-    check_adapter,
-    iter_adapter_slices,
-    iter_adapter_tensors,
-)
+from slime_mt.backends.megatron.peft import adapter_config, check_adapter, iter_adapter_slices, iter_adapter_tensors
+from slime_mt.engine.weights.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 

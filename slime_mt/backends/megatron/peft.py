@@ -31,11 +31,10 @@ from slime_mt.backends.megatron.export import tp_gather
 from slime_mt.backends.megatron.families import DecoderSpec
 from slime_mt.backends.megatron.lora import adapted_layers, layer_widths, projection_widths
 from slime_mt.config.training import LORA_LAYERS
+from slime_mt.engine.weights.adapters import ADAPTER_CONFIG, PEFT_PREFIX, AdapterStream, write_adapter
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 
-PEFT_PREFIX = "base_model.model."
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model"
 # Megatron's layer -> (its HF module under the decoder layer, the projections it fuses: the config's table)
 HF_MODULES = {
     layer: ("self_attn." if layer in ("linear_qkv", "linear_proj") else "mlp.", projections)
@@ -217,24 +216,13 @@ def adapter_config(model) -> dict:
 def save_adapter(model, folder: str | Path) -> Path | None:
     """Write the adapters to ``folder`` in PEFT's format (global rank 0 writes; the others take part in the
     gathers and return None). Written to ``folder.tmp`` and renamed: a save that dies leaves no half folder."""
-    from safetensors.torch import save_file
-
-    tensors = {name: t for name, t in iter_adapter_tensors(model)}
+    stream = AdapterStream(iter_adapter_tensors(model), adapter_config(model))
     if model.info.rank != 0:
+        for _ in stream:  # the gathers are collective
+            pass
         return None
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # q, k and v (gate and up) share one A: each is written as a copy of its own
-    save_file(
-        {n: t.detach().to("cpu").clone() for n, t in tensors.items()}, str(tmp / f"{ADAPTER_WEIGHTS}.safetensors")
-    )
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model), indent=1))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    return folder
+    return write_adapter(folder, folder.with_name(folder.name + ".tmp"), stream)
 
 
 def write_merged(base: str | Path, adapter: str | Path, target: str | Path) -> Path:

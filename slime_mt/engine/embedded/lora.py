@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from starlette.responses import JSONResponse
 
+from slime_mt.engine.weights.adapters import ADAPTER_CONFIG, PEFT_PREFIX
 from slime_mt.errors import ProtocolError
 
-PEFT_PREFIX = "base_model.model."
 UNLOAD_POLL_SECONDS = 0.01
 
 
@@ -54,7 +54,7 @@ def _read_adapter(path: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = Path(path)
-    config_file = folder / "adapter_config.json"
+    config_file = folder / ADAPTER_CONFIG
     if not config_file.is_file():
         raise AdapterError(f"LoRA adapter {name}: {path} has no adapter_config.json (not a PEFT adapter folder)")
     config = json.loads(config_file.read_text())

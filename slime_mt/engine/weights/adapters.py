@@ -14,6 +14,9 @@ import torch
 
 from slime_mt.safetensors_files import ShardWriter
 
+# PEFT's adapter folder: its config, its tensors' file (``adapter_model.safetensors``), their names' prefix
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model", "base_model.model."
+
 
 class AdapterStream:
     """(PEFT name, tensor) pairs of one adapter, and its PEFT config: what ``push`` sends for a LoRA run."""
@@ -28,11 +31,11 @@ class AdapterStream:
 def write_adapter(folder: Path, tmp: Path, stream: AdapterStream) -> Path:
     """The adapter as a PEFT folder at ``folder`` (written to ``tmp``, then renamed) -> ``folder``."""
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = ShardWriter(tmp, "adapter_model")
+    writer = ShardWriter(tmp, ADAPTER_WEIGHTS)
     for name, tensor in stream:
         writer.add(name, tensor)
     writer.close()
-    (tmp / "adapter_config.json").write_text(json.dumps(stream.config, indent=1))
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(stream.config, indent=1))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder

@@ -83,16 +83,14 @@ class WeightFolders:
         folder, tmp = self.folder(version), self.root / f".tmp_v{version}"
         if isinstance(tensors, AdapterStream):
             write_adapter(folder, tmp, tensors)
-            if version not in self._versions:
-                self._versions.append(version)
-            return folder
-        shutil.rmtree(tmp, ignore_errors=True)
-        writer = ShardWriter(tmp, "model")
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        writer.close()
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            writer = ShardWriter(tmp, "model")
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.close()
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
         if version not in self._versions:
             self._versions.append(version)
         return folder
