@@ -238,13 +238,16 @@ def _validate_lora(t) -> None:
 
 
 def _lora_not_yet(cfg) -> None:
-    """What LoRA runs do not do yet, refused by name: offload (untested with adapters), pipeline, context and
-    expert parallelism (not yet proven equal to one rank)."""
+    """What LoRA runs do not do yet, refused by name: offload (untested with adapters) and expert
+    parallelism (not yet proven equal to one rank)."""
     t = cfg.train
     require(not cfg.cluster.offload, "offload", True, "is not tested with LoRA (--lora-rank) yet")
-    for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
-        value = getattr(t, key)
-        require(value == 1, key, value, "LoRA (--lora-rank) runs at TP (with SP) and DP only, for now")
+    require(
+        t.expert_model_parallel_size == 1,
+        "expert_model_parallel_size",
+        t.expert_model_parallel_size,
+        "LoRA (--lora-rank) runs at TP (with SP), PP, CP and DP only, for now",
+    )
 
 
 def validate_training(cfg) -> None:

@@ -68,7 +68,8 @@ WORLDS = {
     "tp2ep2_etp1": (2, 2, "matrix", ["--ep", "2", "--etp", "1"]),  # MoE parallel folding: EP over TP ranks
     "ep1_resume": (1, 1, "moe_reshard_load,ep_rows,lora", []),  # and LoRA at TP=1 (the same arguments)
     # context parallelism (the zigzag split of every row): CP=2 for every family, TP=2 x CP=2 dense
-    "cp2": (1, 2, "matrix,aux_loss", ["--cp", "2"]),  # every family in one launch (24 and 28 s apart)
+    # every family in one launch (24 and 28 s apart), and LoRA (about 8 s)
+    "cp2": (1, 2, "matrix,aux_loss,lora", ["--cp", "2"]),
     "tp2cp2sp": (2, 4, "matrix", [*DENSE, "--cp", "2", "--sp"]),
     # activation recompute against none: a text and a VLM of each kind at TP=1 and TP=2, MoE at EP=2 (in
     # ep2's launch); at TP=1 beside two of the trainer's state checks (offload, the fp32 checkpoint), which
@@ -79,8 +80,8 @@ WORLDS = {
     "tp2_state": (2, 2, "recompute,offload,lora", ["--sp"]),
     # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder, the
     # actor at PP=2 against TP=1's matrix run, what PP does not run with yet, and TP=1's checkpoint
-    # loaded into two stages and saved again
-    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard,aux_loss", ["--pp", "2"]),
+    # loaded into two stages and saved again, and LoRA over two stages (about 8 s)
+    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard,aux_loss,lora", ["--pp", "2"]),
     "tp2pp2sp": (2, 4, "pp_matrix,pp_reshard", ["--pp", "2", "--sp"]),  # TP=2 x PP=2 on 4 ranks, SP as TP runs
     # EP=2 x PP=2 on 4 ranks (DP=2, the experts split over each stage's two DP ranks): the MoE matrix, and
     # ranks packing different numbers of rows (idle micro-batches through the schedule)

@@ -60,7 +60,7 @@ def iter_hf_weights(model, tensors: dict[str, torch.Tensor] | None = None) -> It
         state, model.spec, tp_gather(model), model.prefix, model.te, experts, dense=first, stage=model.stage
     )
     if model.info.pp_size > 1:  # each stage's gathered tensors to global rank 0, stage by stage
-        yield from _stages_to_rank0(model, mine)
+        yield from stages_to_rank0(model, mine)
     else:
         yield from mine
     if not first:
@@ -71,7 +71,7 @@ def iter_hf_weights(model, tensors: dict[str, torch.Tensor] | None = None) -> It
             yield name, t.clone() if here else None
 
 
-def _stages_to_rank0(model, mine: Iterator[tuple[str, torch.Tensor | None]]):
+def stages_to_rank0(model, mine: Iterator[tuple[str, torch.Tensor | None]]):
     """Global rank 0 yields its own stage's tensors, then every later stage's, each sent by the rank its
     TP group gathered it to, one tensor at a time; the other ranks yield their stage's names (None),
     sending what they gathered."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from slime_mt.backends.megatron.convert import qkv_shard, span, split_gate_up, text_prefix, unpack_qkv
-from slime_mt.backends.megatron.export import tp_gather
+from slime_mt.backends.megatron.export import stages_to_rank0, tp_gather
 from slime_mt.backends.megatron.families import DecoderSpec
 from slime_mt.backends.megatron.lora import adapted_layers, layer_widths, projection_widths
 from slime_mt.config.training import LORA_LAYERS
@@ -138,7 +138,14 @@ def iter_adapter_tensors(
     """(PEFT name, whole ``pick(param)`` on global rank 0 / None elsewhere) of every adapter, layer by layer
     (``pick``: the parameter itself by default; a checkpoint picks its fp32 main copy or an optimizer state,
     collectively over the DP group, so every rank picks); the gathers are collective over the TP group of
-    the first data-parallel replica (other replicas yield nothing)."""
+    the first data-parallel replica (other replicas yield nothing), and under pipeline parallelism every
+    later stage's adapters are sent to global rank 0 after its own, stage by stage (``export``'s rule)."""
+    mine = _stage_adapter_tensors(model, pick)
+    yield from stages_to_rank0(model, mine) if model.info.pp_size > 1 else mine
+
+
+def _stage_adapter_tensors(model, pick) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``iter_adapter_tensors`` of this pipeline stage's adapters (its layers numbered as in the whole model)."""
     picked = {
         name: (pick(a.lora_A), pick(a.lora_B)) if pick else (a.lora_A, a.lora_B) for name, a in model.adapters.items()
     }

@@ -26,7 +26,6 @@ from megatron_checks.common import (
     megatron_logits,
 )
 from slime_mt.assets import tiny_model_dir
-from slime_mt.backends.megatron import scoring
 from slime_mt.backends.megatron.actor import MegatronActor
 from slime_mt.backends.megatron.peft import iter_adapter_tensors, save_adapter
 from slime_mt.config import TrainConfig
@@ -36,9 +35,8 @@ LORA = dict(lora_rank=4, lora_alpha=8.0, target_modules="all-linear")
 
 
 def _logprobs(actor, samples) -> torch.Tensor:
-    row = scoring.pack(actor.policy, samples, list(range(len(samples))))
-    with torch.no_grad():
-        return scoring.row_outputs(actor.policy, row, scoring.LogProbs(TEMPERATURE))[0]
+    """Every response token's log-prob, samples in order (the actor's own scoring: any layout)."""
+    return torch.cat(actor.compute_logprobs(samples))
 
 
 def _base_shards(actor) -> dict[str, torch.Tensor]:
@@ -54,6 +52,18 @@ def _actor(kind: str, info, **lora) -> MegatronActor:
 
 def _step(actor, samples) -> dict:
     return actor.train(actor.share_of(samples, ADVANTAGES, 2), on_policy=False)
+
+
+def _step_with_grads(actor, samples) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One step, and the adapters' gradients (PEFT-named, whole, global rank 0) before Adam takes them."""
+    metrics = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, 2))
+    grads = {n: t.clone() for n, t in iter_adapter_tensors(actor.policy, pick=_grad) if t is not None}
+    metrics.update(actor.apply_gradients())
+    return metrics, grads
+
+
+def _grad(param) -> torch.Tensor:
+    return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
 
 
 def _adapters(actor) -> dict[str, torch.Tensor]:
@@ -99,9 +109,11 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
     trainable = [n for n, p in lora.policy.module.named_parameters() if p.requires_grad]
     optimized = sum(p.numel() for g in lora.policy.optimizer.param_groups for p in g["params"])
     before, base_weights = _base_shards(lora), base.export_hf()
-    metrics = _step(lora, samples)
+    metrics, grads = _step_with_grads(lora, samples)
     after = lora.export_hf()
+    stage = lora.policy.stage.layers
     result = {
+        "stage_layers": [stage.start, stage.stop],  # global rank 0's pipeline stage
         "fresh_gap": fresh_gap,
         "trainable": len(trainable),
         "trainable_all_adapters": all(".lora.lora_" in n for n in trainable),
@@ -110,18 +122,19 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
         "adapter_numel": sum(p.numel() for n, p in lora.policy.module.named_parameters() if p.requires_grad),
         "base_unchanged": all(torch.equal(before[n], t) for n, t in _base_shards(lora).items()),
         "b_moved": all(bool(a.lora_B.detach().abs().sum() > 0) for a in lora.policy.adapters.values()),
-        "loss": metrics["train/loss"],
+        "loss": metrics["loss"],
         "grad_norm": metrics["train/grad_norm"],
     }
     if is_main(info):
         changed = sorted(n for n in after if not torch.equal(after[n], base_weights[n]))
         result["changed"] = changed
+        logprobs, adapters = _logprobs(lora, samples), _adapters(lora)
         torch.save(
-            {"logprobs": _logprobs(lora, samples), "weights": after, **result},
+            {"logprobs": logprobs, "weights": after, **result, "grads": grads, "adapter_tensors": adapters},
             out_dir / f"lora_{layout_tag(info)}_{kind}.pt",
         )
     else:
-        _logprobs(lora, samples)  # collective
+        _logprobs(lora, samples), _adapters(lora)  # collective
     adapter_dir = out_dir / f"peft_{layout_tag(info)}_{kind}"
     save_adapter(lora.policy, adapter_dir)
     if info.world_size == 1:

@@ -1,11 +1,12 @@
-"""LoRA adapters on Megatron's parallel linear layers (issue 71 items 1 and 2, at TP and SP; integration tier:
-the ``lora`` check in two worlds already launched for other checks, about 15 s in each, and ``lora_resume`` in
+"""LoRA adapters on Megatron's parallel linear layers (issue 71 items 1 and 2, at TP, SP, PP and CP; integration
+tier: the ``lora`` check in four worlds already launched for other checks, 8-15 s in each, and ``lora_resume`` in
 tp2sp's, about 8 s): fresh adapters change no
 log-prob, only the adapters are trained, the base stays bit for bit, the weights sent to the engines are the
 base with the adapters folded in (transformers on them computes what the adapted Megatron model does), the
 adapters export in PEFT's format (peft on the base computes the same), a step at TP=2 with sequence
-parallelism equals the step at TP=1, and a LoRA run's checkpoint is a PEFT folder that resumes bit for bit at
-its layout and at TP=2 with SP, and that --lora-adapter-path starts from."""
+parallelism, at PP=2 and at CP=2 equals the step at TP=1 (adapter gradients within 1e-6, adapters after it
+within 1e-5), and a LoRA run's checkpoint is a PEFT folder that resumes bit for bit at its layout and at TP=2
+with SP, and that --lora-adapter-path starts from."""
 
 import json
 
@@ -17,9 +18,12 @@ from megatron_worlds import WORLDS
 from slime_mt.assets import tiny_model_dir
 from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
 from slime_mt.backends.megatron.memory_plan import lora_parameters
+from slime_mt.backends.megatron.parallel import Stage
 from slime_mt.config import TrainConfig
 
 WORLDS_OF = {"tp1": "ep1_resume", "tp2_sp": "tp2_state"}
+LAYOUTS = {**WORLDS_OF, "tp1_pp2": "pp2", "tp1_cp2": "cp2"}  # the layouts whose step is TP=1's
+TP = {"tp1": 1, "tp2_sp": 2, "tp1_pp2": 1, "tp1_cp2": 1}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -29,17 +33,19 @@ def layers_of(kind: str) -> int:
 
 
 @pytest.mark.parametrize("kind", LORA_KINDS)
-@pytest.mark.parametrize("tag", list(WORLDS_OF))
+@pytest.mark.parametrize("tag", list(LAYOUTS))
 def test_only_the_adapters_train_and_fresh_ones_change_nothing(world, tag, kind):
-    assert "lora" in WORLDS[WORLDS_OF[tag]][2]
-    r = world(WORLDS_OF[tag])["lora"][kind]
+    assert "lora" in WORLDS[LAYOUTS[tag]][2]
+    r = world(LAYOUTS[tag])["lora"][kind]
     assert r["fresh_gap"] == 0.0  # B starts at zero: the adapted model computes exactly what its base does
-    assert r["adapters"] == 4 * layers_of(kind)  # linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer
+    stage = range(*r["stage_layers"])  # rank 0's pipeline stage: half the layers at PP=2
+    assert len(stage) == layers_of(kind) // (2 if tag.endswith("pp2") else 1)
+    assert r["adapters"] == 4 * len(stage)  # linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer
     assert r["trainable"] == 2 * r["adapters"] and r["trainable_all_adapters"]
     assert r["optimized_numel"] == r["adapter_numel"] > 0  # the base never reaches the optimizer
     # the memory plan counts this rank's adapters as the model has them
     spec = decoder_spec(read_hf_config(tiny_model_dir(kind)), kind)
-    assert lora_parameters(spec, TrainConfig(**LORA), 2 if tag == "tp2_sp" else 1) == r["adapter_numel"]
+    assert lora_parameters(spec, TrainConfig(**LORA), TP[tag], Stage(stage)) == r["adapter_numel"]
     assert r["base_unchanged"] and r["b_moved"] and r["grad_norm"] > 0
 
 
@@ -59,15 +65,21 @@ def test_transformers_on_the_merged_weights_computes_what_the_adapted_model_does
 
 
 @pytest.mark.parametrize("kind", LORA_KINDS)
-def test_a_step_at_tp2_with_sequence_parallelism_equals_the_step_at_tp1(world, megatron_dir, kind):
-    world("ep1_resume"), world("tp2_state")
-    one, two = (torch.load(megatron_dir / f"lora_{tag}_{kind}.pt", weights_only=True) for tag in WORLDS_OF)
+@pytest.mark.parametrize("tag", [tag for tag in LAYOUTS if tag != "tp1"])
+def test_a_step_at_tp2_sp_pp2_and_cp2_equals_the_step_at_tp1(world, megatron_dir, tag, kind):
+    """The adapters' gradients (PEFT-named, every stage's) within 1e-6 and the adapters after the step within
+    1e-5 of TP=1's; loss, grad norm, the log-probs after the step and the merged weights the engines get too."""
+    world("ep1_resume"), world(LAYOUTS[tag])
+    one, two = (torch.load(megatron_dir / f"lora_{t}_{kind}.pt", weights_only=True) for t in ("tp1", tag))
     assert abs(one["loss"] - two["loss"]) <= 1e-6 + 1e-5 * abs(one["loss"])
     assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
     assert float((one["logprobs"] - two["logprobs"]).abs().max()) < 1e-5
-    assert one["weights"].keys() == two["weights"].keys() and one["changed"] == two["changed"]
-    for name, weight in one["weights"].items():
-        assert float((weight - two["weights"][name]).abs().max()) < 1e-6, name
+    assert len(one["grads"]) == 2 * len(PROJECTIONS) * layers_of(kind)
+    for key, bound in (("grads", 1e-6), ("adapter_tensors", 1e-5), ("weights", 1e-6)):
+        assert one[key].keys() == two[key].keys(), key
+        for name, tensor in one[key].items():
+            assert float((tensor - two[key][name]).abs().max()) < bound, (key, name)
+    assert one["changed"] == two["changed"]
 
 
 @pytest.mark.parametrize("kind", LORA_KINDS)

@@ -55,8 +55,8 @@ def test_target_modules_resolve_to_megatrons_layers(targets, exclude, layers):
         ),
         (["--lora-adapter-path", "adapter"], r"--lora-adapter-path='adapter': needs --lora-rank > 0"),
         (
-            ["--lora-rank", "8", "--target-modules", "all-linear", "--pipeline-model-parallel-size", "2"],
-            r"--pipeline-model-parallel-size=2: LoRA \(--lora-rank\) runs at TP",
+            ["--lora-rank", "8", "--target-modules", "all-linear", "--expert-model-parallel-size", "2"],
+            r"--expert-model-parallel-size=2: LoRA \(--lora-rank\) runs at TP \(with SP\), PP, CP",
         ),
     ],
 )
