@@ -237,25 +237,10 @@ def _validate_lora(t) -> None:
     )
 
 
-def _lora_not_yet(cfg) -> None:
-    """What LoRA runs do not do yet, refused by name: offload (untested with adapters) and expert
-    parallelism (not yet proven equal to one rank)."""
-    t = cfg.train
-    require(not cfg.cluster.offload, "offload", True, "is not tested with LoRA (--lora-rank) yet")
-    require(
-        t.expert_model_parallel_size == 1,
-        "expert_model_parallel_size",
-        t.expert_model_parallel_size,
-        "LoRA (--lora-rank) runs at TP (with SP), PP, CP and DP only, for now",
-    )
-
-
 def validate_training(cfg) -> None:
     """The parallel layout, recompute, routing replay, the optimizer, LoRA and the batch sizes."""
     t, r = cfg.train, cfg.rollout
     _validate_lora(t)
-    if t.lora_rank:
-        _lora_not_yet(cfg)
     _validate_routing_replay(cfg)
     _validate_recompute(t)
     _validate_context_parallel(t)

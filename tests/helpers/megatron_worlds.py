@@ -59,7 +59,8 @@ WORLDS = {
     "tp2_moe": (2, 2, "attention,tree,matrix,aux_loss", MOE),
     "dp2": (1, 2, "dp,reshard_load,distopt_reshard", []),
     "tp2dp2": (2, 4, "dp", []),
-    "ep2": (1, 2, "matrix,moe_reshard_save,export_ranks,dispatchers,ep_rows,recompute", ["--ep", "2"]),
+    # and LoRA on a MoE model's attention (about 8 s)
+    "ep2": (1, 2, "matrix,moe_reshard_save,export_ranks,dispatchers,ep_rows,recompute,lora", ["--ep", "2"]),
     # TP=2 with sequence parallelism (SP on == off at TP=2: test_sequence_parallel.py); the 4-rank worlds
     # run it too, as TP > 1 runs do (Megatron's MoE needs it with EP and TP)
     "tp2sp": (2, 2, "matrix,lora_resume", [*DENSE, "--sp"]),  # and TP=1's LoRA checkpoints resumed
@@ -80,8 +81,9 @@ WORLDS = {
     "tp2_state": (2, 2, "recompute,offload,lora", ["--sp"]),
     # pipeline parallelism: two stages through Megatron's 1F1B schedule against the whole decoder, the
     # actor at PP=2 against TP=1's matrix run, what PP does not run with yet, and TP=1's checkpoint
-    # loaded into two stages and saved again, and LoRA over two stages (about 8 s)
-    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard,aux_loss,lora", ["--pp", "2"]),
+    # loaded into two stages and saved again, and LoRA over two stages (a step, and TP=1's LoRA checkpoints
+    # resumed: about 15 s)
+    "pp2": (1, 2, "pipeline,pp_matrix,pp_refusals,pp_reshard,aux_loss,lora,lora_resume", ["--pp", "2"]),
     "tp2pp2sp": (2, 4, "pp_matrix,pp_reshard", ["--pp", "2", "--sp"]),  # TP=2 x PP=2 on 4 ranks, SP as TP runs
     # EP=2 x PP=2 on 4 ranks (DP=2, the experts split over each stage's two DP ranks): the MoE matrix, and
     # ranks packing different numbers of rows (idle micro-batches through the schedule)

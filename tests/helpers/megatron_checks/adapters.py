@@ -4,8 +4,9 @@ computes what the adapted Megatron model does), the adapters export in PEFT's fo
 the same), and every layout writes the step it took and its adapters for the tests to compare
 (``lora_TAG_KIND.pt``, ``peft_TAG_KIND/``). Checkpoints: TP=1 saves after its step (``lora_ckpt_KIND/``, a
 PEFT folder peft loads), takes a second step, and resumes the checkpoint in a new actor for the same second
-step (bitwise), and ``--lora-adapter-path`` starts from it; ``lora_resume`` at TP=2 with SP resumes TP=1's
-checkpoint for the same second step (the tests compare the adapters)."""
+step (bitwise), and ``--lora-adapter-path`` starts from it; ``lora_resume`` at TP=2 with SP and at PP=2 resumes
+TP=1's checkpoint for the same second step (the tests compare the adapters). A MoE model (adapters on its
+attention) runs at TP=1 and EP=2."""
 
 import dataclasses
 from pathlib import Path
@@ -32,6 +33,10 @@ from slime_mt.config import TrainConfig
 
 LORA_KINDS = ("qwen3", "qwen2.5-vl")
 LORA = dict(lora_rank=4, lora_alpha=8.0, target_modules="all-linear")
+# a MoE model's adapters sit on its attention (its MLPs are experts, which take none yet): run at TP=1 (one
+# process) and at EP=2
+MOE_KIND = "qwen3-moe"
+FLAGS = {**dict.fromkeys(LORA_KINDS, LORA), MOE_KIND: {**LORA, "target_modules": "q_proj,k_proj,v_proj,o_proj"}}
 
 
 def _logprobs(actor, samples) -> torch.Tensor:
@@ -104,7 +109,7 @@ def _resume_at_one(kind: str, info, out_dir: Path, lora, samples, result: dict) 
 def _lora_kind(kind: str, info, out_dir: Path) -> dict:
     path = tiny_model_dir(kind)
     samples = matrix_batch(path, kind)
-    base, lora = _actor(kind, info), _actor(kind, info, **LORA)
+    base, lora = _actor(kind, info), _actor(kind, info, **FLAGS[kind])
     fresh_gap = float((_logprobs(base, samples) - _logprobs(lora, samples)).abs().max())
     trainable = [n for n, p in lora.policy.module.named_parameters() if p.requires_grad]
     optimized = sum(p.numel() for g in lora.policy.optimizer.param_groups for p in g["params"])
@@ -157,17 +162,19 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
         result["hf_unexpected"], result["hf_missing"] = list(loaded.unexpected_keys), list(loaded.missing_keys)
         with torch.no_grad():
             result["hf_gap"] = max(float((hf_logits(model, s) - megatron_logits(lora, s)).abs().max()) for s in samples)
-    if info.world_size == 1:
+    if info.world_size == 1 and kind in LORA_KINDS:
         _resume_at_one(kind, info, out_dir, lora, samples, result)
     return result
 
 
 def check_lora(args, info, out):
-    """--lora-rank 4 on all-linear for a text model and a VLM: fresh adapters change no log-prob, the
+    """--lora-rank 4 on all-linear for a text model and a VLM (on the attention of a MoE model at TP=1 and in
+    an expert-parallel world, which runs that one only): fresh adapters change no log-prob, the
     optimizer holds the adapters only, one step moves B and leaves the base bit for bit, the exported weights
     change in the adapted projections only, and (TP=1) transformers on them matches the Megatron model."""
     out_dir = Path(args.out)
-    out["lora"] = {kind: _lora_kind(kind, info, out_dir) for kind in LORA_KINDS}
+    kinds = (MOE_KIND,) if info.ep_size > 1 else (*LORA_KINDS, MOE_KIND) if info.world_size == 1 else LORA_KINDS
+    out["lora"] = {kind: _lora_kind(kind, info, out_dir) for kind in kinds}
     if info.world_size > 1:
         dist.barrier()
 

@@ -191,14 +191,20 @@ def check_distopt_reshard(args, info, out):
 def check_offload(args, info, out):
     """--offload: two train steps with the trainer's state offloaded and onloaded around the second
     (bf16 with fp32 main parameters, a KL reference model; the replicated and the distributed
-    optimizer) against the same two steps without: the
+    optimizer; LoRA adapters on a frozen base) against the same two steps without: the
     device holds none of it while offloaded, and the losses, grad norms and weights are identical."""
     result = {}
-    for kind, sharded in (("qwen2", False), ("qwen2.5-vl", False), ("qwen2", True)):
+    lora = dict(lora_rank=4, lora_alpha=8.0, target_modules="all-linear")
+    for kind, sharded, flags in (
+        ("qwen2", False, {}),
+        ("qwen2.5-vl", False, {}),
+        ("qwen2", True, {}),
+        ("qwen2", True, lora),
+    ):
         path = tiny_model_dir(kind)
         samples = matrix_batch(path, kind)
         algo = dataclasses.replace(ALGO, use_kl_loss=True, kl_loss_coef=0.01)
-        train = TrainConfig(lr=1e-4, bf16=True, use_distributed_optimizer=sharded)
+        train = TrainConfig(lr=1e-4, bf16=True, use_distributed_optimizer=sharded, **flags)
         runs = {}
         for offloaded in (False, True):
             torch.manual_seed(0)
@@ -222,7 +228,7 @@ def check_offload(args, info, out):
         same_weights = runs[False]["weights"].keys() == runs[True]["weights"].keys() and all(
             torch.equal(w, runs[True]["weights"][n]) for n, w in runs[False]["weights"].items()
         )
-        result[kind + ("_distributed_optimizer" if sharded else "")] = {
+        result[kind + ("_distributed_optimizer" if sharded else "") + ("_lora" if flags else "")] = {
             "held_bytes": runs["held"],
             "offloaded_bytes": runs["while_offloaded"],
             "onloaded_bytes": runs["after_onload"],

@@ -11,8 +11,15 @@ from megatron_worlds import launch_world, world_name
 
 # a world that reads what another saved is launched after it: TP=2's reshard_load reads the checkpoint
 # TP=1 saved, DP=2's the one TP=2 saved again, EP=1's resume the one EP=2 saved, the PP worlds TP=1's, and
-# TP=2 with SP the LoRA checkpoints EP=1's saved
-AFTER = {"tp2": "tp1", "dp2": "tp2", "ep1_resume": "ep2", "pp2": "tp1", "tp2pp2sp": "tp1", "tp2sp": "ep1_resume"}
+# TP=2 with SP and PP=2 the LoRA checkpoints EP=1's saved
+AFTER = {
+    "tp2": ("tp1",),
+    "dp2": ("tp2",),
+    "ep1_resume": ("ep2",),
+    "pp2": ("tp1", "ep1_resume"),
+    "tp2pp2sp": ("tp1",),
+    "tp2sp": ("ep1_resume",),
+}
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +36,8 @@ def world(request, megatron_dir):
     def results(name: str, kind: str | None = None) -> dict:
         name = world_name(name, kind) if kind else name
         if name not in launched:
-            if name in AFTER:
-                results(AFTER[name])
+            for before in AFTER.get(name, ()):
+                results(before)
             with clock.shared_set_up(f"world {name} (session, tests/integration/backends)"):
                 try:
                     launched[name] = launch_world(name, megatron_dir)

@@ -1,11 +1,13 @@
 """--offload (colocated): the trainer's state leaves the device and comes back bit for bit, TP=1 and TP=2,
-with the replicated and the distributed optimizer."""
+with the replicated and the distributed optimizer, and a LoRA run's adapters (the merged weights compared)."""
 
 import pytest
 
 
 @pytest.mark.parametrize("which", ["tp1_state", "tp2_state"])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-vl", "qwen2_distributed_optimizer"])
+@pytest.mark.parametrize(
+    "kind", ["qwen2", "qwen2.5-vl", "qwen2_distributed_optimizer", "qwen2_distributed_optimizer_lora"]
+)
 def test_offload_frees_the_device_and_onload_trains_on_bit_for_bit(world, which, kind):
     """--offload (colocated): while offloaded the trainer's parameters, fp32 main parameters,
     gradients, optimizer state and reference model hold no device memory; onloaded, the next step's

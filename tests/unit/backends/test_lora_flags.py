@@ -54,10 +54,6 @@ def test_target_modules_resolve_to_megatrons_layers(targets, exclude, layers):
             r"--lora-dropout=0.1: must be 0 at --tensor-model-parallel-size > 1",
         ),
         (["--lora-adapter-path", "adapter"], r"--lora-adapter-path='adapter': needs --lora-rank > 0"),
-        (
-            ["--lora-rank", "8", "--target-modules", "all-linear", "--expert-model-parallel-size", "2"],
-            r"--expert-model-parallel-size=2: LoRA \(--lora-rank\) runs at TP \(with SP\), PP, CP",
-        ),
     ],
 )
 def test_what_lora_cannot_run_is_refused_naming_the_flag(argv, pattern):
