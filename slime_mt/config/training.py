@@ -199,12 +199,18 @@ def lora_targets(target_modules: str | None, exclude_modules: str | None) -> tup
 POLICY_ADAPTER = "policy"  # the name the engines serve a LoRA run's adapter under (lora_path)
 
 
+# the ranks vLLM's --max-lora-rank takes (vllm/config/lora.py: MaxLoRARanks); it serves an adapter of any rank
+# up to the one it was started with
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def adapter_updates(cfg) -> bool:
     """Whether a LoRA run's weight updates send the engines only its adapter, which they serve by name
-    (``POLICY_ADAPTER``) on their base weights: embedded and SGLang engines over the in-process or disk
-    transport. vLLM, Ray placement and the broadcast transports take the merged weights (``W + scale B A``)."""
+    (``POLICY_ADAPTER``) on their base weights: embedded, SGLang and vLLM engines over the in-process or disk
+    transport. Ray placement and the broadcast transports take the merged weights (``W + scale B A``)."""
     transport = cfg.engine.weight_transport in ("auto", "inprocess", "disk")
-    return bool(cfg.train.lora_rank) and cfg.engine.engine in ("local", "sglang") and not cfg.cluster.ray and transport
+    engines = ("local", "sglang", "vllm")
+    return bool(cfg.train.lora_rank) and cfg.engine.engine in engines and not cfg.cluster.ray and transport
 
 
 def _validate_lora(t) -> None:
@@ -241,6 +247,13 @@ def validate_training(cfg) -> None:
     """The parallel layout, recompute, routing replay, the optimizer, LoRA and the batch sizes."""
     t, r = cfg.train, cfg.rollout
     _validate_lora(t)
+    if cfg.engine.engine == "vllm" and adapter_updates(cfg):  # vLLM serves the adapter
+        require(
+            t.lora_rank <= VLLM_LORA_RANKS[-1],
+            "lora_rank",
+            t.lora_rank,
+            f"vLLM serves adapters of rank up to {VLLM_LORA_RANKS[-1]} (--engine vllm)",
+        )
     _validate_routing_replay(cfg)
     _validate_recompute(t)
     _validate_context_parallel(t)

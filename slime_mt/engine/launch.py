@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from slime_mt.config import EngineConfig, engine_args, extra_arg
-from slime_mt.config.training import LORA_LAYERS, adapter_updates, lora_targets
+from slime_mt.config.training import LORA_LAYERS, VLLM_LORA_RANKS, adapter_updates, lora_targets
 from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
 from slime_mt.engine.embedded.lora import LoraServing
 from slime_mt.engine.embedded.server import LocalEngine, wait_healthy
@@ -353,6 +353,7 @@ class VLLMServer(_ServerProcess):
         python = vllm_python(python)
         env = {
             "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints: pause, resume, weight version, reload
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter (a server with --enable-lora)
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB, CPU builds only
             # slime_mt importable by vLLM's workers (engine/weights/vllm_worker.py) when vLLM has its own venv
@@ -403,10 +404,15 @@ def lora_serving(cfg) -> LoraServing | None:
     return LoraServing({}, max_loras_per_batch=1, max_lora_rank=cfg.train.lora_rank)
 
 
-def lora_flags(lora: LoraServing | None, train) -> list[str]:
-    """SGLang's flags for serving a LoRA run's adapter: ``--enable-lora``, its rank and the projections."""
+def lora_flags(lora: LoraServing | None, train, engine: str = "sglang") -> list[str]:
+    """The flags of ``engine``'s server for serving a LoRA run's adapter: SGLang's ``--enable-lora``, its
+    rank and the projections; vLLM's ``--enable-lora``, the smallest rank it takes at or above the run's,
+    and one adapter per batch (the server started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
     if lora is None:
         return []
+    if engine == "vllm":
+        rank = next(r for r in VLLM_LORA_RANKS if r >= lora.max_lora_rank)
+        return ["--enable-lora", f"--max-lora-rank {rank}", "--max-loras 1"]
     projections = " ".join(
         p for layer in lora_targets(train.target_modules, train.exclude_modules) for p in LORA_LAYERS[layer]
     )
@@ -421,12 +427,14 @@ def engine_config_for(
     requests carry priorities (``config.priority_scheduling``: ``--oldest-groups-first``, an evaluation
     beside the rollout) SGLang with ``--enable-priority-scheduling`` and vLLM with ``--scheduling-policy
     priority`` (the embedded engine always schedules by priority); a LoRA run whose engines serve its
-    adapter, SGLang with ``lora`` (``lora_flags``)."""
+    adapter, the run's engine with ``lora`` (``lora_flags`` of that engine)."""
+    lora = list(lora or [])
+    sglang_lora, vllm_lora = ([], lora) if engine.engine == "vllm" else (lora, [])
     sglang = _with_flags(
         engine.sglang_extra_args,
-        [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * priority + list(lora or []),
+        [ROUTED_EXPERTS_FLAG] * routed_experts + [SGLANG_PRIORITY_FLAG] * priority + sglang_lora,
     )
-    vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * priority)
+    vllm = _with_flags(engine.vllm_extra_args, [VLLM_PRIORITY_FLAGS] * priority + vllm_lora)
     if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
         return engine
     return dataclasses.replace(engine, sglang_extra_args=sglang, vllm_extra_args=vllm)

@@ -116,7 +116,10 @@ class RolloutRole(RolloutSteps):
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
         lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
         settings = engine_config_for(
-            cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg), lora_flags(lora, cfg.train)
+            cfg.engine,
+            cfg.train.use_rollout_routing_replay,
+            priority_scheduling(cfg),
+            lora_flags(lora, cfg.train, cfg.engine.engine),
         )
         engines = start_engines(
             settings,

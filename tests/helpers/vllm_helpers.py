@@ -13,10 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 # machine's memory for it (20 GiB here, 31 s to allocate and warm up at each start, and the page cache
 # of every other process evicted). Scheduling by request priority (first come first served among equal
 # ones, and no request carries one unless --oldest-groups-first), so the shared server serves runs with
-# that flag too, as one started for them would.
+# that flag too, as one started for them would. LoRA on (one adapter of rank <= 8), as a LoRA run starts it
+# (``launch.lora_flags``): a request that names no adapter computes what the base does.
 VLLM_ARGS = (
     "--dtype float32 --max-model-len 4096 --max-num-seqs 32 -O0 --kv-cache-memory-bytes 1073741824 "
-    "--scheduling-policy priority"
+    "--scheduling-policy priority --enable-lora --max-lora-rank 8 --max-loras 1"
 )
 
 

@@ -42,6 +42,10 @@ also takes vLLM's ``SamplingParams`` as they are, and its ids are not re-tokeniz
   supervisor takes a lost engine out of the rotation (``leave``): the request it was serving is sent
   again, from its start, to another engine; the engine started again enters it (``enter``) once it
   has the current weights.
+- LoRA (a run whose updates send the adapter, ``config.training.adapter_updates``): servers started with
+  ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; each update loads the adapter's PEFT folder in
+  place under its name (``replace_lora_adapter``), and every request names it in ``model`` (``lora_path``,
+  the client's or the request's), which vLLM's generate endpoint resolves to the adapter.
 - Not yet: colocated engines (vLLM's ``/sleep`` and ``/wake_up`` are the endpoints they would use; its
   sleep mode needs CUDA, a no-op on CPUs, so nothing here could check it: ``--colocate`` is refused)
   and weights by tensor handle (vLLM's IPC backend is CUDA's).
@@ -233,6 +237,7 @@ class VLLMClient(EngineClient):
         rid = rid or uuid.uuid4().hex
         if image_data:
             raise _refused(f"image_data: {IMAGES_REFUSED}")
+        adapter = extra.pop("lora_path", None) or self.lora_path  # vLLM names the adapter in ``model``
         if extra:
             raise _refused(f"request field(s) {sorted(extra)} are not supported with --engine vllm")
         if input_ids is None and text is None:
@@ -242,7 +247,9 @@ class VLLMClient(EngineClient):
             self._load[url] += 1
             try:
                 with default_lane(f"route {route}" if route else None):
-                    return await self._generate_on(url, input_ids, text, sampling_params, return_logprob, rid, timeout)
+                    return await self._generate_on(
+                        url, input_ids, text, sampling_params, return_logprob, rid, timeout, adapter
+                    )
             except EngineError:
                 if url in self.rotation:
                     raise
@@ -259,6 +266,7 @@ class VLLMClient(EngineClient):
         return_logprob: bool,
         rid: str,
         timeout: float | None,
+        adapter: str | None = None,
     ) -> dict:
         tokenized = await self._tokenize(url, text) if input_ids is None else None
         body: dict[str, Any] = {
@@ -267,6 +275,8 @@ class VLLMClient(EngineClient):
             "sampling_params": vllm_sampling(sampling_params or {}, return_logprob),
             "output_mode": "text",
         }
+        if adapter is not None:
+            body["model"] = adapter
         priority = vllm_priority()
         if priority is not None:
             body["priority"] = priority
@@ -355,6 +365,21 @@ class VLLMClient(EngineClient):
             {"success": True, "message": f"reloaded {count} tensors from {model_path}", "weight_version": v}
             for v in versions
         ]
+
+    async def replace_lora_adapter(
+        self, name: str, path: str, weight_version: str | None = None, timeout: float | None = None
+    ) -> None:
+        """Every engine serves the PEFT folder ``path`` as LoRA adapter ``name`` (vLLM's
+        ``/v1/load_lora_adapter`` with ``load_inplace``: a name already loaded keeps its slot and takes the new
+        weights), with the engines paused as for a reload, its prefix cache reset (vLLM keys cached blocks by
+        the adapter's name and path, so a folder loaded again under one path would reuse blocks of the old
+        weights) and, when given, ``weight_version``. EngineRequestError naming an engine that refused."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        async with self._paused():
+            await self._broadcast("/v1/load_lora_adapter", body, timeout=timeout, text=True)  # in place: idempotent
+            await self._broadcast("/reset_prefix_cache", timeout=timeout, text=True)
+            if weight_version is not None:
+                await self._broadcast("/update_weight_version", {"new_version": str(weight_version)}, timeout=timeout)
 
     async def _pause(self) -> list[str]:
         """Pause (``mode=wait``: what runs finishes first) the engines not paused already (an update

@@ -4,7 +4,8 @@ with SGLang's answers and refusals, a request's ``lora_path`` picks one and its 
 input) are peft's with that adapter, a batch mixing two adapters and the base gives each row what it gets
 alone, ``--max-loras-per-batch`` holds a third adapter back without changing anything, the prefix cache
 keeps each adapter's KV states apart, an unloaded adapter is refused, and an engine without
-``--enable-lora`` refuses adapters."""
+``--enable-lora`` refuses adapters; and vLLM (the shared server, about 10 s more) serves a run's adapter by
+name, each update replacing it in place."""
 
 import json
 
@@ -135,3 +136,51 @@ def test_an_in_process_update_replaces_an_adapter_between_steps(served):
     again = generate(engine, PROMPTS[1], "swap")
     want = peft_logprobs(models["a"][0], PROMPTS[1] + again["output_ids"], len(PROMPTS[1]))
     assert max(abs(g - w) for g, w in zip(output_logprobs(again), want)) < 1e-4
+
+
+def test_vllm_serves_a_runs_adapter_and_each_update_replaces_it(vllm_target, tmp_path):
+    """vLLM (the shared server, started with --enable-lora as a LoRA run starts it): ``replace_lora_adapter``
+    loads a PEFT folder under the run's adapter name at a weight version, a client whose ``lora_path`` names
+    it gets peft's log-probs with that adapter (fp32 here: within 1e-4) and one that names none the base's,
+    the next version's folder replaces it in place, and a folder that is no adapter is refused with the
+    served one unchanged. The adapter is unloaded and version "0" put back at the end (the shared server's
+    state)."""
+    import asyncio
+
+    from slime_mt.assets import VLLM_TINY_KIND
+    from slime_mt.errors import EngineError
+
+    models = [peft_adapter(VLLM_TINY_KIND, tmp_path / f"v{i}", seed=seed) for i, seed in ((1, 4), (2, 5))]
+    ids = PROMPTS[2]
+
+    def want(model, answer, adapter=True) -> list[float]:
+        full = ids + answer["output_ids"]
+        if adapter:
+            return peft_logprobs(model, full, len(ids))
+        with model.disable_adapter():
+            return peft_logprobs(model, full, len(ids))
+
+    async def run() -> None:
+        lora, base = vllm_target.client(), vllm_target.client()
+        lora.lora_path = "policy"
+        try:
+            await lora.replace_lora_adapter("policy", str(tmp_path / "v1"), weight_version="11")
+            first, plain = await lora.generate(ids, SAMPLING), await base.generate(ids, SAMPLING)
+            assert first["meta_info"]["weight_version"] == "11"
+            assert max(abs(g - w) for g, w in zip(output_logprobs(first), want(models[0], first))) < 1e-4
+            assert max(abs(g - w) for g, w in zip(output_logprobs(plain), want(models[0], plain, False))) < 1e-4
+            await lora.replace_lora_adapter("policy", str(tmp_path / "v2"), weight_version="12")
+            second = await lora.generate(ids, SAMPLING)
+            assert second["meta_info"]["weight_version"] == "12"
+            assert max(abs(g - w) for g, w in zip(output_logprobs(second), want(models[1], second))) < 1e-4
+            with pytest.raises(EngineError, match="load_lora_adapter"):
+                await lora.replace_lora_adapter("policy", str(tiny_model_dir(VLLM_TINY_KIND)), weight_version="13")
+            kept = await lora.generate(ids, SAMPLING)
+            assert kept["output_ids"] == second["output_ids"] and output_logprobs(kept) == output_logprobs(second)
+            assert kept["meta_info"]["weight_version"] == "12"
+        finally:
+            await base._broadcast("/v1/unload_lora_adapter", {"lora_name": "policy"}, text=True)
+            await base._broadcast("/update_weight_version", {"new_version": "0"})
+            await lora.close(), await base.close()
+
+    asyncio.run(run())

@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 from slime_mt.config import EngineConfig, extra_arg
 from slime_mt.engine.launch import engine_config_for, sglang_command, vllm_command
 from slime_mt.engine.weights.sync import WeightFolders
+from slime_mt.errors import ConfigError
 
 TENSORS = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))]
 
@@ -89,9 +90,10 @@ def test_a_flag_the_user_gave_with_an_equals_sign_is_not_added_again():
 
 
 def test_a_lora_runs_engines_serve_its_adapter_where_they_can():
-    """--lora-rank: embedded and SGLang engines over the in-process or disk transport serve the adapter
-    by name (SGLang launched with --enable-lora, the rank and the projections); vLLM, --ray and the
-    broadcast transports take merged weights."""
+    """--lora-rank: embedded, SGLang and vLLM engines over the in-process or disk transport serve the
+    adapter by name (SGLang launched with --enable-lora, the rank and the projections; vLLM with
+    --enable-lora, the smallest rank it takes at or above the run's, one adapter per batch); --ray and the
+    broadcast transports take merged weights; vLLM refuses a rank above 512."""
     from slime_mt.config.training import adapter_updates
     from slime_mt.config_parsing import parse_config
     from slime_mt.engine.launch import lora_flags, lora_serving
@@ -114,6 +116,14 @@ def test_a_lora_runs_engines_serve_its_adapter_where_they_can():
     )
     assert "--enable-lora" in sglang and sglang[sglang.index("--max-lora-rank") + 1] == "8"
     assert sglang[sglang.index("--lora-target-modules") + 1 :][:3] == ["q_proj", "k_proj", "v_proj"]
-    for flags in (["--engine", "vllm"], ["--weight-transport", "distributed"]):
+    cfg = parse_config(base + ["--engine", "vllm", "--lora-rank", "12"])
+    assert adapter_updates(cfg)
+    settings = engine_config_for(cfg.engine, False, False, lora_flags(lora_serving(cfg), cfg.train, "vllm"))
+    vllm = vllm_command("python", "/m", 1, extra_args=settings.vllm_extra_args)
+    assert settings.sglang_extra_args is None and "--enable-lora" in vllm
+    assert vllm[vllm.index("--max-lora-rank") + 1] == "16" and vllm[vllm.index("--max-loras") + 1] == "1"
+    with pytest.raises(ConfigError, match=r"--lora-rank=1024: vLLM serves adapters of rank up to 512"):
+        parse_config(base + ["--engine", "vllm", "--lora-rank", "1024"])
+    for flags in (["--engine", "vllm", "--weight-transport", "distributed"], ["--weight-transport", "distributed"]):
         assert not adapter_updates(parse_config(base + flags)) and lora_serving(parse_config(base + flags)) is None
     assert not adapter_updates(parse_config(base[:4]))  # no --lora-rank: full weights
