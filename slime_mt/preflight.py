@@ -238,7 +238,8 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size))
     kw = dict(
         vision=vision_parameters(CheckpointReader(t.hf_checkpoint)),
-        use_reference=cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef > 0,
+        # a LoRA run's KL reference is its own base (adapters off): no second copy
+        use_reference=cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef > 0 and not t.lora_rank,
         data_parallel=dp,
     )
     plan = plan_rank(spec, t, tokens, **kw)

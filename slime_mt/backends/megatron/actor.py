@@ -1,6 +1,7 @@
 """The policy's training step (slime's ``train_actor``): old and reference log-probs, the RL loss of each
 packed row, M2PO's cutoff, the optimizer steps and their metrics, on one trainable ``MegatronModel`` (the
-policy) and a frozen one (the reference, under ``--use-kl-loss``).
+policy) and a frozen one (the reference, under ``--use-kl-loss``; a LoRA run's reference is its own base,
+the policy with its adapters off, not a second copy).
 
 ``train(share)`` takes this data-parallel rank's ``RankShare`` of the step's batch (the rollout role deals
 a whole batch into one share per DP rank: ``splitter``; ``share_of`` does it here) and runs, per
@@ -22,6 +23,7 @@ fp32 (``scoring.LogProbs``). A sample's advantages are per token where a train-s
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +34,7 @@ import torch
 from slime_mt.algo.batching import RankShare, split_by_dp
 from slime_mt.algo.losses import LossInputs, add_metric, m2po_cutoff, policy_loss, sft_loss
 from slime_mt.backends.megatron import export, scoring
+from slime_mt.backends.megatron.lora import adapters_off
 from slime_mt.backends.megatron.model import MegatronModel
 from slime_mt.backends.megatron.moe import router_metrics
 from slime_mt.backends.megatron.parallel import ParallelInfo
@@ -56,8 +59,12 @@ class MegatronActor:
         self.train_cfg, self.algo, self.info = train, algo, info
         self.temperature, self.norm_max_len = temperature, norm_max_len
         self.policy = MegatronModel(hf_path, train, info, trainable=True, total_steps=total_steps)
-        kl = algo.use_kl_loss and algo.kl_loss_coef > 0
-        self.reference = MegatronModel(hf_path, train, info, trainable=False) if kl else None
+        self.uses_reference = algo.use_kl_loss and algo.kl_loss_coef > 0
+        # the KL reference: a frozen copy of the starting weights, or a LoRA run's own base (adapters off)
+        lora_base = bool(self.policy.adapters)
+        self.reference = (
+            MegatronModel(hf_path, train, info, trainable=False) if self.uses_reference and not lora_base else None
+        )
         self.spec, self.device = self.policy.spec, self.policy.device
         self.timeline = None  # the rank's trace (slime_mt/timeline.py): train phases as spans
         # --save-debug-rollout-data: the step's log-probs of this rank's sequences (by index in the batch),
@@ -88,8 +95,10 @@ class MegatronActor:
         """Response log-probs ``[len(response)]`` of ``samples[indices]`` (all by default; None for the
         others) under the policy (or the reference model), at the rollout temperature; nothing is trained.
         ``replay=False``: the routers choose their own experts even under ``--use-rollout-routing-replay``."""
-        model = self.reference if reference else self.policy
-        scored = scoring.score(model, samples, indices, scoring.LogProbs(self.temperature), replay)
+        model = self.reference if reference and self.reference is not None else self.policy
+        base = adapters_off(self.policy.adapters) if reference and model is self.policy else contextlib.nullcontext()
+        with base:
+            scored = scoring.score(model, samples, indices, scoring.LogProbs(self.temperature), replay)
         return [None if out is None else out[0] for out in scored]
 
     # ------------------------------------------------------------------ training
@@ -150,7 +159,7 @@ class MegatronActor:
                 self.kept_log_probs = {share.indices[k]: old[k].tolist() for k in everything}
             if m2po:
                 self.m2po_cutoff = self._m2po_cutoff(share, old)
-        if self.reference is not None:
+        if self.uses_reference:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
                 ref = self.compute_logprobs(share.samples, everything, reference=True)
         if self.train_cfg.log_routing_replay_gap and self.spec.moe is not None:  # at the weights ``old`` has

@@ -26,9 +26,11 @@ and v adapters with one A shared by the three.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +158,7 @@ class LoraAdapter(torch.nn.Module):
         weight = base.weight
         out_local, in_local = weight.shape
         self.kind, self.scale, self.sp, self.tp_size = kind, options.scale, sp and tp_size > 1, tp_size
+        self.enabled = True  # False inside ``adapters_off``
         self.dropout = torch.nn.Dropout(options.dropout) if options.dropout > 0 else torch.nn.Identity()
         fan_in = in_local if kind == COLUMN else in_local * tp_size
         a = _initial_a(name, options.rank, fan_in)
@@ -194,9 +197,25 @@ class LoraAdapter(torch.nn.Module):
 
 
 def _add_adapter_output(module, args, output):
-    """Forward hook of an adapted layer: its output plus the adapter's, the bias untouched."""
+    """Forward hook of an adapted layer: its output plus the adapter's, the bias untouched (the output
+    alone while the adapters are off: ``adapters_off``)."""
+    if not module.lora.enabled:
+        return output
     out, bias = output
     return out + module.lora(args[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_off(adapters: dict[str, LoraAdapter]) -> Iterator[None]:
+    """The model computes what its base does while inside (every adapter skipped, on every rank alike, so
+    no collective of theirs runs): the KL reference of a LoRA run is its own base, not a second copy."""
+    for adapter in adapters.values():
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters.values():
+            adapter.enabled = True
 
 
 def _seed_name(name: str, first_layer: int) -> str:

@@ -49,9 +49,10 @@ def _base_shards(actor) -> dict[str, torch.Tensor]:
 
 
 def _actor(kind: str, info, **lora) -> MegatronActor:
-    """An actor of the tiny ``kind`` model (``lora``: LoRA's flags, none for full training)."""
+    """An actor of the tiny ``kind`` model (``lora``: LoRA's flags, none for full training; a LoRA actor
+    with a KL term, whose reference is its own base)."""
     train = TrainConfig(lr=1e-3, micro_batch_size=2, sequence_parallel=LAUNCH.sequence_parallel, **lora)
-    algo = dataclasses.replace(ALGO, entropy_coef=0.0)
+    algo = dataclasses.replace(ALGO, entropy_coef=0.0, use_kl_loss=bool(lora), kl_loss_coef=0.01 if lora else 0.0)
     return MegatronActor(str(tiny_model_dir(kind)), train, algo, info, temperature=TEMPERATURE)
 
 
@@ -61,7 +62,9 @@ def _step(actor, samples) -> dict:
 
 def _step_with_grads(actor, samples) -> tuple[dict, dict[str, torch.Tensor]]:
     """One step, and the adapters' gradients (PEFT-named, whole, global rank 0) before Adam takes them."""
-    metrics = actor.accumulate_gradients(actor.share_of(samples, ADVANTAGES, 2))
+    share = actor.share_of(samples, ADVANTAGES, 2)
+    reference = actor.compute_logprobs(share.samples, reference=True) if actor.uses_reference else None
+    metrics = actor.accumulate_gradients(share, ref=reference)
     grads = {n: t.clone() for n, t in iter_adapter_tensors(actor.policy, pick=_grad) if t is not None}
     metrics.update(actor.apply_gradients())
     return metrics, grads
@@ -110,16 +113,22 @@ def _lora_kind(kind: str, info, out_dir: Path) -> dict:
     path = tiny_model_dir(kind)
     samples = matrix_batch(path, kind)
     base, lora = _actor(kind, info), _actor(kind, info, **FLAGS[kind])
-    fresh_gap = float((_logprobs(base, samples) - _logprobs(lora, samples)).abs().max())
+    base_logprobs = _logprobs(base, samples)
+    fresh_gap = float((base_logprobs - _logprobs(lora, samples)).abs().max())
     trainable = [n for n, p in lora.policy.module.named_parameters() if p.requires_grad]
     optimized = sum(p.numel() for g in lora.policy.optimizer.param_groups for p in g["params"])
     before, base_weights = _base_shards(lora), base.export_hf()
     metrics, grads = _step_with_grads(lora, samples)
     after = lora.export_hf()
+    # the KL reference after the step: the base's log-probs exactly, from the policy with its adapters off
+    reference = torch.cat(lora.compute_logprobs(samples, reference=True))
     stage = lora.policy.stage.layers
     result = {
         "stage_layers": [stage.start, stage.stop],  # global rank 0's pipeline stage
         "fresh_gap": fresh_gap,
+        "reference_copy": lora.reference is not None,
+        "reference_gap": float((reference - base_logprobs).abs().max()),
+        "policy_moved": float((_logprobs(lora, samples) - base_logprobs).abs().max()),
         "trainable": len(trainable),
         "trainable_all_adapters": all(".lora.lora_" in n for n in trainable),
         "adapters": len(lora.policy.adapters),

@@ -43,7 +43,7 @@ def layers_of(kind: str) -> int:
 
 
 @pytest.mark.parametrize(("tag", "kind"), RUNS)
-def test_only_the_adapters_train_and_fresh_ones_change_nothing(world, tag, kind):
+def test_only_the_adapters_train_fresh_ones_change_nothing_and_the_reference_is_the_base(world, tag, kind):
     assert "lora" in WORLDS[LAYOUTS[tag]][2]
     r = world(LAYOUTS[tag])["lora"][kind]
     assert r["fresh_gap"] == 0.0  # B starts at zero: the adapted model computes exactly what its base does
@@ -57,6 +57,8 @@ def test_only_the_adapters_train_and_fresh_ones_change_nothing(world, tag, kind)
     spec = decoder_spec(read_hf_config(tiny_model_dir(kind)), kind)
     assert lora_parameters(spec, TrainConfig(**FLAGS[kind]), TP[tag], Stage(stage)) == r["adapter_numel"]
     assert r["base_unchanged"] and r["b_moved"] and r["grad_norm"] > 0
+    # --use-kl-loss: the reference is the policy with its adapters off (no second copy), the base exactly
+    assert not r["reference_copy"] and r["reference_gap"] == 0.0 < r["policy_moved"]
 
 
 @pytest.mark.parametrize("kind", [*LORA_KINDS, MOE_KIND])

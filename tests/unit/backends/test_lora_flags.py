@@ -80,3 +80,16 @@ def test_preflight_refuses_layers_the_model_lacks_and_a_rank_past_a_layers_width
     for check in (preflight, dry_run):  # --dry-run says it too
         with pytest.raises(ConfigError, match=r"--lora-rank 4096: larger than the smallest dimension of an adapted"):
             check(parse_config(wide))
+
+
+def test_the_memory_plan_of_a_lora_run_with_a_kl_term_holds_no_reference_copy(tiny_paths):
+    """--use-kl-loss: a full run's plan holds the reference model's weights; a LoRA run's reference is its own
+    base with the adapters off, so its plan holds none."""
+    from slime_mt.backends.megatron.families import decoder_spec, read_hf_config
+    from slime_mt.preflight import memory_plan
+
+    kl = ["--hf-checkpoint", str(tiny_paths["qwen3"]), "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    spec = decoder_spec(read_hf_config(tiny_paths["qwen3"]), "qwen3")
+    full = memory_plan(parse_config(BASE + kl), spec)
+    lora = memory_plan(parse_config(BASE + kl + ["--lora-rank", "4", "--target-modules", "all-linear"]), spec)
+    assert "KL reference" in " ".join(full) and "KL reference" not in " ".join(lora)
