@@ -31,7 +31,13 @@ from slime_mt.backends.megatron.export import stages_to_rank0, tp_gather
 from slime_mt.backends.megatron.families import DecoderSpec
 from slime_mt.backends.megatron.lora import adapted_layers, layer_widths, projection_widths
 from slime_mt.config.training import LORA_LAYERS
-from slime_mt.engine.weights.adapters import ADAPTER_CONFIG, PEFT_PREFIX, AdapterStream, write_adapter
+from slime_mt.engine.weights.adapters import (
+    PEFT_PREFIX,
+    AdapterStream,
+    adapter_scale,
+    read_adapter_config,
+    write_adapter,
+)
 from slime_mt.errors import CheckpointError
 from slime_mt.safetensors_files import CheckpointReader, ShardWriter
 
@@ -86,12 +92,7 @@ def check_adapter(
     every tensor's name and shape), else CheckpointError naming ``flag`` (the one that gave the folder),
     the tensor and both shapes."""
     folder = Path(folder)
-    config_file = folder / ADAPTER_CONFIG
-    if not config_file.is_file():
-        raise CheckpointError(f"{flag} {folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{flag} {folder}: a {config['peft_type']} adapter, not LoRA")
+    config = _config(folder, flag)
     if config.get("r") != rank:
         raise CheckpointError(f"{flag} {folder}: the adapter has r={config.get('r')}; --lora-rank {rank}")
     if float(config.get("lora_alpha", -1)) != alpha:
@@ -130,6 +131,14 @@ def check_adapter(
                     "one fused layer in Megatron and share one A here (an adapter peft trained, with an A of "
                     "each, cannot be loaded)"
                 )
+
+
+def _config(folder: Path, flag: str) -> dict:
+    """The PEFT LoRA config of ``folder``; CheckpointError naming ``flag`` and what the folder lacks."""
+    try:
+        return read_adapter_config(folder)
+    except ValueError as e:
+        raise CheckpointError(f"{flag} {e}") from None
 
 
 def iter_adapter_tensors(
@@ -240,12 +249,7 @@ def write_merged(base: str | Path, adapter: str | Path, target: str | Path) -> P
     an adapter tensor that names no weight of ``base`` is refused. Written beside ``target`` and renamed.
     -> ``target``."""
     base, adapter, target = Path(base), Path(adapter), Path(target)
-    config_file = adapter / ADAPTER_CONFIG
-    if not config_file.is_file():
-        raise CheckpointError(f"{adapter}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
-    config = json.loads(config_file.read_text())
-    rank = int(config["r"])
-    scale = float(config["lora_alpha"]) / (rank**0.5 if config.get("use_rslora") else rank)
+    scale = adapter_scale(_config(adapter, "--lora-adapter-path"))
     weights, lora = CheckpointReader(base), CheckpointReader(adapter)
     names = weights.names()
     decoder = text_prefix(names)  # where the checkpoint keeps the decoder (a VLM's may say model.)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from starlette.responses import JSONResponse
 
-from slime_mt.engine.weights.adapters import ADAPTER_CONFIG, PEFT_PREFIX
+from slime_mt.engine.weights.adapters import PEFT_PREFIX, adapter_scale, read_adapter_config
 from slime_mt.errors import ProtocolError
 
 UNLOAD_POLL_SECONDS = 0.01
@@ -54,12 +54,10 @@ def _read_adapter(path: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder = Path(path)
-    config_file = folder / ADAPTER_CONFIG
-    if not config_file.is_file():
-        raise AdapterError(f"LoRA adapter {name}: {path} has no adapter_config.json (not a PEFT adapter folder)")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"LoRA adapter {name}: {path} is a {config['peft_type']} adapter, not LoRA")
+    try:
+        config = read_adapter_config(folder)
+    except ValueError as e:
+        raise AdapterError(f"LoRA adapter {name}: {e}") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise AdapterError(f"LoRA adapter {name}: {path} has no adapter_model.safetensors")
@@ -175,13 +173,12 @@ class ServedAdapters:
         model's device and dtype, each checked against the layer it names (AdapterError naming the tensor
         and both shapes)."""
         config, tensors = given or _read_adapter(path, name)
-        rank = int(config.get("r", 0))
-        if rank <= 0:
-            raise AdapterError(f"LoRA adapter {name}: {path}: r={config.get('r')} in adapter_config.json")
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank <= 0:
+            raise AdapterError(f"LoRA adapter {name}: {path}: r={rank} in adapter_config.json")
         if self.max_lora_rank is not None and rank > self.max_lora_rank:
             raise AdapterError(f"LoRA adapter {name} has rank {rank}, above --max-lora-rank {self.max_lora_rank}")
-        alpha = float(config.get("lora_alpha", rank))
-        scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+        scale = adapter_scale(config)
         weights = {}
         for key in sorted(tensors):
             if not key.endswith(".lora_A.weight"):

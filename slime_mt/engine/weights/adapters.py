@@ -18,6 +18,30 @@ from slime_mt.safetensors_files import ShardWriter
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX = "adapter_config.json", "adapter_model", "base_model.model."
 
 
+PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig's lora_alpha, for a config that leaves it out
+
+
+def read_adapter_config(folder: str | Path) -> dict:
+    """A PEFT LoRA folder's ``adapter_config.json``; ValueError saying what it lacks (no config: not a PEFT
+    adapter folder; another PEFT type; no positive ``r``)."""
+    config_file = Path(folder) / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise ValueError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{folder}: a {config['peft_type']} adapter, not LoRA")
+    if not isinstance(config.get("r"), int) or config["r"] <= 0:
+        raise ValueError(f"{folder}: r={config.get('r')} in {ADAPTER_CONFIG}")
+    return config
+
+
+def adapter_scale(config: dict) -> float:
+    """PEFT's scale of an adapter's ``B A x``: ``lora_alpha / r``, ``lora_alpha / sqrt(r)`` under rsLoRA."""
+    rank = config["r"]
+    alpha = float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    return alpha / (rank**0.5 if config.get("use_rslora") else rank)
+
+
 class AdapterStream:
     """(PEFT name, tensor) pairs of one adapter, and its PEFT config: what ``push`` sends for a LoRA run."""
 
