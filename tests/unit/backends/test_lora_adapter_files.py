@@ -126,3 +126,23 @@ def test_slime_mt_export_merged_writes_the_folder_and_names_a_bad_adapter(adapte
         == 2
     )
     assert f"{tmp_path}: no adapter_config.json (not a PEFT adapter folder)" in capsys.readouterr().err
+
+
+def test_an_adapters_scale_is_pefts_and_a_folder_without_a_lora_config_is_named(tmp_path):
+    """adapter_scale: lora_alpha / r, / sqrt(r) under rsLoRA, and peft's own default alpha where a config
+    leaves it out (the engine and the merged export read it alike)."""
+    from peft import LoraConfig
+
+    from slime_mt.engine.weights.adapters import adapter_scale, read_adapter_config
+
+    assert adapter_scale({"r": 4, "lora_alpha": 16}) == 4.0
+    assert adapter_scale({"r": 4, "lora_alpha": 16, "use_rslora": True}) == 8.0
+    assert adapter_scale({"r": 4}) == LoraConfig(r=4).lora_alpha / 4
+    with pytest.raises(ValueError, match=r"no adapter_config.json \(not a PEFT adapter folder\)"):
+        read_adapter_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    with pytest.raises(ValueError, match="a IA3 adapter, not LoRA"):
+        read_adapter_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}')
+    with pytest.raises(ValueError, match="r=0 in adapter_config.json"):
+        read_adapter_config(tmp_path)
