@@ -207,10 +207,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def adapter_updates(cfg) -> bool:
     """Whether a LoRA run's weight updates send the engines only its adapter, which they serve by name
     (``POLICY_ADAPTER``) on their base weights: embedded, SGLang and vLLM engines over the in-process or disk
-    transport. Ray placement and the broadcast transports take the merged weights (``W + scale B A``)."""
-    transport = cfg.engine.weight_transport in ("auto", "inprocess", "disk")
-    engines = ("local", "sglang", "vllm")
-    return bool(cfg.train.lora_rank) and cfg.engine.engine in engines and not cfg.cluster.ray and transport
+    transport (under ``--ray``, ``--weight-transport disk``: its ``auto`` is the broadcast). The broadcast
+    transports take the merged weights (``W + scale B A``)."""
+    chosen = cfg.engine.weight_transport
+    transport = chosen in ("inprocess", "disk") or (chosen == "auto" and not cfg.cluster.ray)
+    return bool(cfg.train.lora_rank) and cfg.engine.engine in ("local", "sglang", "vllm") and transport
 
 
 def _validate_lora(t) -> None:

@@ -1,6 +1,7 @@
 """``slime-mt train --lora-rank`` end to end (issue 71 items 2 and 3; e2e tier: one run of two steps on the
-demo's game per engine, ~30 s each: the embedded engine launched by the run, and the shared vLLM server by
-``--engine-url``; and ``slime-mt eval`` of the embedded run's checkpoint, ~10 s): the engine serves the run's
+demo's game per engine and launch path, ~30 s each: the embedded engine launched by the run in one process
+and under ``--ray``, and the shared vLLM server by ``--engine-url``; and ``slime-mt eval`` of the embedded
+run's checkpoint, ~10 s): the engine serves the run's
 adapter by name on its unchanged base, and each update sends only the adapter (a PEFT folder per version
 through the disk transport: SGLang's ``/unload_lora_adapter``, ``/load_lora_adapter``,
 ``/update_weight_version``; vLLM's ``/v1/load_lora_adapter`` in place). Each token's log-prob as the run's
@@ -33,10 +34,11 @@ def scored(model, tokens: list[int], start: int) -> list[float]:
     return logp.gather(-1, torch.tensor(tokens[start:])[:, None])[:, 0].tolist()
 
 
-@pytest.fixture(scope="module", params=["local", "vllm"])
+@pytest.fixture(scope="module", params=["local", "vllm", "ray"])
 def lora_run(request, tmp_path_factory):
     """(folder, run folder, checkpoints, command, model, steps) of the LoRA run on ``request.param``'s engine:
-    the embedded one on the tiny Qwen3, two steps, or the shared vLLM server on the tiny Qwen2 at head size
+    the embedded one on the tiny Qwen3, two steps, in one process or under ``--ray`` on three loopback nodes
+    (the adapter over the disk transport there too), or the shared vLLM server on the tiny Qwen2 at head size
     64, three (its first step's group all fails the game, so the adapter first moves at the second; the
     server's adapter is unloaded and version "0" put back after the run)."""
     root = tmp_path_factory.mktemp(f"lora_run_{request.param}")
@@ -56,6 +58,10 @@ def lora_run(request, tmp_path_factory):
     if request.param == "vllm":
         model, target, steps = tiny_model_dir(VLLM_TINY_KIND), request.getfixturevalue("vllm_target"), 3
         flags += ["--engine", "vllm", "--engine-url", target.url, "--num-rollout", "3"]
+    elif request.param == "ray":  # the engine started by its actor on a node of its own
+        flags += ["--ray", "--ray-address", request.getfixturevalue("three_nodes").address]
+        flags += ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"]
+        flags += ["--num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
     cmd = demo_train_cmd(model, root / "data/train.jsonl", run_dir, *flags)
     try:
         proc = run(cmd)

@@ -108,13 +108,22 @@ class EngineActor:
     (``CUDA_VISIBLE_DEVICES``), which Ray leaves alone under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``."""
 
     def __init__(
-        self, cwd: str, paths: list[str], devices: list[int], engine_cfg, model_path: str, seed: int, log_dir: str
+        self,
+        cwd: str,
+        paths: list[str],
+        devices: list[int],
+        engine_cfg,
+        model_path: str,
+        seed: int,
+        log_dir: str,
+        lora=None,
     ) -> None:
         enter(cwd, paths)
         self.devices = list(devices)
         if self.devices:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
         self.engine_cfg, self.model_path, self.seed, self.log_dir = engine_cfg, model_path, seed, log_dir
+        self.lora = lora  # a LoRA run's: the embedded engine serves adapters (LoraServing); others take flags
         self.engine = None
 
     def where(self) -> dict:
@@ -133,6 +142,7 @@ class EngineActor:
                 max_batch_size=cfg.engine_max_batch_size,
                 seed=self.seed,
                 cache_tokens=cfg.engine_cache_tokens,
+                lora=self.lora,
             ).start()
         elif cfg.engine == "vllm":
             self.engine = VLLMServer(

@@ -197,10 +197,17 @@ def trainer_actors(placement: Placement) -> list:
 def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
     """One EngineActor per engine, in the bundle of its first device and showing only its devices;
     Ray restarts one whose process dies (the rollout role starts its engine again)."""
-    from slime_mt.engine.launch import engine_config_for
+    from slime_mt.engine.launch import engine_config_for, lora_flags, lora_serving
     from slime_mt.launch.ray.actors import EngineActor
 
     no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
+    settings = engine_config_for(
+        cfg.engine,
+        cfg.train.use_rollout_routing_replay,
+        priority_scheduling(cfg),
+        lora_flags(lora, cfg.train, cfg.engine.engine),
+    )
     return [
         _actor(
             EngineActor,
@@ -208,10 +215,11 @@ def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
             slots[0].bundle,
             0,
             [s.gpu for s in slots if s.gpu is not None],
-            engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg)),
+            settings,
             cfg.engine.rollout_checkpoint or cfg.train.hf_checkpoint,  # FP8: given (config.engine)
             cfg.train.seed + e,
             str(log_dir),
+            lora,
             runtime_env=no_visible_devices_override,
             max_restarts=-1,
         )

@@ -92,8 +92,8 @@ def test_a_flag_the_user_gave_with_an_equals_sign_is_not_added_again():
 def test_a_lora_runs_engines_serve_its_adapter_where_they_can():
     """--lora-rank: embedded, SGLang and vLLM engines over the in-process or disk transport serve the
     adapter by name (SGLang launched with --enable-lora, the rank and the projections; vLLM with
-    --enable-lora, the smallest rank it takes at or above the run's, one adapter per batch); --ray and the
-    broadcast transports take merged weights; vLLM refuses a rank above 512."""
+    --enable-lora, the smallest rank it takes at or above the run's, one adapter per batch), and so do Ray's
+    over the disk transport; the broadcast transports take merged weights; vLLM refuses a rank above 512."""
     from slime_mt.config.training import adapter_updates
     from slime_mt.config_parsing import parse_config
     from slime_mt.engine.launch import lora_flags, lora_serving
@@ -126,4 +126,7 @@ def test_a_lora_runs_engines_serve_its_adapter_where_they_can():
         parse_config(base + ["--engine", "vllm", "--lora-rank", "1024"])
     for flags in (["--engine", "vllm", "--weight-transport", "distributed"], ["--weight-transport", "distributed"]):
         assert not adapter_updates(parse_config(base + flags)) and lora_serving(parse_config(base + flags)) is None
+    # under --ray the adapter alone travels over the disk transport; auto there is the broadcast (merged)
+    assert adapter_updates(parse_config(base + ["--ray", "--weight-transport", "disk"]))
+    assert not adapter_updates(parse_config(base + ["--ray"]))
     assert not adapter_updates(parse_config(base[:4]))  # no --lora-rank: full weights
