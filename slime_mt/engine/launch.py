@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from slime_mt.config import EngineConfig, engine_args, extra_arg
+from slime_mt.config.evaluation import priority_scheduling
 from slime_mt.config.training import LORA_LAYERS, VLLM_LORA_RANKS, adapter_updates, lora_targets
 from slime_mt.engine.clients.vllm import WEIGHT_BACKEND, WORKER_EXTENSION
 from slime_mt.engine.embedded.lora import LoraServing
@@ -438,6 +439,15 @@ def engine_config_for(
     if (sglang, vllm) == (engine.sglang_extra_args, engine.vllm_extra_args):
         return engine
     return dataclasses.replace(engine, sglang_extra_args=sglang, vllm_extra_args=vllm)
+
+
+def run_engine_settings(cfg) -> tuple[EngineConfig, LoraServing | None]:
+    """A run's engine settings (``engine_config_for`` with its routes, priorities and LoRA flags) and how
+    its embedded engines serve its adapter (``lora_serving``): what the run's launcher and Ray's engine
+    actors start engines with."""
+    lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
+    flags = lora_flags(lora, cfg.train, cfg.engine.engine)
+    return engine_config_for(cfg.engine, cfg.train.use_rollout_routing_replay, priority_scheduling(cfg), flags), lora
 
 
 def _with_flags(extra: str | None, flags: list[str]) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from slime_mt.algo.advantages import compute_advantages
 from slime_mt.cluster.supervisor import EngineSupervisor
 from slime_mt.compat import SlimeCompat
-from slime_mt.config import Config, eval_beside_rollout, priority_scheduling
+from slime_mt.config import Config, eval_beside_rollout
 from slime_mt.data import PromptDataset
 from slime_mt.engine.clients.update_gate import UpdateGate
 from slime_mt.engine.weights.fp8 import rollout_checkpoint
@@ -109,18 +109,12 @@ class RolloutRole(RolloutSteps):
         ``version``), the rollout context with its update gate, the rollout function, the metrics logger
         and (``sends_weights``) the weight transport; under ``--ray`` (``engine_actors``: the driver's
         EngineActors) the supervisor that starts again an engine that dies."""
-        from slime_mt.engine.launch import engine_config_for, lora_flags, lora_serving, start_engines
+        from slime_mt.engine.launch import run_engine_settings, start_engines
 
         data = PromptDataset.from_config(cfg.data.prompt_data, cfg.data, cfg.rollout.n_samples_per_prompt)
         eval_sets = load_eval_sets(cfg)
         served, quantization = rollout_checkpoint(cfg.engine, cfg.train.hf_checkpoint, run_dir)
-        lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
-        settings = engine_config_for(
-            cfg.engine,
-            cfg.train.use_rollout_routing_replay,
-            priority_scheduling(cfg),
-            lora_flags(lora, cfg.train, cfg.engine.engine),
-        )
+        settings, lora = run_engine_settings(cfg)
         engines = start_engines(
             settings,
             served,

@@ -22,7 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from slime_mt.config import Config, priority_scheduling
+from slime_mt.config import Config
 from slime_mt.errors import ConfigError, RolloutFailedError, RolloutRoleFailed, TrainerRankLost
 from slime_mt.launch.ray.placement import Placement, Plan, plan, reserve
 from slime_mt.stop import StopRequest, on_stop_signals
@@ -197,17 +197,11 @@ def trainer_actors(placement: Placement) -> list:
 def engine_actors(placement: Placement, cfg: Config, log_dir: Path) -> list:
     """One EngineActor per engine, in the bundle of its first device and showing only its devices;
     Ray restarts one whose process dies (the rollout role starts its engine again)."""
-    from slime_mt.engine.launch import engine_config_for, lora_flags, lora_serving
+    from slime_mt.engine.launch import run_engine_settings
     from slime_mt.launch.ray.actors import EngineActor
 
     no_visible_devices_override = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    lora = lora_serving(cfg)  # a LoRA run's engines serve its adapter by name (None: merged weights)
-    settings = engine_config_for(
-        cfg.engine,
-        cfg.train.use_rollout_routing_replay,
-        priority_scheduling(cfg),
-        lora_flags(lora, cfg.train, cfg.engine.engine),
-    )
+    settings, lora = run_engine_settings(cfg)
     return [
         _actor(
             EngineActor,
