@@ -21,6 +21,7 @@ from slime_mt.backends.megatron.vlm import check_deepstack_stage
 from slime_mt.compat import install
 from slime_mt.config import Config, RolloutConfig, eval_datasets
 from slime_mt.config.checkpoint import dump_path
+from slime_mt.config.training import reference_copy
 from slime_mt.data import PromptDataset, load_rows
 from slime_mt.engine.weights.fp8 import check_rollout_checkpoint
 from slime_mt.errors import ConfigError, TrainSetupError
@@ -238,8 +239,7 @@ def memory_plan(cfg: Config, spec: DecoderSpec) -> list[str]:
     dp = max(1, world // (t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size))
     kw = dict(
         vision=vision_parameters(CheckpointReader(t.hf_checkpoint)),
-        # a LoRA run's KL reference is its own base (adapters off): no second copy
-        use_reference=cfg.algo.use_kl_loss and cfg.algo.kl_loss_coef > 0 and not t.lora_rank,
+        use_reference=reference_copy(t, cfg.algo),  # a LoRA run's reference is its own base: no copy
         data_parallel=dp,
     )
     plan = plan_rank(spec, t, tokens, **kw)

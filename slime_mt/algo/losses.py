@@ -236,7 +236,7 @@ def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str,
         weights = weights * keep
         metrics.update({k: v * float(x.weights.sum()) for k, v in correction_metrics.items()})
     per_token = pg
-    if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
+    if cfg.kl_term:
         if x.ref_log_probs is None:
             raise ValueError("--use-kl-loss needs reference log-probs")
         kl = kl_penalty(x.log_probs, x.ref_log_probs, cfg.kl_loss_type)

@@ -82,6 +82,11 @@ class AlgoConfig:
     )
 
     @property
+    def kl_term(self) -> bool:
+        """Whether the loss has a KL term to the reference (``--use-kl-loss`` with a positive coefficient)."""
+        return self.use_kl_loss and self.kl_loss_coef > 0
+
+    @property
     def interpolates_proximal(self) -> bool:
         """The decoupled loss with ``--prox-logp-method loglinear``: the proximal log-probs interpolated by
         version in the loss (``losses.loglinear_proximal``), never recomputed by the trainer."""

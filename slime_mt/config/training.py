@@ -214,6 +214,12 @@ def adapter_updates(cfg) -> bool:
     return bool(cfg.train.lora_rank) and cfg.engine.engine in ("local", "sglang", "vllm") and transport
 
 
+def reference_copy(train, algo) -> bool:
+    """Whether the KL term needs a frozen copy of the starting weights: a LoRA run's reference is its own
+    base (the policy with its adapters off), so it needs none."""
+    return algo.kl_term and not train.lora_rank
+
+
 def _validate_lora(t) -> None:
     """LoRA's flags: a rank of 0 (off) or more with the layers named, a positive alpha, dropout in [0, 1)
     and none under TP (the replicated factor's input would be dropped differently on each rank)."""

@@ -23,7 +23,6 @@ fp32 (``scoring.LogProbs``). A sample's advantages are per token where a train-s
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ from slime_mt.backends.megatron.moe import router_metrics
 from slime_mt.backends.megatron.parallel import ParallelInfo
 from slime_mt.backends.megatron.peft import adapter_config, iter_adapter_tensors
 from slime_mt.config import AlgoConfig, TrainConfig
+from slime_mt.config.training import reference_copy
 from slime_mt.engine.weights.adapters import AdapterStream
 from slime_mt.timeline import maybe_span
 from slime_mt.types import TrainingSample
@@ -59,12 +59,8 @@ class MegatronActor:
         self.train_cfg, self.algo, self.info = train, algo, info
         self.temperature, self.norm_max_len = temperature, norm_max_len
         self.policy = MegatronModel(hf_path, train, info, trainable=True, total_steps=total_steps)
-        self.uses_reference = algo.use_kl_loss and algo.kl_loss_coef > 0
-        # the KL reference: a frozen copy of the starting weights, or a LoRA run's own base (adapters off)
-        lora_base = bool(self.policy.adapters)
-        self.reference = (
-            MegatronModel(hf_path, train, info, trainable=False) if self.uses_reference and not lora_base else None
-        )
+        # the KL reference: a frozen copy of the starting weights, or a LoRA run's own base (compute_logprobs)
+        self.reference = MegatronModel(hf_path, train, info, trainable=False) if reference_copy(train, algo) else None
         self.spec, self.device = self.policy.spec, self.policy.device
         self.timeline = None  # the rank's trace (slime_mt/timeline.py): train phases as spans
         # --save-debug-rollout-data: the step's log-probs of this rank's sequences (by index in the batch),
@@ -95,10 +91,11 @@ class MegatronActor:
         """Response log-probs ``[len(response)]`` of ``samples[indices]`` (all by default; None for the
         others) under the policy (or the reference model), at the rollout temperature; nothing is trained.
         ``replay=False``: the routers choose their own experts even under ``--use-rollout-routing-replay``."""
-        model = self.reference if reference and self.reference is not None else self.policy
-        base = adapters_off(self.policy.adapters) if reference and model is self.policy else contextlib.nullcontext()
-        with base:
-            scored = scoring.score(model, samples, indices, scoring.LogProbs(self.temperature), replay)
+        if reference and self.reference is None:  # a LoRA run's reference: its own base, the adapters off
+            with adapters_off(self.policy.adapters):
+                return self.compute_logprobs(samples, indices, replay=replay)
+        model = self.reference if reference else self.policy
+        scored = scoring.score(model, samples, indices, scoring.LogProbs(self.temperature), replay)
         return [None if out is None else out[0] for out in scored]
 
     # ------------------------------------------------------------------ training
@@ -159,7 +156,7 @@ class MegatronActor:
                 self.kept_log_probs = {share.indices[k]: old[k].tolist() for k in everything}
             if m2po:
                 self.m2po_cutoff = self._m2po_cutoff(share, old)
-        if self.uses_reference:
+        if self.algo.kl_term:
             with maybe_span(self.timeline, "reference log-probs", "train", lane="train"):
                 ref = self.compute_logprobs(share.samples, everything, reference=True)
         if self.train_cfg.log_routing_replay_gap and self.spec.moe is not None:  # at the weights ``old`` has

@@ -63,7 +63,7 @@ def _step(actor, samples) -> dict:
 def _step_with_grads(actor, samples) -> tuple[dict, dict[str, torch.Tensor]]:
     """One step, and the adapters' gradients (PEFT-named, whole, global rank 0) before Adam takes them."""
     share = actor.share_of(samples, ADVANTAGES, 2)
-    reference = actor.compute_logprobs(share.samples, reference=True) if actor.uses_reference else None
+    reference = actor.compute_logprobs(share.samples, reference=True) if actor.algo.kl_term else None
     metrics = actor.accumulate_gradients(share, ref=reference)
     grads = {n: t.clone() for n, t in iter_adapter_tensors(actor.policy, pick=_grad) if t is not None}
     metrics.update(actor.apply_gradients())
